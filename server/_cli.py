@@ -1,0 +1,65 @@
+"""The `momlp` command: one argparse root, subcommands registered by each package.
+
+Registration modules import only the standard library, so `momlp --help` is fast and
+`momlp loadtest` works where torch and ray are not installed; each handler imports
+what it needs when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+__all__ = ["build_parser", "main"]
+
+_REGISTRARS = (
+    "experts_store._cli",
+    "trainer._cli",
+    "server._serve_cli",
+    "client._cli",
+)
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="momlp",
+        description="Build, serve and load-test a mixture of expert MLPs.",
+    )
+    parser.add_argument(
+        "--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING, ...)"
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in _REGISTRARS:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            # A part not installed here (e.g. the client-only environment) offers no commands.
+            continue
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    handler: Handler | None = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help()
+        return 2
+    try:
+        return handler(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""Session-wide fixtures: one embedded Ray runtime for every test that needs it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+# Keep torch and BLAS from oversubscribing the 2-core machine inside Ray workers.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    """Start Ray once per test session (about 5 s) and shut it down at the end."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=4,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+    yield
+    ray.shutdown()
