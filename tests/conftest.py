@@ -11,6 +11,9 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Ray maps 127.0.0.1 to the machine's outward address unless told this is a one-machine
+# setup; with it, all of Ray's own traffic in tests stays on loopback.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 @pytest.fixture(scope="session")
@@ -19,7 +22,9 @@ def ray_session() -> Iterator[None]:
     import ray
 
     if not ray.is_initialized():
+        # address="local": never attach to a cluster some other `ray start` left running.
         ray.init(
+            address="local",
             num_cpus=4,
             include_dashboard=False,
             log_to_driver=False,

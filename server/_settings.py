@@ -1,0 +1,71 @@
+"""The one settings object of a momlp server, built once by the CLI and passed down."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["Settings"]
+
+
+class Settings(BaseSettings):
+    """Every knob of `momlp serve`; environment variables use the `MOMLP_` prefix.
+
+    Nothing reads the environment at import time: a `Settings()` call does, once, in the CLI
+    (or in a test, which passes values explicitly).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="MOMLP_", extra="ignore")
+
+    store: Path = Field(default=Path("./store"), description="store directory to serve")
+    host: str = Field(default="127.0.0.1", description="address to bind")
+    port: int = Field(default=8000, ge=0, le=65535, description="port to bind (0 picks a free one)")
+    api_key: SecretStr | None = Field(
+        default=None, description="bearer key required on every endpoint but /healthz"
+    )
+
+    ray_address: str | None = Field(
+        default=None, description="Ray cluster address; None starts an embedded local Ray"
+    )
+    ray_num_cpus: int | None = Field(
+        default=None, ge=1, description="CPUs for an embedded Ray (None lets Ray decide)"
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="auto picks CUDA when present, else CPU"
+    )
+    actors: int = Field(
+        default=1, ge=1, description="actors on CPU; on CUDA one actor per visible GPU"
+    )
+    cache_bytes: int = Field(
+        default=256 * 1024 * 1024, ge=1, description="expert cache budget per actor, bytes"
+    )
+    actor_max_restarts: int = Field(default=3, ge=0)
+    actor_resource: str | None = Field(
+        default=None,
+        description="custom Ray resource each actor takes one of (e.g. momlp_worker): one actor per node",
+    )
+
+    max_batch_wait_ms: float = Field(default=2.0, ge=0.0, description="batch window")
+    max_batch_rows: int = Field(default=4096, ge=1, description="rows merged into one batch")
+    max_queue_rows: int = Field(
+        default=65536, ge=1, description="rows waiting before new requests get 429"
+    )
+    spill_queue_rows: int = Field(
+        default=1024, ge=1, description="queued rows on a home actor before a hot expert spills"
+    )
+    prefetch: bool = Field(default=True, description="warm home actors as soon as routing knows")
+
+    max_rows: int = Field(default=8192, ge=1, description="rows per request (413 above)")
+    max_body_bytes: int = Field(
+        default=32 * 1024 * 1024, ge=1, description="request body size (413 above)"
+    )
+    request_timeout_s: float = Field(default=60.0, gt=0.0)
+    default_top_k: int = Field(default=1, ge=1)
+    default_mode: Literal["tree", "exact"] | None = Field(
+        default=None, description="None uses the mode the store was trained for"
+    )
+    watch_store: bool = Field(default=True, description="reload when manifest.json changes")
+    watch_interval_s: float = Field(default=2.0, gt=0.0)
