@@ -1,0 +1,86 @@
+"""Python SDK of a momlp server (sync and asyncio) and the `momlp loadtest` library.
+
+Imports only httpx, pydantic and the standard library: works where torch and ray are absent;
+numpy (binary bodies, `.numpy()`) and matplotlib (load-test plots) are used when installed.
+"""
+
+from __future__ import annotations
+
+from ._async_client import AsyncClient
+from ._base import DEFAULT_BASE_URL
+from ._client import Client
+from ._exceptions import (
+    ConnectError,
+    ConnectTimeout,
+    DecodingError,
+    ExpertUnavailable,
+    HTTPStatusError,
+    InputError,
+    InvalidInput,
+    MomlpError,
+    NetworkError,
+    NotFound,
+    PayloadTooLarge,
+    ProtocolError,
+    RateLimited,
+    ServerError,
+    ServiceUnavailable,
+    TimeoutError,
+    TransportError,
+    Unauthorized,
+)
+from ._loadtest import Clock, LoadTestConfig, MonotonicClock, arun_loadtest, run_loadtest
+from ._models import (
+    ActorInfo,
+    ExpertInfo,
+    ExpertsInfo,
+    ExpertStat,
+    ModelInfo,
+    Prediction,
+    PredictStats,
+    Routing,
+)
+from ._report import LoadTestReport, RequestRecord
+from ._workload import Distribution, Workload, expert_law
+
+__all__ = [
+    "DEFAULT_BASE_URL",
+    "ActorInfo",
+    "AsyncClient",
+    "Client",
+    "Clock",
+    "ConnectError",
+    "ConnectTimeout",
+    "DecodingError",
+    "Distribution",
+    "ExpertInfo",
+    "ExpertStat",
+    "ExpertUnavailable",
+    "ExpertsInfo",
+    "HTTPStatusError",
+    "InputError",
+    "InvalidInput",
+    "LoadTestConfig",
+    "LoadTestReport",
+    "ModelInfo",
+    "MomlpError",
+    "MonotonicClock",
+    "NetworkError",
+    "NotFound",
+    "PayloadTooLarge",
+    "PredictStats",
+    "Prediction",
+    "ProtocolError",
+    "RateLimited",
+    "RequestRecord",
+    "Routing",
+    "ServerError",
+    "ServiceUnavailable",
+    "TimeoutError",
+    "TransportError",
+    "Unauthorized",
+    "Workload",
+    "arun_loadtest",
+    "expert_law",
+    "run_loadtest",
+]

@@ -1,0 +1,42 @@
+"""router: the prototype tree that sends each input to its expert.
+
+    from router import PrototypeTree
+    tree = PrototypeTree.build(prototypes, branching=4, seed=0)
+    r = tree.route(x, mode="tree", top_k=1)   # r.experts, r.weights, r.distances, r.distance_evals
+    tree.save(path); PrototypeTree.load(path)
+"""
+
+from __future__ import annotations
+
+from ._bruteforce import BruteForceRouter
+from ._exceptions import (
+    BadMode,
+    BadTopK,
+    DimensionMismatch,
+    EmptyBatch,
+    InputOutOfRange,
+    NonFiniteInput,
+    RouterBuildError,
+    RouterError,
+    RouterFileError,
+    RouterInputError,
+)
+from ._routing import Mode, Routing
+from ._tree import PrototypeTree
+
+__all__ = [
+    "BadMode",
+    "BadTopK",
+    "BruteForceRouter",
+    "DimensionMismatch",
+    "EmptyBatch",
+    "InputOutOfRange",
+    "Mode",
+    "NonFiniteInput",
+    "PrototypeTree",
+    "RouterBuildError",
+    "RouterError",
+    "RouterFileError",
+    "RouterInputError",
+    "Routing",
+]

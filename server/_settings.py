@@ -45,7 +45,7 @@ class Settings(BaseSettings):
     actor_max_restarts: int = Field(default=3, ge=0)
     actor_resource: str | None = Field(
         default=None,
-        description="custom Ray resource each actor takes one of (e.g. momlp_worker): one actor per node",
+        description="Ray resource each actor takes one of (e.g. momlp_worker): one actor a node",
     )
 
     max_batch_wait_ms: float = Field(default=2.0, ge=0.0, description="batch window")
