@@ -25,6 +25,7 @@ from experts_store._exceptions import (
     UnknownExpert,
 )
 from experts_store._format import FORMAT_VERSION, ExpertFile, load_expert, save_expert
+from experts_store._hostbuf import HostBufferPool
 from experts_store._manifest import ExpertEntry, Manifest
 from experts_store._model import ExpertMLP
 from experts_store._store import Store, StoreExpertLoader, StoreProblem
@@ -47,6 +48,7 @@ __all__ = [
     "ExpertLoader",
     "ExpertMLP",
     "ExpertTooLarge",
+    "HostBufferPool",
     "Lease",
     "Manifest",
     "ManifestError",

@@ -1,0 +1,145 @@
+"""Expert load time vs. a plain copy of the same bytes (issue "Foundation").
+
+For float32 experts whose files are about 1, 16 and 128 MiB, measures on the best device
+(CUDA if present, else CPU) from a warm page cache:
+
+- ``load_ms``: ``load_expert(path, device, host_pool=...)`` without checksum verification
+  (read, parse, build the module, and on CUDA the host-to-device copy), with the freed
+  previous expert's buffer recycled as a Store does by default (an ExpertCache evicting
+  one expert to load another);
+- ``load_fresh_ms``: the same without the pool (every load gets fresh memory);
+- ``load_verified_ms``: the same with sha256 verification (what a Store's first read costs);
+- ``sha256_ms``: hashing the file's bytes alone;
+- ``copy_ms``: copying the same number of bytes from a host tensor into a preallocated
+  tensor on the device (the bandwidth limit);
+
+and prints one JSON line per size with medians and ``ratio`` = copy_ms / load_ms (the
+fraction of copy bandwidth a load reaches). Goal: ratio >= 0.8 for experts >= 16 MiB on CPU.
+Measurements are interleaved (copy, load, verified load, hash in each repeat) so that
+drift on a shared machine hits all of them alike.
+
+    python benchmarks/expert_load.py [--quick] [--repeats N] [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+from experts_store import ExpertArch, ExpertMLP, HostBufferPool, load_expert, save_expert
+
+MIB = 1024 * 1024
+
+
+def arch_for(target_bytes: int) -> ExpertArch:
+    """(64, w, w, 64) float32 expert whose parameters take about ``target_bytes``."""
+    # 4 bytes x (w^2 + 130 w + 64 + 2 w) ~ target: solve the quadratic for w.
+    w = int((-132 + math.sqrt(132**2 + 4 * (target_bytes / 4 - 64))) / 2)
+    return ExpertArch(widths=(64, w, w, 64))
+
+
+def timed(fn: Callable[[], object], sync: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def measure(path: Path, device: torch.device, repeats: int) -> dict[str, float]:
+    nbytes = path.stat().st_size
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    is_cuda = device.type == "cuda"
+
+    def sync() -> None:
+        if is_cuda:
+            torch.cuda.synchronize(device)
+
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=is_cuda)
+    src.fill_(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst.fill_(0)
+    host = src.numpy()
+    pool = HostBufferPool(2 * nbytes)
+    steps: dict[str, Callable[[], object]] = {
+        "copy": lambda: dst.copy_(src, non_blocking=is_cuda),
+        "load": lambda: load_expert(path, device, host_pool=pool),
+        "load_fresh": lambda: load_expert(path, device),
+        "load_verified": lambda: load_expert(path, device, expected_sha256=sha, host_pool=pool),
+        "sha256": lambda: hashlib.sha256(memoryview(host)).digest(),  # type: ignore[arg-type]
+    }
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    for step in steps.values():
+        timed(step, sync)  # warm-up: page cache, allocator, lazy CUDA init
+    for _ in range(repeats):
+        for name, step in steps.items():
+            samples[name].append(timed(step, sync))
+    return {f"{name}_ms": statistics.median(v) * 1e3 for name, v in samples.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1 and 16 MiB, few repeats")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument("--sizes-mib", type=int, nargs="*", default=None)
+    parser.add_argument("--dir", default=None, help="where to write the expert files")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
+    sizes = args.sizes_mib or ([1, 16] if args.quick else [1, 16, 128])
+    repeats = args.repeats or (5 if args.quick else 21)
+    machine = os.environ.get(
+        "MOMLP_BENCH_MACHINE", f"{platform.machine()} {os.cpu_count()} cpus {platform.node()}"
+    )
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        for size in sizes:
+            arch = arch_for(size * MIB)
+            path = Path(tmp) / f"expert-{size}MiB.safetensors"
+            save_expert(ExpertMLP(arch, generator=torch.Generator().manual_seed(0)), path)
+            result = measure(path, device, repeats)
+            nbytes = path.stat().st_size
+            ratio = result["copy_ms"] / result["load_ms"]
+            goal_applies = device.type == "cpu" and size >= 16
+            line = {
+                "benchmark": "expert_load",
+                "device": str(device),
+                "file_mib": size,
+                "file_bytes": nbytes,
+                "widths": list(arch.widths),
+                "repeats": repeats,
+                **{k: round(v, 3) for k, v in result.items()},
+                "load_gbps": round(nbytes / result["load_ms"] / 1e6, 3),
+                "copy_gbps": round(nbytes / result["copy_ms"] / 1e6, 3),
+                "ratio": round(ratio, 3),
+                "fresh_ratio": round(result["copy_ms"] / result["load_fresh_ms"], 3),
+                "verified_ratio": round(result["copy_ms"] / result["load_verified_ms"], 3),
+                "checksum": "excluded from load_ms; included in load_verified_ms",
+                "goal": "ratio >= 0.8 for >= 16 MiB on cpu",
+                "goal_met": (ratio >= 0.8) if goal_applies else None,
+                "machine": machine,
+                "torch": torch.__version__,
+                "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            }
+            print(json.dumps(line), flush=True)
+            path.unlink()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,418 @@
+"""Serving-runtime figures: batching speed-up, cache policy vs Belady, miss latency vs raw load.
+
+Prints one JSON line per measured configuration:
+
+(a) `batching`: rows/s through Batcher + pool with per-expert batching (2 ms window) against
+    one request per batch, at the same client concurrency; goal >= 3x.
+(b) `hit_rate`: the pool's policy (ExpertCache LRU; also the rendezvous-partitioned pool of
+    2 and 4 actors of the same total capacity) against Belady's optimal on one Zipf(1.0)
+    trace over 1,000 experts with room for 100; goal within 5 points.
+(c) `miss_latency`: a request that misses (lease + load + forward + return) against a raw
+    `load_expert` of the same file, in-process (ActorCore) and through a Ray actor; goal <= 1.2x.
+(d) `cuda`: the pinned-buffer / side-stream load path; only where CUDA is present.
+
+    .venv/bin/python benchmarks/pool.py            # full run, a few minutes
+    .venv/bin/python benchmarks/pool.py --quick    # smaller, about a minute
+    .venv/bin/python benchmarks/pool.py --only hit_rate,miss_latency --pool fake
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import heapq
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections import OrderedDict
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from experts_store import (  # noqa: E402
+    ExpertArch,
+    ExpertCache,
+    ExpertMLP,
+    Store,
+    StoreWriter,
+    load_expert,
+)
+from router import PrototypeTree  # noqa: E402
+from server._actor import ActorCore  # noqa: E402
+from server._batcher import Batcher  # noqa: E402
+from server._dispatch import rendezvous_rank  # noqa: E402
+from server._fake_pool import FakeExpertPool  # noqa: E402
+from server._runtime_types import ExpertPool, Group  # noqa: E402
+from server._settings import Settings  # noqa: E402
+
+MACHINE = "2-core x86-64 VM, no GPU, shared with other work"
+
+
+def emit(record: dict[str, Any]) -> None:
+    record.setdefault("machine", MACHINE)
+    record.setdefault("date", datetime.now(UTC).strftime("%Y-%m-%d"))
+    record.setdefault("python", platform.python_version())
+    print(json.dumps(record), flush=True)
+
+
+def build_store(
+    root: Path, *, K: int, n: int, width: int, hidden: int, out: int, seed: int = 0
+) -> tuple[Path, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    arch = ExpertArch(widths=(n, *([width] * hidden), out))
+    prototypes = torch.randn(K, n, generator=generator)
+    with StoreWriter(root) as writer:
+        for expert_id in range(K):
+            writer.add_expert(expert_id, ExpertMLP(arch, generator=generator))
+        PrototypeTree.build(prototypes, branching=4, seed=seed).save(writer.router_path)
+        writer.publish(
+            task="regression", input_dim=n, output_dim=out, routing="tree", branching=4
+        )
+    return root, prototypes
+
+
+# ---------------------------------------------------------------- (a) batching
+
+
+async def _drive(batcher: Batcher, xs: torch.Tensor, concurrency: int) -> float:
+    """`concurrency` clients, each sending its share of 1-row requests one after another."""
+    shares = [xs[i::concurrency] for i in range(concurrency)]
+
+    async def client(rows: torch.Tensor) -> None:
+        for i in range(rows.shape[0]):
+            await batcher.submit(rows[i : i + 1])
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client(s) for s in shares))
+    return time.perf_counter() - start
+
+
+async def _batching(
+    pool: ExpertPool,
+    tree: PrototypeTree,
+    prototypes: torch.Tensor,
+    args: argparse.Namespace,
+    pool_kind: str,
+) -> None:
+    requests = 600 if args.quick else 3000
+    concurrency = 32
+    generator = torch.Generator().manual_seed(1)
+    picks = torch.randint(0, prototypes.shape[0], (requests,), generator=generator)
+    noise = torch.randn(requests, prototypes.shape[1], generator=generator)
+    xs = prototypes[picks] + 0.05 * noise
+    # Warm every expert so that both modes measure batching, not loading.
+    await pool.run([Group(e, prototypes[e : e + 1]) for e in range(prototypes.shape[0])])
+    modes = {
+        "batched": Settings(max_batch_wait_ms=2.0, max_batch_rows=4096, prefetch=False),
+        "one_request_per_batch": Settings(
+            max_batch_wait_ms=0.0, max_batch_rows=1, prefetch=False
+        ),
+    }
+    rates: dict[str, list[float]] = {mode: [] for mode in modes}
+    batches: dict[str, int] = {}
+    for _ in range(1 if args.quick else 3):
+        for mode, settings in modes.items():
+            batcher = Batcher(tree, pool, settings)
+            seconds = await _drive(batcher, xs, concurrency)
+            batches[mode] = batcher.batches
+            await batcher.close()
+            rates[mode].append(requests / seconds)
+    batched = statistics.median(rates["batched"])
+    single = statistics.median(rates["one_request_per_batch"])
+    emit({
+        "bench": "pool.batching", "pool": pool_kind, "experts": int(prototypes.shape[0]),
+        "requests": requests, "rows_per_request": 1, "concurrency": concurrency,
+        "rows_per_s_batched": round(batched, 1),
+        "rows_per_s_one_request_per_batch": round(single, 1),
+        "speedup": round(batched / single, 2),
+        "mean_batch_rows": round(requests / max(batches["batched"], 1), 1),
+        "repeats": len(rates["batched"]), "goal": ">= 3x", "met": batched / single >= 3.0,
+    })
+
+
+# ---------------------------------------------------------------- (b) hit rate
+
+
+def zipf_trace(num_experts: int, length: int, s: float, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    weights = 1.0 / np.arange(1, num_experts + 1) ** s
+    ranks = rng.choice(num_experts, size=length, p=weights / weights.sum())
+    ids = rng.permutation(num_experts)  # popularity unrelated to id (and to hashing)
+    return [int(ids[r]) for r in ranks]
+
+
+class _UnitLoader:
+    """Every expert costs 1 byte and loads instantly: only the policy is measured."""
+
+    def nbytes(self, expert_id: int) -> int:
+        return 1
+
+    def load(self, expert_id: int) -> int:
+        return expert_id
+
+
+def cache_hits(trace: list[int], capacity: int) -> int:
+    cache: ExpertCache[int] = ExpertCache(capacity, _UnitLoader())
+    for expert_id in trace:
+        with cache.lease(expert_id):
+            pass
+    return cache.stats.hits
+
+
+def partitioned_hits(trace: list[int], capacity: int, actors: int) -> int:
+    names = [f"actor-{i}" for i in range(actors)]
+    caches = {name: ExpertCache(capacity // actors, _UnitLoader()) for name in names}
+    for expert_id in trace:
+        with caches[rendezvous_rank(expert_id, names)[0]].lease(expert_id):
+            pass
+    return sum(c.stats.hits for c in caches.values())
+
+
+def lru_reference_hits(trace: list[int], capacity: int) -> int:
+    """An independent textbook LRU, to check the cache's own count."""
+    lru: OrderedDict[int, None] = OrderedDict()
+    hits = 0
+    for expert_id in trace:
+        if expert_id in lru:
+            hits += 1
+            lru.move_to_end(expert_id)
+        else:
+            if len(lru) >= capacity:
+                lru.popitem(last=False)
+            lru[expert_id] = None
+    return hits
+
+
+def belady_hits(trace: list[int], capacity: int) -> int:
+    """Demand paging with the optimal victim: the resident expert used furthest in the future."""
+    never = len(trace) + 1
+    next_use = [never] * len(trace)
+    seen: dict[int, int] = {}
+    for t in range(len(trace) - 1, -1, -1):
+        next_use[t] = seen.get(trace[t], never)
+        seen[trace[t]] = t
+    resident: dict[int, int] = {}  # expert -> its next use
+    heap: list[tuple[int, int]] = []  # (-next use, expert), stale entries skipped
+    hits = 0
+    for t, expert_id in enumerate(trace):
+        if expert_id in resident:
+            hits += 1
+        elif len(resident) >= capacity:
+            while True:
+                negative, victim = heapq.heappop(heap)
+                if resident.get(victim) == -negative:
+                    del resident[victim]
+                    break
+        resident[expert_id] = next_use[t]
+        heapq.heappush(heap, (-next_use[t], expert_id))
+    return hits
+
+
+def lfu_hits(trace: list[int], capacity: int) -> int:
+    """Online perfect-LFU (counts every past request), for comparison with LRU: under a fixed
+    Zipf popularity it approaches the best any online policy can do."""
+    counts: dict[int, int] = {}
+    resident: set[int] = set()
+    hits = 0
+    for expert_id in trace:
+        counts[expert_id] = counts.get(expert_id, 0) + 1
+        if expert_id in resident:
+            hits += 1
+            continue
+        if len(resident) >= capacity:
+            resident.remove(min(resident, key=counts.__getitem__))
+        resident.add(expert_id)
+    return hits
+
+
+def _hit_rate(args: argparse.Namespace) -> None:
+    num_experts, capacity = 1000, 100
+    length = 50_000 if args.quick else 300_000
+    trace = zipf_trace(num_experts, length, 1.0, seed=0)
+    lru = cache_hits(trace, capacity)
+    assert lru == lru_reference_hits(trace, capacity), "ExpertCache is not LRU on this trace"
+    optimal = belady_hits(trace, capacity)
+    record: dict[str, Any] = {
+        "bench": "pool.hit_rate", "experts": num_experts, "capacity": capacity,
+        "trace": f"zipf(1.0), {length} requests, seed 0", "belady": round(optimal / length, 4),
+        "lru": round(lru / length, 4),
+    }
+    record["lfu_online_for_comparison"] = round(lfu_hits(trace, capacity) / length, 4)
+    weights = 1.0 / np.arange(1, num_experts + 1)
+    record["static_top_capacity_bound"] = round(float(weights[:capacity].sum() / weights.sum()), 4)
+    for actors in (2, 4):
+        record[f"pool_{actors}_actors_rendezvous"] = round(
+            partitioned_hits(trace, capacity, actors) / length, 4
+        )
+    gap = (optimal - lru) / length * 100
+    record.update({"gap_points": round(gap, 2), "goal": "LRU within 5 points of Belady",
+                   "met": gap <= 5.0})
+    emit(record)
+
+
+# ---------------------------------------------------------------- (c) miss latency
+
+
+def _median_ms(samples: list[float]) -> float:
+    return round(statistics.median(samples) * 1000.0, 3)
+
+
+async def _miss_latency(args: argparse.Namespace, workdir: Path, pool_kind: str) -> None:
+    width = 512 if args.quick else 1024
+    experts = 4 if args.quick else 6
+    rounds = 3 if args.quick else 5
+    root, _ = build_store(workdir / "big", K=experts, n=64, width=width, hidden=4, out=8)
+    store = Store.open(root)
+    nbytes = store.expert_nbytes(0)
+    row = torch.randn(1, 64)
+    raw_verified, raw_plain = [], []
+    for _ in range(rounds):
+        for e in range(experts):
+            entry = store.expert_entry(e)
+            t0 = time.perf_counter()
+            load_expert(root / entry.file, expected_sha256=entry.sha256)
+            raw_verified.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            load_expert(root / entry.file)
+            raw_plain.append(time.perf_counter() - t0)
+    # In-process: a fresh Store per round, so every miss verifies the checksum like the raw load.
+    core_miss, core_load = [], []
+    for _ in range(rounds):
+        core = ActorCore(Store.open(root), name="bench", budget_bytes=nbytes)
+        for e in range(experts):
+            t0 = time.perf_counter()
+            reply = core.run([(e, row.numpy())])
+            core_miss.append(time.perf_counter() - t0)
+            assert not reply.results[0].hit
+            core_load.append(reply.results[0].load_ms / 1000.0)
+        core.close()
+    emit({
+        "bench": "pool.miss_latency", "path": "in-process ActorCore", "expert_bytes": nbytes,
+        "raw_load_expert_ms": _median_ms(raw_verified), "miss_ms": _median_ms(core_miss),
+        "cache_load_ms": _median_ms(core_load),
+        "ratio": round(statistics.median(core_miss) / statistics.median(raw_verified), 3),
+        "checksum": "verified in both", "samples": len(core_miss),
+        "goal": "<= 1.2x",
+        "met": statistics.median(core_miss) <= 1.2 * statistics.median(raw_verified),
+    })
+    if pool_kind != "ray":
+        return
+    from server._pool import RayExpertPool
+
+    # Budget of one expert: every request for another expert misses. The actor's Store checks a
+    # file's checksum on its first read only, so rounds after the first compare to a plain load.
+    pool = RayExpertPool.create(root, Settings(actors=1, cache_bytes=nbytes))
+    first_round, later = [], []
+    try:
+        for r in range(rounds):
+            for e in range(experts):
+                t0 = time.perf_counter()
+                [result] = await pool.run([Group(e, row)])
+                (first_round if r == 0 else later).append(time.perf_counter() - t0)
+                assert not result.hit
+    finally:
+        await pool.close()
+    emit({
+        "bench": "pool.miss_latency", "path": "Ray actor (pool.run, 1 row)",
+        "expert_bytes": nbytes,
+        "raw_load_expert_ms": _median_ms(raw_plain), "miss_ms": _median_ms(later),
+        "ratio": round(statistics.median(later) / statistics.median(raw_plain), 3),
+        "first_read_raw_verified_ms": _median_ms(raw_verified),
+        "first_read_miss_ms": _median_ms(first_round),
+        "first_read_ratio": round(
+            statistics.median(first_round) / statistics.median(raw_verified), 3
+        ),
+        "samples": len(later), "goal": "<= 1.2x",
+        "met": statistics.median(later) <= 1.2 * statistics.median(raw_plain),
+    })
+
+
+# ---------------------------------------------------------------- (d) cuda
+
+
+def _cuda(args: argparse.Namespace, workdir: Path) -> None:
+    if not torch.cuda.is_available():
+        emit({"bench": "pool.cuda", "skipped": True, "reason": "no CUDA device: unmeasured"})
+        return
+    root, _ = build_store(workdir / "cuda", K=4, n=64, width=1024, hidden=4, out=8)
+    store = Store.open(root)
+    core = ActorCore(store, name="cuda", device="cuda", budget_bytes=store.expert_nbytes(0))
+    misses = []
+    for r in range(4):
+        for e in range(4):
+            rows = np.random.default_rng(r).standard_normal((256, 64)).astype(np.float32)
+            reply = core.run([(e, rows)])
+            misses.append(reply.results[0])
+    emit({
+        "bench": "pool.cuda", "device": torch.cuda.get_device_name(),
+        "load_ms": statistics.median(m.load_ms for m in misses),
+        "compute_ms": statistics.median(m.compute_ms for m in misses),
+        "activation_bytes": statistics.median(m.activation_bytes for m in misses),
+    })
+    core.close()
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    everything = {"batching", "hit_rate", "miss_latency", "cuda"}
+    only = set(args.only.split(",")) if args.only else everything
+    torch.set_num_threads(1)
+    if "hit_rate" in only:
+        _hit_rate(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        if args.pool == "ray" and ({"batching", "miss_latency"} & only):
+            import ray
+
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
+        try:
+            if "batching" in only:
+                root, prototypes = build_store(
+                    workdir / "small", K=32, n=8, width=128, hidden=2, out=1
+                )
+                tree = PrototypeTree.load(Store.open(root).router_path)
+                settings = Settings(actors=1, cache_bytes=10**9)
+                pool: ExpertPool
+                if args.pool == "ray":
+                    from server._pool import RayExpertPool
+
+                    pool = RayExpertPool.create(root, settings)
+                else:
+                    pool = FakeExpertPool(root, settings)
+                try:
+                    await _batching(pool, tree, prototypes, args, args.pool)
+                finally:
+                    await pool.close()
+            if "miss_latency" in only:
+                await _miss_latency(args, workdir, args.pool)
+            if "cuda" in only:
+                _cuda(args, workdir)
+        finally:
+            if args.pool == "ray" and ({"batching", "miss_latency"} & only):
+                import ray
+
+                ray.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a short run")
+    parser.add_argument("--pool", choices=["ray", "fake"], default="ray",
+                        help="Ray actors (default) or the in-process fake pool")
+    parser.add_argument(
+        "--only", default="", help="comma list: batching,hit_rate,miss_latency,cuda"
+    )
+    asyncio.run(main_async(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

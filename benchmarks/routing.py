@@ -1,0 +1,176 @@
+"""Routing throughput and exactness: tree / exact modes against brute force, faiss and hnswlib.
+
+Prints one JSON line per configuration (K prototypes, n dims, data kind): queries/s and
+distance evaluations per query of `tree` and `exact` mode, of a torch matmul brute force,
+of faiss IndexFlatL2 and of hnswlib (ef=32), and each one's agreement with the float64
+brute force (BruteForceRouter). Everything runs on one thread.
+
+    .venv/bin/python benchmarks/routing.py            # K in 1e3..1e5, n in {2, 16, 128}
+    .venv/bin/python benchmarks/routing.py --quick    # a small subset, about a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from router import BruteForceRouter, PrototypeTree  # noqa: E402
+
+
+def make_data(kind: str, k: int, n: int, queries: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    if kind == "uniform":
+        return rng.random((k, n)).astype(np.float32), rng.random((queries, n))
+    centres = rng.random((max(10, k // 100), n))
+    sigma = 0.02
+    p = centres[rng.integers(0, len(centres), k)] + sigma * rng.standard_normal((k, n))
+    x = centres[rng.integers(0, len(centres), queries)] + sigma * rng.standard_normal((queries, n))
+    return p.astype(np.float32), x
+
+
+def timed(fn: Callable[[], Any], repeats: int, budget_s: float) -> tuple[float, Any]:
+    """Median wall time over up to `repeats` runs (fewer once budget_s is spent)."""
+    times: list[float] = []
+    out: Any = None
+    spent = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        dt = time.perf_counter() - t0
+        times.append(dt)
+        spent += dt
+        if spent > budget_s:
+            break
+    return statistics.median(times), out
+
+
+def torch_brute_force(p: np.ndarray) -> Callable[[np.ndarray], torch.Tensor]:
+    """The plain matmul scan: argmin of ‖p‖² − 2x·p in float32, blocked like the router."""
+    pt = torch.from_numpy(p)
+    p_t = pt.t().contiguous()
+    norm2 = (pt * pt).sum(dim=1)
+    rows = max(1, (1 << 22) // len(p))
+
+    def run(x: np.ndarray) -> torch.Tensor:
+        xt = torch.from_numpy(x.astype(np.float32))
+        out = torch.empty(len(x), dtype=torch.long)
+        for lo in range(0, len(x), rows):
+            scores = torch.addmm(norm2[None, :], xt[lo : lo + rows], p_t, alpha=-2.0)
+            out[lo : lo + rows] = scores.argmin(dim=1)
+        return out
+
+    return run
+
+
+def bench_config(
+    kind: str, k: int, n: int, queries: int, repeats: int, seed: int
+) -> dict[str, Any]:
+    import faiss
+    import hnswlib
+
+    p, x = make_data(kind, k, n, queries, seed)
+    row: dict[str, Any] = {"bench": "routing", "data": kind, "K": k, "n": n, "queries": queries}
+    t0 = time.perf_counter()
+    tree = PrototypeTree.build(p, branching=4, seed=0)
+    row["build_s"] = round(time.perf_counter() - t0, 3)
+    row["depth"] = tree.depth
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "router.safetensors")
+        tree.save(path)
+        t0 = time.perf_counter()
+        PrototypeTree.load(path)
+        row["load_s"] = round(time.perf_counter() - t0, 4)
+
+    truth_s, truth = timed(lambda: BruteForceRouter(p).route(x).experts[:, 0].numpy(), 1, 0)
+    row["truth_float64_s"] = round(truth_s, 3)
+
+    def record(name: str, seconds: float, experts: np.ndarray, evals: float | None) -> None:
+        row[name] = {
+            "qps": round(queries / seconds, 1),
+            "evals_per_query": None if evals is None else round(evals, 1),
+            "agreement": round(float((experts == truth).mean()), 6),
+        }
+
+    budget = 30.0
+    for mode in ("tree", "exact"):
+        tree.route(x[:64], mode=mode)  # warm the lazily built search state
+        secs, r = timed(lambda mode=mode: tree.route(x, mode=mode), repeats, budget)
+        record(mode, secs, r.experts[:, 0].numpy(), float(r.distance_evals.double().mean()))
+
+    brute = torch_brute_force(p)
+    secs, out = timed(lambda: brute(x), repeats, budget)
+    record("brute_torch", secs, out.numpy(), float(k))
+
+    index = faiss.IndexFlatL2(n)
+    index.add(p)
+    xq = np.ascontiguousarray(x, dtype=np.float32)
+    secs, (_, ids) = timed(lambda: index.search(xq, 1), repeats, budget)
+    record("faiss_flat", secs, ids[:, 0], float(k))
+
+    t0 = time.perf_counter()
+    hnsw = hnswlib.Index(space="l2", dim=n)
+    hnsw.init_index(max_elements=k, M=16, ef_construction=100, random_seed=0)
+    hnsw.set_num_threads(1)
+    hnsw.add_items(p, np.arange(k))
+    hnsw.set_ef(32)
+    row["hnsw_build_s"] = round(time.perf_counter() - t0, 3)
+    secs, (labels, _) = timed(lambda: hnsw.knn_query(xq, k=1), repeats, budget)
+    record("hnswlib_ef32", secs, labels[:, 0].astype(np.int64), None)
+
+    row["tree_vs_faiss_flat"] = round(row["tree"]["qps"] / row["faiss_flat"]["qps"], 2)
+    row["exact_vs_faiss_flat"] = round(row["exact"]["qps"] / row["faiss_flat"]["qps"], 2)
+    row["exact_vs_brute_torch"] = round(row["exact"]["qps"] / row["brute_torch"]["qps"], 2)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small subset, short run")
+    parser.add_argument("--queries", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", default=None, help="one config: K,n,kind")
+    args = parser.parse_args()
+
+    import faiss
+
+    torch.set_num_threads(1)
+    faiss.omp_set_num_threads(1)
+    if args.quick:
+        grid = [(kind, k, n) for kind in ("clustered", "uniform") for k in (1000, 10000)
+                for n in (2, 16)]
+        queries = args.queries or 2000
+    else:
+        grid = [(kind, k, n) for kind in ("clustered", "uniform")
+                for k in (1000, 10000, 100000) for n in (2, 16, 128)]
+        queries = args.queries or 10000
+    if args.only:
+        k_s, n_s, kind_s = args.only.split(",")
+        grid = [(kind_s, int(k_s), int(n_s))]
+    meta = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": 1,
+    }
+    for kind, k, n in grid:
+        row = bench_config(kind, k, n, queries, args.repeats, seed=k + n)
+        row.update(meta)
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""The asyncio client: `BaseClient` decisions, non-blocking I/O."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from ._base import DEFAULT_BASE_URL, BaseClient, Mode, RequestSpec, TimeoutTypes
+from ._exceptions import MomlpError
+from ._models import ExpertsInfo, ModelInfo, Prediction, Routing
+
+__all__ = ["AsyncClient"]
+
+
+class AsyncClient(BaseClient):
+    """Asyncio client of a momlp server (same behaviour as `Client`).
+
+    >>> async with AsyncClient("http://127.0.0.1:8000") as momlp:
+    ...     prediction = await momlp.predict([[0.1, 0.2]], return_stats=True)
+
+    Connect errors, 429 (honouring Retry-After) and 503 are retried up to `max_retries` times
+    with exponential back-off and jitter; `sleep` is injectable so tests never wait.
+    """
+
+    def __init__(
+        self,
+        base_url: str = DEFAULT_BASE_URL,
+        *,
+        api_key: str | None = None,
+        timeout: TimeoutTypes = 30.0,
+        max_retries: int = 3,
+        backoff: float = 0.1,
+        max_backoff: float = 10.0,
+        binary_min_values: int = 16384,
+        transport: httpx.AsyncBaseTransport | None = None,
+        limits: httpx.Limits | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        rng: random.Random | None = None,
+    ) -> None:
+        super().__init__(
+            base_url,
+            api_key=api_key,
+            timeout=timeout,
+            max_retries=max_retries,
+            backoff=backoff,
+            max_backoff=max_backoff,
+            binary_min_values=binary_min_values,
+            rng=rng,
+        )
+        self._sleep = sleep
+        kwargs: dict[str, Any] = {"limits": limits} if limits is not None else {}
+        self._http = httpx.AsyncClient(
+            base_url=base_url,
+            headers=self._headers,
+            timeout=timeout,
+            transport=transport,
+            **kwargs,
+        )
+
+    async def predict(
+        self,
+        inputs: Any,
+        top_k: int = 1,
+        mode: Mode | None = None,
+        return_stats: bool = False,
+        binary: bool | None = None,
+    ) -> Prediction:
+        """Outputs for a 2-D batch `inputs` [rows, input_dim] (lists, tuples, numpy arrays...)."""
+        spec = self._build_predict(
+            inputs, top_k=top_k, mode=mode, return_stats=return_stats, binary=binary
+        )
+        return self._decode_prediction(await self._request(spec))
+
+    async def route(self, inputs: Any, top_k: int = 1, mode: Mode | None = None) -> Routing:
+        """Which experts each row goes to, with weights and distances; loads nothing."""
+        spec = self._build_route(inputs, top_k=top_k, mode=mode)
+        return self._decode_routing(await self._request(spec))
+
+    async def model(self, include_prototypes: bool = False) -> ModelInfo:
+        return self._decode_model(await self._request(self._build_model(include_prototypes)))
+
+    async def experts(self) -> ExpertsInfo:
+        return self._decode_experts(await self._request(self._build_get("/v1/experts")))
+
+    async def health(self) -> bool:
+        """True when the server answers /healthz; False when it cannot be reached or fails."""
+        try:
+            await self._request(self._build_get("/healthz", retry=False))
+        except MomlpError as exc:
+            return self._probe_answer(exc)
+        return True
+
+    async def ready(self) -> bool:
+        """True when /readyz says the store is loaded and the pool is up."""
+        try:
+            await self._request(self._build_get("/readyz", retry=False))
+        except MomlpError as exc:
+            return self._probe_answer(exc)
+        return True
+
+    async def metrics(self) -> str:
+        """The Prometheus text of /metrics."""
+        response = await self._request(self._build_get("/metrics"))
+        return response.text
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def _request(self, spec: RequestSpec) -> httpx.Response:
+        attempt = 0
+        while True:
+            try:
+                with self._translate(spec):
+                    response = await self._http.request(
+                        spec.method, spec.path, **self._httpx_kwargs(spec)
+                    )
+                return self._check_status(response)
+            except MomlpError as exc:
+                delay = self._retry_delay(spec, attempt, exc)
+                if delay is None:
+                    raise
+            await self._sleep(delay)
+            attempt += 1

@@ -1,0 +1,297 @@
+"""What the sync and async clients share: building requests, decoding answers, retry policy.
+
+The two subclasses only do I/O (send, sleep); every decision is made here so that they behave
+the same by construction.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import httpx
+import pydantic
+import pydantic_core
+
+from ._encoding import NPY_CONTENT_TYPE, encode_inputs
+from ._exceptions import (
+    ConnectError,
+    ConnectTimeout,
+    DecodingError,
+    ExpertUnavailable,
+    HTTPStatusError,
+    InputError,
+    InvalidInput,
+    MomlpError,
+    NetworkError,
+    NotFound,
+    PayloadTooLarge,
+    ProtocolError,
+    RateLimited,
+    ServerError,
+    ServiceUnavailable,
+    TimeoutError,
+    TransportError,
+    Unauthorized,
+)
+from ._models import ExpertsInfo, ModelInfo, Prediction, Routing
+
+__all__ = ["DEFAULT_BASE_URL", "BaseClient", "RequestSpec", "TimeoutTypes"]
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+USER_AGENT = "momlp-client/0.1"
+
+Mode = Literal["tree", "exact"]
+TimeoutTypes = float | httpx.Timeout | None
+M = TypeVar("M", bound=pydantic.BaseModel)
+
+_STATUS_ERRORS: dict[int, type[HTTPStatusError]] = {
+    401: Unauthorized,
+    404: NotFound,
+    413: PayloadTooLarge,
+    422: InvalidInput,
+    429: RateLimited,
+    503: ServiceUnavailable,
+}
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One HTTP request, independent of the client flavour that sends it."""
+
+    method: str
+    path: str
+    params: dict[str, str] = field(default_factory=dict)
+    json: Any = None
+    content: bytes | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    retry: bool = True
+
+
+class BaseClient:
+    """Configuration, request building, answer decoding and the retry policy."""
+
+    def __init__(
+        self,
+        base_url: str = DEFAULT_BASE_URL,
+        *,
+        api_key: str | None = None,
+        timeout: TimeoutTypes = 30.0,
+        max_retries: int = 3,
+        backoff: float = 0.1,
+        max_backoff: float = 10.0,
+        binary_min_values: int = 16384,
+        rng: random.Random | None = None,
+    ) -> None:
+        if max_retries < 0:
+            raise ValueError("max_retries must be >= 0")
+        self.base_url = base_url
+        self.max_retries = max_retries
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self.binary_min_values = binary_min_values
+        self._timeout = timeout
+        self._rng = rng or random.Random()
+        self._headers = {"User-Agent": USER_AGENT, "Accept": "application/json"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+
+    def _build_predict(
+        self,
+        inputs: Any,
+        *,
+        top_k: int,
+        mode: Mode | None,
+        return_stats: bool,
+        binary: bool | None,
+    ) -> RequestSpec:
+        _check_options(top_k, mode)
+        encoded = encode_inputs(inputs, binary=binary, binary_min_values=self.binary_min_values)
+        if encoded.npy is not None:
+            params = {"top_k": str(top_k), "return_stats": "true" if return_stats else "false"}
+            if mode is not None:
+                params["mode"] = mode
+            return RequestSpec(
+                "POST",
+                "/v1/predict",
+                params=params,
+                content=encoded.npy,
+                headers={"Content-Type": NPY_CONTENT_TYPE},
+            )
+        body: dict[str, Any] = {"inputs": encoded.rows, "top_k": top_k, "mode": mode}
+        body["return_stats"] = return_stats
+        return RequestSpec("POST", "/v1/predict", json=body)
+
+    def _build_route(self, inputs: Any, *, top_k: int, mode: Mode | None) -> RequestSpec:
+        _check_options(top_k, mode)
+        encoded = encode_inputs(inputs, binary=False)
+        return RequestSpec(
+            "POST", "/v1/route", json={"inputs": encoded.rows, "top_k": top_k, "mode": mode}
+        )
+
+    @staticmethod
+    def _build_model(include_prototypes: bool) -> RequestSpec:
+        params = {"include_prototypes": "true"} if include_prototypes else {}
+        return RequestSpec("GET", "/v1/model", params=params)
+
+    @staticmethod
+    def _build_get(path: str, *, retry: bool = True) -> RequestSpec:
+        return RequestSpec("GET", path, retry=retry)
+
+    def _httpx_kwargs(self, spec: RequestSpec) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"params": spec.params or None, "headers": spec.headers or None}
+        if spec.content is not None:
+            kwargs["content"] = spec.content
+        elif spec.json is not None:
+            # pydantic-core's serializer is ~5x faster than json.dumps on big float lists; the
+            # inputs were checked finite before, so no NaN can reach it.
+            kwargs["content"] = pydantic_core.to_json(spec.json)
+            kwargs["headers"] = {"Content-Type": "application/json", **spec.headers}
+        return kwargs
+
+    @contextmanager
+    def _translate(self, spec: RequestSpec) -> Iterator[None]:
+        """Turn every httpx exception raised inside into this package's tree."""
+        try:
+            yield
+        except httpx.HTTPStatusError as exc:
+            raise self._status_error(exc.response) from exc
+        except (httpx.HTTPError, httpx.InvalidURL, httpx.CookieConflict, httpx.StreamError) as exc:
+            raise _transport_error(exc, f"{spec.method} {spec.path}") from exc
+
+    def _check_status(self, response: httpx.Response) -> httpx.Response:
+        if response.is_success:
+            return response
+        raise self._status_error(response)
+
+    @staticmethod
+    def _status_error(response: httpx.Response) -> HTTPStatusError:
+        status = response.status_code
+        code, message, detail = f"http_{status}", response.reason_phrase or "error", None
+        try:
+            error = response.json()["error"]
+            code = str(error.get("code", code))
+            message = str(error.get("message", message))
+            detail = error.get("detail")
+        except (ValueError, KeyError, TypeError, AttributeError, httpx.HTTPError):
+            text = _safe_text(response)
+            if text:
+                message = text[:200]
+        fields: dict[str, Any] = {
+            "status_code": status,
+            "code": code,
+            "detail": detail,
+            "url": str(response.request.url) if _has_request(response) else "",
+            "retry_after": _retry_after(response.headers.get("Retry-After")),
+        }
+        if status == 503 and (code == "expert_unavailable" or _detail_expert(detail) is not None):
+            reason = str(detail.get("reason", "")) if isinstance(detail, Mapping) else ""
+            return ExpertUnavailable(
+                message, expert_id=_detail_expert(detail), reason=reason, **fields
+            )
+        cls = _STATUS_ERRORS.get(status)
+        if cls is None:
+            cls = ServerError if status >= 500 else HTTPStatusError
+        return cls(message, **fields)
+
+    def _retry_delay(self, spec: RequestSpec, attempt: int, error: MomlpError) -> float | None:
+        """Seconds to wait before attempt `attempt + 1`, or None to give up and raise `error`."""
+        if not spec.retry or attempt >= self.max_retries:
+            return None
+        retryable = isinstance(error, ConnectError | RateLimited | ServiceUnavailable)
+        if not retryable:
+            return None
+        if isinstance(error, HTTPStatusError) and error.retry_after is not None:
+            return min(max(error.retry_after, 0.0), self.max_backoff)
+        # Exponential back-off with "equal jitter": at least half the step, so retries of many
+        # clients spread out but none hammers the server immediately.
+        step = min(self.backoff * 2.0**attempt, self.max_backoff)
+        return step / 2 + self._rng.random() * step / 2
+
+    @staticmethod
+    def _decode(response: httpx.Response, model: type[M]) -> M:
+        try:
+            return model.model_validate_json(response.content)
+        except pydantic.ValidationError as exc:
+            raise DecodingError(
+                f"{model.__name__} answer does not match the v1 contract: {exc.error_count()} "
+                "problem(s)",
+                url=str(response.request.url) if _has_request(response) else "",
+                detail=exc.errors(include_url=False, include_context=False),
+            ) from exc
+
+    def _decode_prediction(self, response: httpx.Response) -> Prediction:
+        return self._decode(response, Prediction)
+
+    def _decode_routing(self, response: httpx.Response) -> Routing:
+        return self._decode(response, Routing)
+
+    def _decode_model(self, response: httpx.Response) -> ModelInfo:
+        return self._decode(response, ModelInfo)
+
+    def _decode_experts(self, response: httpx.Response) -> ExpertsInfo:
+        return self._decode(response, ExpertsInfo)
+
+    @staticmethod
+    def _probe_answer(error: MomlpError) -> bool:
+        """health()/ready(): no answer or a 5xx means "no"; a 4xx (bad key?) is raised."""
+        if isinstance(error, TransportError | ServerError):
+            return False
+        raise error
+
+
+def _check_options(top_k: int, mode: str | None) -> None:
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise InputError(f"top_k must be an integer >= 1, got {top_k!r}", top_k=top_k)
+    if mode not in (None, "tree", "exact"):
+        raise InputError(f"mode must be 'tree', 'exact' or None, got {mode!r}", mode=mode)
+
+
+def _transport_error(exc: Exception, url: str) -> MomlpError:
+    message = f"{url}: {type(exc).__name__}: {exc}"
+    if isinstance(exc, httpx.ConnectTimeout):
+        return ConnectTimeout(message, url=url)
+    if isinstance(exc, httpx.ConnectError):
+        return ConnectError(message, url=url)
+    if isinstance(exc, httpx.TimeoutException):
+        return TimeoutError(message, url=url)
+    if isinstance(exc, httpx.NetworkError):
+        return NetworkError(message, url=url)
+    if isinstance(exc, httpx.DecodingError):
+        return DecodingError(message, url=url)
+    return ProtocolError(message, url=url)
+
+
+def _retry_after(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        # An HTTP-date is legal too; without a wall clock to compare with, fall back to back-off.
+        return None
+    return seconds if seconds >= 0 else None
+
+
+def _detail_expert(detail: Any) -> int | None:
+    if isinstance(detail, Mapping) and isinstance(detail.get("expert_id"), int):
+        return int(detail["expert_id"])
+    return None
+
+
+def _has_request(response: httpx.Response) -> bool:
+    try:
+        _ = response.request
+    except RuntimeError:
+        return False
+    return True
+
+
+def _safe_text(response: httpx.Response) -> str:
+    try:
+        return response.text.strip()
+    except (httpx.HTTPError, httpx.StreamError, UnicodeDecodeError):
+        return ""

@@ -1,0 +1,175 @@
+"""Every error the client raises on purpose; no raw httpx exception ever escapes.
+
+MomlpError
+ ├── InputError              inputs rejected before sending (not a 2-D finite numeric array)
+ ├── DecodingError           a 2xx response that does not match the v1 JSON contract
+ ├── TransportError          the request did not get an HTTP answer
+ │    ├── ConnectError        could not connect (retried)
+ │    │    └── ConnectTimeout  connecting timed out (retried; also a TimeoutError)
+ │    ├── TimeoutError        no answer in time (read, write or pool wait)
+ │    ├── NetworkError        the connection broke while sending or reading
+ │    └── ProtocolError       malformed HTTP, bad URL, redirects, misuse of a stream
+ └── HTTPStatusError         an HTTP answer with a non-2xx status (status_code, code, message,
+      │                      detail)
+      ├── InvalidInput        422
+      ├── PayloadTooLarge     413
+      ├── Unauthorized        401
+      ├── NotFound            404
+      ├── RateLimited         429 (retry_after seconds; retried)
+      └── ServerError         5xx
+           └── ServiceUnavailable  503 (retried)
+                └── ExpertUnavailable  503 naming the expert (expert_id, reason)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "ConnectError",
+    "ConnectTimeout",
+    "DecodingError",
+    "ExpertUnavailable",
+    "HTTPStatusError",
+    "InputError",
+    "InvalidInput",
+    "MomlpError",
+    "NetworkError",
+    "NotFound",
+    "PayloadTooLarge",
+    "ProtocolError",
+    "RateLimited",
+    "ServerError",
+    "ServiceUnavailable",
+    "TimeoutError",
+    "TransportError",
+    "Unauthorized",
+]
+
+
+class MomlpError(Exception):
+    """Base of every client error; keyword fields become attributes (`exc.expert_id`)."""
+
+    def __init__(self, message: str, **fields: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fields = fields
+        for key, value in fields.items():
+            setattr(self, key, value)
+
+
+class InputError(MomlpError, ValueError):
+    """The inputs cannot be sent: not 2-D, ragged, non-numeric or non-finite."""
+
+
+class DecodingError(MomlpError):
+    """A 2xx answer whose body does not match the v1 contract (the server is another version?)."""
+
+    def __init__(self, message: str, *, url: str, detail: Any = None) -> None:
+        super().__init__(message, url=url, detail=detail)
+        self.url = url
+        self.detail = detail
+
+
+class TransportError(MomlpError):
+    """The request got no HTTP answer; `url` names the endpoint."""
+
+    def __init__(self, message: str, *, url: str) -> None:
+        super().__init__(message, url=url)
+        self.url = url
+
+
+class ConnectError(TransportError):
+    pass
+
+
+# Shadows the builtin inside this package on purpose: users write `client.TimeoutError`.
+class TimeoutError(TransportError):
+    pass
+
+
+class ConnectTimeout(ConnectError, TimeoutError):
+    pass
+
+
+class NetworkError(TransportError):
+    pass
+
+
+class ProtocolError(TransportError):
+    pass
+
+
+class HTTPStatusError(MomlpError):
+    """A non-2xx answer, decoded from the server's `{"error": {code, message, detail}}` body.
+
+    `retry_after` is the Retry-After header in seconds (None when absent or an HTTP-date).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status_code: int,
+        code: str,
+        detail: Any = None,
+        url: str = "",
+        retry_after: float | None = None,
+        **fields: Any,
+    ) -> None:
+        super().__init__(
+            message,
+            status_code=status_code,
+            code=code,
+            detail=detail,
+            url=url,
+            retry_after=retry_after,
+            **fields,
+        )
+        self.retry_after = retry_after
+        self.status_code = status_code
+        self.code = code
+        self.detail = detail
+        self.url = url
+
+    def __str__(self) -> str:
+        return f"{self.status_code} {self.code}: {self.message}"
+
+
+class InvalidInput(HTTPStatusError):
+    pass
+
+
+class PayloadTooLarge(HTTPStatusError):
+    pass
+
+
+class Unauthorized(HTTPStatusError):
+    pass
+
+
+class NotFound(HTTPStatusError):
+    pass
+
+
+class RateLimited(HTTPStatusError):
+    """429: the server's queue is full; `retry_after` is its hint in seconds (None if absent)."""
+
+
+class ServerError(HTTPStatusError):
+    pass
+
+
+class ServiceUnavailable(ServerError):
+    pass
+
+
+class ExpertUnavailable(ServiceUnavailable):
+    """503 naming the expert that cannot be loaded; other experts keep serving."""
+
+    def __init__(
+        self, message: str, *, expert_id: int | None, reason: str = "", **fields: Any
+    ) -> None:
+        super().__init__(message, expert_id=expert_id, reason=reason, **fields)
+        self.expert_id = expert_id
+        self.reason = reason

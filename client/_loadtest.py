@@ -1,0 +1,327 @@
+"""`momlp loadtest` as a library: closed-loop (concurrency) or open-loop (Poisson rate) load.
+
+`run_loadtest(config)` builds a route-verified workload, sends `POST /v1/predict` with
+`return_stats=true` on every request, and returns a `LoadTestReport` (also written as
+report.json + plots when `config.report_dir` is set). The clock, the sleep and the client are
+injected so that tests drive it in-process against a fake server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Literal, Protocol, TextIO
+
+import httpx
+
+from ._async_client import AsyncClient
+from ._exceptions import (
+    ConnectError,
+    DecodingError,
+    HTTPStatusError,
+    MomlpError,
+    NetworkError,
+    TimeoutError,
+    TransportError,
+)
+from ._plots import matplotlib_available, write_plots
+from ._report import LoadTestReport, RequestRecord, build_report, percentile
+from ._workload import Distribution, Workload, build_workload
+
+__all__ = ["Clock", "LoadTestConfig", "MonotonicClock", "arun_loadtest", "run_loadtest"]
+
+logger = logging.getLogger(__name__)
+
+
+class Clock(Protocol):
+    def now(self) -> float:
+        """Monotonic seconds."""
+        ...
+
+
+class MonotonicClock:
+    def now(self) -> float:
+        return time.monotonic()
+
+
+@dataclass(frozen=True)
+class LoadTestConfig:
+    """One load test. Stops after `requests` or `duration_s`, whichever comes first (one is
+    required); `rate` (requests/s, Poisson arrivals) switches from closed to open loop."""
+
+    url: str = "http://127.0.0.1:8000"
+    requests: int | None = 1000
+    duration_s: float | None = None
+    concurrency: int = 8
+    rate: float | None = None
+    batch: int = 1
+    top_k: int = 1
+    mode: Literal["tree", "exact"] | None = None
+    distribution: str = "uniform"
+    seed: int = 0
+    report_dir: Path | None = None
+    api_key: str | None = None
+    timeout_s: float = 30.0
+    max_retries: int = 0
+    binary: bool | None = None
+    save_requests: bool = False
+    plots: bool = True
+    candidates_per_expert: int = 8
+    route_chunk_rows: int = 1024
+
+    def __post_init__(self) -> None:
+        Distribution.parse(self.distribution)
+        if self.requests is None and self.duration_s is None:
+            raise ValueError("give requests or duration_s")
+        if self.requests is not None and self.requests < 1:
+            raise ValueError("requests must be >= 1")
+        if self.duration_s is not None and self.duration_s <= 0:
+            raise ValueError("duration_s must be > 0")
+        if self.concurrency < 1 or self.batch < 1 or self.top_k < 1:
+            raise ValueError("concurrency, batch and top_k must be >= 1")
+        if self.rate is not None and self.rate <= 0:
+            raise ValueError("rate must be > 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["report_dir"] = str(self.report_dir) if self.report_dir is not None else None
+        data["api_key"] = "***" if self.api_key else None
+        return data
+
+
+ClientFactory = Callable[[LoadTestConfig], AsyncClient]
+Sleep = Callable[[float], Awaitable[None]]
+
+
+def default_client_factory(config: LoadTestConfig) -> AsyncClient:
+    connections = max(100, config.concurrency)
+    return AsyncClient(
+        config.url,
+        api_key=config.api_key,
+        timeout=config.timeout_s,
+        max_retries=config.max_retries,
+        limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+    )
+
+
+def run_loadtest(
+    config: LoadTestConfig,
+    *,
+    client_factory: ClientFactory | None = None,
+    clock: Clock | None = None,
+    sleep: Sleep = asyncio.sleep,
+    progress: TextIO | None = None,
+) -> LoadTestReport:
+    """Run a load test to completion (blocking; starts its own event loop)."""
+    return asyncio.run(
+        arun_loadtest(
+            config, client_factory=client_factory, clock=clock, sleep=sleep, progress=progress
+        )
+    )
+
+
+async def arun_loadtest(
+    config: LoadTestConfig,
+    *,
+    client_factory: ClientFactory | None = None,
+    clock: Clock | None = None,
+    sleep: Sleep = asyncio.sleep,
+    progress: TextIO | None = None,
+) -> LoadTestReport:
+    """`run_loadtest` for callers already inside an event loop."""
+    clock = clock or MonotonicClock()
+    # Looked up at call time so that the CLI test can swap the factory for a fake transport.
+    factory = client_factory or default_client_factory
+    async with factory(config) as client:
+        model = await client.model(include_prototypes=True)
+        workload = await build_workload(
+            client,
+            model,
+            distribution=Distribution.parse(config.distribution),
+            seed=config.seed,
+            mode=config.mode,
+            candidates_per_expert=config.candidates_per_expert,
+            route_chunk_rows=config.route_chunk_rows,
+        )
+        runner = _Runner(config, client, workload, clock, sleep, progress)
+        await runner.run()
+    duration = max((record.end_s for record in runner.records), default=0.0)
+    records = sorted(runner.records, key=lambda record: record.index)
+    workload_info = workload.describe()
+    workload_info["expected_frequencies"] = {
+        str(expert): share for expert, share in sorted(workload.expected_frequencies().items())
+    }
+    report = build_report(
+        records,
+        duration_s=duration,
+        dense_equivalent_bytes=model.total_expert_bytes,
+        max_expert_bytes=model.max_expert_bytes,
+        config=config.to_dict(),
+        model=model.model_dump(exclude={"prototypes"}),
+        workload=workload_info,
+        save_requests=config.save_requests,
+    )
+    if config.report_dir is not None:
+        report = _write(report, config, records)
+    return report
+
+
+def _write(
+    report: LoadTestReport, config: LoadTestConfig, records: list[RequestRecord]
+) -> LoadTestReport:
+    assert config.report_dir is not None
+    directory = Path(config.report_dir)
+    if config.plots and matplotlib_available():
+        vram = [float(r.vram_bytes) for r in records if r.ok and r.vram_bytes is not None]
+        paths = write_plots(report, directory, vram_samples=vram)
+        report = replace(report, plots=[path.name for path in paths])
+    elif config.plots:
+        report = replace(report, notes=[*report.notes, "plots skipped: matplotlib not installed"])
+    report.write(directory)
+    return report
+
+
+class _Runner:
+    def __init__(
+        self,
+        config: LoadTestConfig,
+        client: AsyncClient,
+        workload: Workload,
+        clock: Clock,
+        sleep: Sleep,
+        progress: TextIO | None,
+    ) -> None:
+        self.config = config
+        self.client = client
+        self.workload = workload
+        self.clock = clock
+        self.sleep = sleep
+        self.records: list[RequestRecord] = []
+        self.start = 0.0
+        self._next_index = 0
+        self._progress = _Progress(progress, config) if progress is not None else None
+
+    async def run(self) -> None:
+        self.start = self.clock.now()
+        if self.config.rate is None:
+            await asyncio.gather(*(self._worker() for _ in range(self.config.concurrency)))
+        else:
+            await self._open_loop(self.config.rate)
+        if self._progress is not None:
+            self._progress.finish(self.records, self.clock.now() - self.start)
+
+    def _elapsed(self) -> float:
+        return self.clock.now() - self.start
+
+    def _more(self, index: int, elapsed: float) -> bool:
+        if self.config.requests is not None and index >= self.config.requests:
+            return False
+        return self.config.duration_s is None or elapsed < self.config.duration_s
+
+    async def _worker(self) -> None:
+        while self._more(self._next_index, self._elapsed()):
+            index = self._next_index
+            self._next_index += 1
+            rows = self.workload.next_request(self.config.batch)
+            await self._one(index, rows, self._elapsed())
+
+    async def _open_loop(self, rate: float) -> None:
+        arrivals = random.Random(self.config.seed + 2)
+        pending: set[asyncio.Task[None]] = set()
+        index, scheduled = 0, arrivals.expovariate(rate)
+        while self._more(index, scheduled):
+            wait = scheduled - self._elapsed()
+            if wait > 0:
+                await self.sleep(wait)
+            rows = self.workload.next_request(self.config.batch)
+            # Latency counts from the scheduled arrival, so a slow server cannot hide queueing
+            # by delaying the sends (no coordinated omission).
+            task = asyncio.create_task(self._one(index, rows, scheduled))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+            index += 1
+            scheduled += arrivals.expovariate(rate)
+        await asyncio.gather(*pending)
+
+    async def _one(self, index: int, rows: list[list[float]], start_s: float) -> None:
+        config = self.config
+        try:
+            prediction = await self.client.predict(
+                rows, top_k=config.top_k, mode=config.mode, return_stats=True, binary=config.binary
+            )
+        except MomlpError as exc:
+            record = RequestRecord(index, start_s, self._elapsed(), len(rows), _status(exc))
+            logger.debug("request %d failed: %s", index, exc)
+        else:
+            stats = prediction.stats
+            expert_rows: dict[int, int] = {}
+            for stat in stats.experts if stats is not None else []:
+                expert_rows[stat.expert_id] = expert_rows.get(stat.expert_id, 0) + stat.rows
+            record = RequestRecord(
+                index,
+                start_s,
+                self._elapsed(),
+                len(rows),
+                "200",
+                hits=stats.hits if stats is not None else 0,
+                misses=stats.misses if stats is not None else 0,
+                vram_bytes=stats.vram_bytes if stats is not None else None,
+                device_bytes=dict(stats.device_bytes) if stats is not None else {},
+                expert_rows=expert_rows,
+            )
+        self.records.append(record)
+        if self._progress is not None:
+            self._progress.update(self.records, record.end_s)
+
+
+def _status(exc: MomlpError) -> str:
+    if isinstance(exc, HTTPStatusError):
+        return str(exc.status_code)
+    for cls, name in (
+        (ConnectError, "connect"),
+        (TimeoutError, "timeout"),
+        (NetworkError, "network"),
+        (DecodingError, "decoding"),
+        (TransportError, "protocol"),
+    ):
+        if isinstance(exc, cls):
+            return name
+    return "client"
+
+
+class _Progress:
+    """A live `\\r` line on a stream: done/total, req/s, p50 so far, errors."""
+
+    def __init__(self, stream: TextIO, config: LoadTestConfig, interval_s: float = 0.5) -> None:
+        self.stream = stream
+        self.config = config
+        self.interval_s = interval_s
+        self._last = -interval_s
+
+    def update(self, records: list[RequestRecord], elapsed: float) -> None:
+        if elapsed - self._last >= self.interval_s:
+            self._last = elapsed
+            self._write(records, elapsed)
+
+    def finish(self, records: list[RequestRecord], elapsed: float) -> None:
+        self._write(records, elapsed)
+        self.stream.write("\n")
+        self.stream.flush()
+
+    def _write(self, records: list[RequestRecord], elapsed: float) -> None:
+        done = len(records)
+        if self.config.requests is not None:
+            where = f"{done}/{self.config.requests}"
+        else:
+            where = f"{done} req, {elapsed:.0f}/{self.config.duration_s:.0f} s"
+        latencies = [record.latency_ms for record in records if record.ok]
+        errors = done - len(latencies)
+        rate = done / elapsed if elapsed > 0 else 0.0
+        p50 = percentile(latencies, 50) if latencies else 0.0
+        self.stream.write(f"\r{where}  {rate:.1f} req/s  p50 {p50:.1f} ms  errors {errors}   ")
+        self.stream.flush()

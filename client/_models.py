@@ -1,0 +1,138 @@
+"""Typed answers of the v1 HTTP API (field names exactly as in docs/CONTRACTS.md)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "ActorInfo",
+    "ExpertInfo",
+    "ExpertStat",
+    "ExpertsInfo",
+    "ModelInfo",
+    "PredictStats",
+    "Prediction",
+    "Routing",
+]
+
+
+class _Model(BaseModel):
+    # Unknown fields are ignored so that a newer server with extra fields still decodes.
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class ExpertStat(_Model):
+    """What one expert cost this request."""
+
+    expert_id: int
+    rows: int
+    cache: Literal["hit", "miss"]
+    load_ms: float
+    compute_ms: float
+    actor: str
+    expert_bytes: int
+    activation_bytes: int
+    vram_bytes: int
+
+
+class PredictStats(_Model):
+    """`stats` of a prediction asked with `return_stats=True`."""
+
+    experts: list[ExpertStat]
+    vram_bytes: int
+    device_bytes: dict[str, int] = Field(default_factory=dict)
+    distance_evals: list[int] = Field(default_factory=list)
+    route_ms: float = 0.0
+    queue_ms: float = 0.0
+    total_ms: float = 0.0
+
+    @property
+    def hits(self) -> int:
+        return sum(1 for stat in self.experts if stat.cache == "hit")
+
+    @property
+    def misses(self) -> int:
+        return sum(1 for stat in self.experts if stat.cache == "miss")
+
+
+class Prediction(_Model):
+    """`POST /v1/predict`: one output row per input row, in input order."""
+
+    outputs: list[list[float]]
+    experts: list[list[int]]
+    weights: list[list[float]]
+    store_version: str
+    stats: PredictStats | None = None
+
+    def numpy(self) -> Any:
+        """The outputs as a float32 numpy array [rows, output_dim] (needs numpy)."""
+        return _as_array(self.outputs, "float32")
+
+    def experts_numpy(self) -> Any:
+        """The experts as an int64 numpy array [rows, top_k] (needs numpy)."""
+        return _as_array(self.experts, "int64")
+
+
+class Routing(_Model):
+    """`POST /v1/route`: where each row goes; nothing is loaded."""
+
+    experts: list[list[int]]
+    weights: list[list[float]]
+    distances: list[list[float]]
+    distance_evals: list[int]
+    store_version: str
+
+    def numpy(self) -> Any:
+        """The experts as an int64 numpy array [rows, top_k] (needs numpy)."""
+        return _as_array(self.experts, "int64")
+
+
+class ModelInfo(_Model):
+    """`GET /v1/model`: the manifest summary (prototypes only when asked for)."""
+
+    store_version: str
+    format_version: int
+    task: str
+    input_dim: int
+    output_dim: int
+    num_experts: int
+    branching: int
+    routing: str
+    temperature: float
+    total_expert_bytes: int
+    max_expert_bytes: int
+    total_params: int
+    prototypes: list[list[float]] | None = None
+
+
+class ExpertInfo(_Model):
+    id: int
+    bytes: int
+    params: int
+    actors: list[str]
+
+
+class ActorInfo(_Model):
+    name: str
+    device: str
+    resident_bytes: int
+    budget_bytes: int
+    resident: list[int]
+    alive: bool
+
+
+class ExpertsInfo(_Model):
+    """`GET /v1/experts`: each expert and which actors hold it now."""
+
+    experts: list[ExpertInfo]
+    actors: list[ActorInfo]
+
+
+def _as_array(values: list[list[float]] | list[list[int]], dtype: str) -> Any:
+    try:
+        import numpy as np
+    except ImportError as exc:
+        raise ImportError("numpy is not installed; use the list fields instead") from exc
+    return np.asarray(values, dtype=dtype)

@@ -1,0 +1,253 @@
+"""Load-test records, the figures computed from them, report.json and the terminal summary."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LoadTestReport", "RequestRecord", "build_report", "percentile"]
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One request of the load test; times are seconds since the test started."""
+
+    index: int
+    start_s: float
+    end_s: float
+    rows: int
+    status: str  # "200", another HTTP status, or connect / timeout / network / protocol / decoding
+    hits: int = 0
+    misses: int = 0
+    vram_bytes: int | None = None
+    device_bytes: dict[str, int] = field(default_factory=dict)
+    expert_rows: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "200"
+
+    @property
+    def latency_ms(self) -> float:
+        return (self.end_s - self.start_s) * 1000.0
+
+
+@dataclass(frozen=True)
+class LoadTestReport:
+    """Everything report.json holds; `to_dict()` is exactly its content."""
+
+    requests: int
+    ok: int
+    errors: int
+    rows: int
+    duration_s: float
+    requests_per_s: float
+    rows_per_s: float
+    latency_ms: dict[str, float]
+    errors_by_status: dict[str, int]
+    hits: int
+    misses: int
+    hit_rate: float | None
+    loads: int
+    vram_bytes: dict[str, float]
+    dense_equivalent_bytes: int
+    vram_ratio: float | None
+    max_expert_bytes: int
+    expert_rows: dict[str, int]
+    time_series: list[dict[str, Any]]
+    config: dict[str, Any]
+    model: dict[str, Any]
+    workload: dict[str, Any]
+    records: list[dict[str, Any]] | None = None
+    plots: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        if self.records is None:
+            del data["records"]
+        return data
+
+    def write(self, directory: Path) -> Path:
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / "report.json"
+        path.write_text(json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n")
+        return path
+
+    def summary(self) -> str:
+        lat = self.latency_ms
+        vram = self.vram_bytes
+        lines = [
+            f"requests {self.requests} (ok {self.ok}, errors {self.errors}), rows {self.rows}, "
+            f"{self.duration_s:.2f} s",
+            f"throughput {self.requests_per_s:.1f} req/s, {self.rows_per_s:.1f} rows/s",
+            f"latency ms  p50 {lat['p50']:.2f}  p90 {lat['p90']:.2f}  p99 {lat['p99']:.2f}  "
+            f"max {lat['max']:.2f}  mean {lat['mean']:.2f}",
+            f"cache hits {self.hits}, misses (loads) {self.misses}, hit rate "
+            + ("n/a" if self.hit_rate is None else f"{self.hit_rate:.3f}"),
+            f"vram/request  p50 {_human_bytes(vram['p50'])}  p99 {_human_bytes(vram['p99'])}  "
+            f"max {_human_bytes(vram['max'])}; "
+            f"dense model {_human_bytes(self.dense_equivalent_bytes)}; "
+            "p99/dense " + ("n/a" if self.vram_ratio is None else f"{self.vram_ratio:.4f}"),
+            f"experts served {len(self.expert_rows)} of {self.model.get('num_experts', '?')}",
+        ]
+        if self.errors_by_status:
+            counts = ", ".join(f"{key}: {value}" for key, value in self.errors_by_status.items())
+            lines.append(f"errors by status: {counts}")
+        lines.extend(self.notes)
+        return "\n".join(lines)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation (numpy's default); nan if empty."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100.0
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def build_report(
+    records: Sequence[RequestRecord],
+    *,
+    duration_s: float,
+    dense_equivalent_bytes: int,
+    max_expert_bytes: int,
+    config: dict[str, Any],
+    model: dict[str, Any],
+    workload: dict[str, Any],
+    save_requests: bool = False,
+) -> LoadTestReport:
+    ok = [record for record in records if record.ok]
+    latencies = [record.latency_ms for record in ok]
+    vram = [float(record.vram_bytes) for record in ok if record.vram_bytes is not None]
+    hits = sum(record.hits for record in ok)
+    misses = sum(record.misses for record in ok)
+    rows = sum(record.rows for record in ok)
+    expert_rows: Counter[int] = Counter()
+    for record in ok:
+        expert_rows.update(record.expert_rows)
+    errors = Counter(record.status for record in records if not record.ok)
+    p99_vram = percentile(vram, 99)
+    return LoadTestReport(
+        requests=len(records),
+        ok=len(ok),
+        errors=len(records) - len(ok),
+        rows=rows,
+        duration_s=duration_s,
+        requests_per_s=_rate(len(ok), duration_s),
+        rows_per_s=_rate(rows, duration_s),
+        latency_ms=_latency_summary(latencies),
+        errors_by_status=dict(sorted(errors.items())),
+        hits=hits,
+        misses=misses,
+        hit_rate=_ratio(hits, hits + misses),
+        loads=misses,
+        vram_bytes={
+            "p50": _finite(percentile(vram, 50)),
+            "p99": _finite(p99_vram),
+            "max": max(vram, default=0.0),
+        },
+        dense_equivalent_bytes=dense_equivalent_bytes,
+        vram_ratio=(
+            p99_vram / dense_equivalent_bytes if vram and dense_equivalent_bytes > 0 else None
+        ),
+        max_expert_bytes=max_expert_bytes,
+        expert_rows={str(key): value for key, value in sorted(expert_rows.items())},
+        time_series=time_series(records, duration_s=duration_s),
+        config=config,
+        model=model,
+        workload=workload,
+        records=[_record_dict(record) for record in records] if save_requests else None,
+    )
+
+
+def time_series(
+    records: Iterable[RequestRecord], *, duration_s: float | None = None
+) -> list[dict[str, Any]]:
+    """Per-second buckets by completion time; resident bytes are the last seen per actor.
+
+    Rates divide by the part of the second the run covered, so a last, partial second does
+    not read as a throughput drop.
+    """
+    buckets: dict[int, list[RequestRecord]] = defaultdict(list)
+    for record in records:
+        buckets[int(math.floor(record.end_s))].append(record)
+    series = []
+    for second in sorted(buckets):
+        bucket = sorted(buckets[second], key=lambda record: record.end_s)
+        ok = [record for record in bucket if record.ok]
+        latencies = [record.latency_ms for record in ok]
+        hits = sum(record.hits for record in ok)
+        misses = sum(record.misses for record in ok)
+        device: dict[str, int] = {}
+        for record in ok:
+            device.update(record.device_bytes)
+        rows = sum(record.rows for record in ok)
+        span = 1.0
+        if duration_s is not None and second + 1 > duration_s > second:
+            span = duration_s - second
+        series.append(
+            {
+                "t": second,
+                "requests": len(ok),
+                "errors": len(bucket) - len(ok),
+                "rows": rows,
+                "requests_per_s": len(ok) / span,
+                "rows_per_s": rows / span,
+                "latency_ms": {
+                    "p50": _finite(percentile(latencies, 50)),
+                    "p90": _finite(percentile(latencies, 90)),
+                    "p99": _finite(percentile(latencies, 99)),
+                },
+                "hits": hits,
+                "misses": misses,
+                "hit_rate": _ratio(hits, hits + misses),
+                "device_bytes": device,
+            }
+        )
+    return series
+
+
+def _latency_summary(latencies: Sequence[float]) -> dict[str, float]:
+    return {
+        "p50": _finite(percentile(latencies, 50)),
+        "p90": _finite(percentile(latencies, 90)),
+        "p99": _finite(percentile(latencies, 99)),
+        "max": max(latencies, default=0.0),
+        "mean": sum(latencies) / len(latencies) if latencies else 0.0,
+    }
+
+
+def _record_dict(record: RequestRecord) -> dict[str, Any]:
+    data = asdict(record)
+    data["latency_ms"] = record.latency_ms
+    data["expert_rows"] = {str(key): value for key, value in record.expert_rows.items()}
+    return data
+
+
+def _finite(value: float) -> float:
+    # JSON has no NaN: an empty set of samples reads as 0 (with ok = 0 beside it).
+    return value if math.isfinite(value) else 0.0
+
+
+def _rate(count: int, seconds: float) -> float:
+    return count / seconds if seconds > 0 else 0.0
+
+
+def _ratio(part: int, whole: int) -> float | None:
+    return part / whole if whole else None
+
+
+def _human_bytes(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"

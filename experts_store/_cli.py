@@ -1,0 +1,109 @@
+"""`momlp store info|verify DIR`. Only the standard library is imported at module level."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+__all__ = ["register"]
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``store`` command group to the root ``momlp`` parser."""
+    store = subparsers.add_parser("store", help="inspect and verify an expert store")
+    commands = store.add_subparsers(dest="store_command", metavar="STORE_COMMAND", required=True)
+    info = commands.add_parser("info", help="show a store's manifest summary and experts")
+    info.add_argument("dir", metavar="DIR", help="store directory")
+    info.add_argument("--json", action="store_true", help="print the summary as JSON")
+    info.set_defaults(handler=_info)
+    verify = commands.add_parser("verify", help="check every file's checksum and header")
+    verify.add_argument("dir", metavar="DIR", help="store directory")
+    verify.set_defaults(handler=_verify)
+
+
+def _human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _info(args: argparse.Namespace) -> int:
+    from experts_store import Store, StoreError
+
+    try:
+        store = Store.open(args.dir)
+    except StoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    m = store.manifest
+    summary: dict[str, Any] = {
+        "store_version": m.store_version,
+        "format_version": m.format_version,
+        "created_at": m.created_at,
+        "task": m.task,
+        "input_dim": m.input_dim,
+        "output_dim": m.output_dim,
+        "num_experts": m.num_experts,
+        "branching": m.branching,
+        "routing": m.routing,
+        "temperature": m.temperature,
+        "router_file": m.router_file,
+        "total_expert_bytes": m.total_expert_bytes,
+        "total_params": m.total_params,
+        "experts": [
+            {
+                "id": e.id,
+                "bytes": e.bytes,
+                "params": e.params,
+                "widths": e.arch["widths"],
+                "file": e.file,
+                "sha256": e.sha256,
+            }
+            for e in m.experts
+        ],
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"store      {store.root}")
+    print(f"version    {m.store_version} (format {m.format_version}, created {m.created_at})")
+    print(f"task       {m.task}, {m.input_dim} -> {m.output_dim}")
+    print(
+        f"experts    K={m.num_experts}, branching ν={m.branching}, routing={m.routing}, "
+        f"τ={m.temperature:g}"
+    )
+    print(f"size       {_human_bytes(m.total_expert_bytes)} in experts, {m.total_params} params")
+    print()
+    print(f"{'id':>6}  {'bytes':>12}  {'params':>12}  widths")
+    for e in m.experts:
+        widths = "-".join(str(w) for w in e.arch["widths"])
+        print(f"{e.id:>6}  {e.bytes:>12}  {e.params:>12}  {widths}")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from experts_store import Store, StoreError
+
+    try:
+        store = Store.open(args.dir)
+        problems = store.verify()
+    except StoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if not problems:
+        print(
+            f"ok: {store.manifest.num_experts} experts and the router verified "
+            f"(store version {store.version})"
+        )
+        return 0
+    failing = sorted({p.expert_id for p in problems if p.expert_id is not None})
+    for problem in problems:
+        who = "router" if problem.expert_id is None else f"expert {problem.expert_id}"
+        print(f"FAIL {who}: {problem.message}")
+    print(f"failing experts: {' '.join(str(i) for i in failing) or 'none'}")
+    return 1

@@ -1,0 +1,143 @@
+"""Errors raised by experts_store.
+
+    StoreError
+     ├── StoreNotFound(root)
+     ├── ManifestError(root)
+     ├── UnknownExpert(expert_id)
+     ├── ExpertLoadError(expert_id)
+     │    ├── ExpertChecksumError(expert_id, expected, actual)
+     │    ├── ExpertFileMissing(expert_id, path)
+     │    └── ExpertFormatError(expert_id)
+     └── CacheError
+          ├── ExpertTooLarge(expert_id, nbytes, budget_bytes)
+          └── CacheBusy(expert_id)
+
+Every error keeps its keyword fields as attributes (``exc.expert_id``) so callers (the
+server's error handler) map them without parsing messages.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = [
+    "CacheBusy",
+    "CacheError",
+    "ExpertChecksumError",
+    "ExpertFileMissing",
+    "ExpertFormatError",
+    "ExpertLoadError",
+    "ExpertTooLarge",
+    "ManifestError",
+    "StoreError",
+    "StoreNotFound",
+    "UnknownExpert",
+]
+
+
+def _expert_name(expert_id: int | None) -> str:
+    return "expert" if expert_id is None else f"expert {expert_id}"
+
+
+class StoreError(Exception):
+    """Base of every experts_store error."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class StoreNotFound(StoreError):
+    """The directory holds no published store (no manifest.json)."""
+
+    def __init__(self, *, root: Path | str, message: str | None = None) -> None:
+        self.root = Path(root)
+        super().__init__(message or f"no store at {self.root} (manifest.json not found)")
+
+
+class ManifestError(StoreError):
+    """manifest.json exists but is unreadable or violates the store contract."""
+
+    def __init__(self, *, root: Path | str, message: str) -> None:
+        self.root = Path(root)
+        super().__init__(f"bad manifest in {self.root}: {message}")
+
+
+class UnknownExpert(StoreError):
+    """The expert id is not in the manifest."""
+
+    def __init__(self, *, expert_id: int, num_experts: int | None = None) -> None:
+        self.expert_id = expert_id
+        self.num_experts = num_experts
+        bound = "" if num_experts is None else f" (store has ids 0..{num_experts - 1})"
+        super().__init__(f"unknown expert {expert_id}{bound}")
+
+
+class ExpertLoadError(StoreError):
+    """An expert's file cannot be turned into a module."""
+
+    def __init__(self, *, expert_id: int | None, message: str) -> None:
+        self.expert_id = expert_id
+        super().__init__(message)
+
+
+class ExpertChecksumError(ExpertLoadError):
+    """The file's sha256 differs from the one the manifest records."""
+
+    def __init__(self, *, expert_id: int | None, expected: str, actual: str) -> None:
+        self.expected = expected
+        self.actual = actual
+        super().__init__(
+            expert_id=expert_id,
+            message=(
+                f"{_expert_name(expert_id)}: checksum mismatch "
+                f"(manifest sha256 {expected[:16]}..., file sha256 {actual[:16]}...)"
+            ),
+        )
+
+
+class ExpertFileMissing(ExpertLoadError):
+    """The file the manifest names does not exist."""
+
+    def __init__(self, *, expert_id: int | None, path: Path | str) -> None:
+        self.path = Path(path)
+        super().__init__(
+            expert_id=expert_id, message=f"{_expert_name(expert_id)}: file missing: {self.path}"
+        )
+
+
+class ExpertFormatError(ExpertLoadError):
+    """The file is not a valid one-expert safetensors file (header, arch, dtype, shape)."""
+
+    def __init__(self, *, expert_id: int | None, reason: str) -> None:
+        self.reason = reason
+        super().__init__(
+            expert_id=expert_id, message=f"{_expert_name(expert_id)}: bad expert file: {reason}"
+        )
+
+
+class CacheError(StoreError):
+    """Base of the ExpertCache errors."""
+
+
+class ExpertTooLarge(CacheError):
+    """The expert alone needs more bytes than the cache may ever hold."""
+
+    def __init__(self, *, expert_id: int, nbytes: int, budget_bytes: int) -> None:
+        self.expert_id = expert_id
+        self.nbytes = nbytes
+        self.budget_bytes = budget_bytes
+        super().__init__(
+            f"expert {expert_id} needs {nbytes} bytes, more than the cache budget "
+            f"of {budget_bytes} bytes"
+        )
+
+
+class CacheBusy(CacheError):
+    """No room could be made in time: every resident expert is leased."""
+
+    def __init__(self, *, expert_id: int, timeout: float | None = None) -> None:
+        self.expert_id = expert_id
+        self.timeout = timeout
+        within = "" if timeout is None else f" within {timeout:g} s"
+        super().__init__(f"no room for expert {expert_id}{within}: every resident expert is in use")

@@ -1,0 +1,381 @@
+"""One expert per safetensors file: tensors + the architecture as JSON in the header metadata.
+
+Loading reads the file once into one host buffer, hashes that buffer, and makes every
+tensor a view into it (CPU) or into one device copy of its data region (CUDA), so a load
+costs one read, one optional hash and at most one host-to-device copy; no pickle, no
+random init.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from experts_store._arch import ExpertArch
+from experts_store._exceptions import (
+    ExpertChecksumError,
+    ExpertFileMissing,
+    ExpertFormatError,
+)
+from experts_store._hostbuf import HostBufferPool, fresh_host_buffer
+from experts_store._model import ExpertMLP
+
+__all__ = [
+    "FORMAT_VERSION",
+    "ExpertFile",
+    "ExpertHeader",
+    "expected_tensors",
+    "host_view",
+    "load_expert",
+    "parse_header",
+    "read_expert_bytes",
+    "save_expert",
+    "sha256_hex",
+]
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION: int = 1
+
+_RESERVED_METADATA = ("format_version", "arch")
+# A header larger than this is not one of ours; refuse before allocating for it.
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+# glibc serves requests below its largest mmap threshold (32 MiB on 64-bit) from the heap,
+# where a freed expert's pages are reused without faults; larger ones always get a fresh
+# mapping, so those are the ones worth huge pages.
+_HUGE_PAGE_MIN_BYTES = 33554432
+_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class ExpertFile:
+    """What :func:`save_expert` wrote: the figures a manifest row records."""
+
+    sha256: str
+    bytes: int
+    params: int
+    arch: ExpertArch
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class ExpertHeader:
+    """A parsed and validated header: the arch and where each tensor lies in the data."""
+
+    arch: ExpertArch
+    metadata: dict[str, str]
+    tensors: dict[str, TensorSpec]
+    data_offset: int
+    data_bytes: int
+
+
+def expected_tensors(arch: ExpertArch) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Name -> (safetensors dtype, shape) of every tensor an expert file of ``arch`` holds."""
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    widths = arch.widths
+    for j, (d_in, d_out) in enumerate(zip(widths, widths[1:], strict=False)):
+        out[f"linears.{j}.weight"] = ("F32", (d_out, d_in))
+        out[f"linears.{j}.bias"] = ("F32", (d_out,))
+    for j, width in enumerate(arch.hidden_widths):
+        out[f"activations.{j}.weight"] = ("F32", (width,))
+        if arch.batchnorm:
+            for leaf in ("weight", "bias", "running_mean", "running_var"):
+                out[f"norms.{j}.{leaf}"] = ("F32", (width,))
+            out[f"norms.{j}.num_batches_tracked"] = ("I64", ())
+    return out
+
+
+def host_view(buf: Tensor) -> memoryview:
+    """Zero-copy bytes view of a contiguous uint8 CPU tensor."""
+    return memoryview(buf.numpy())  # type: ignore[arg-type]
+
+
+def sha256_hex(data: Any) -> str:
+    """sha256 of a bytes-like object (hashlib releases the GIL on large buffers)."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def save_expert(
+    expert: ExpertMLP, path: Path | str, *, metadata: Mapping[str, str] | None = None
+) -> ExpertFile:
+    """Write ``expert`` (any device) to ``path`` as safetensors, durably, and return its figures.
+
+    The file is written to a temporary sibling, fsynced and renamed, so ``path`` never holds
+    a partial file.
+    """
+    path = Path(path)
+    header_meta = {"format_version": str(FORMAT_VERSION), "arch": expert.arch.to_json()}
+    for key, value in (metadata or {}).items():
+        if key in _RESERVED_METADATA:
+            raise ValueError(f"metadata key {key!r} is reserved")
+        header_meta[str(key)] = str(value)
+    state = {
+        name: tensor.detach().to("cpu").contiguous() for name, tensor in expert.state_dict().items()
+    }
+    expected = expected_tensors(expert.arch)
+    if set(state) != set(expected):
+        raise ValueError("expert's tensors do not match its arch; was it modified in place?")
+    for name, tensor in state.items():
+        if tensor.dtype != _DTYPES[expected[name][0]]:
+            # The format stores float32 parameters only; convert explicitly before saving.
+            raise ValueError(f"{name} is {tensor.dtype}, the format stores float32 parameters")
+    header, ordered = _serialize_header(state, header_meta, expected)
+    digest = hashlib.sha256(header)
+    size = len(header)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header)
+            for tensor in ordered:
+                chunk = host_view(tensor.reshape(-1).view(torch.uint8))
+                digest.update(chunk)
+                f.write(chunk)
+                size += chunk.nbytes
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return ExpertFile(
+        sha256=digest.hexdigest(),
+        bytes=size,
+        params=expert.arch.num_parameters(),
+        arch=expert.arch,
+    )
+
+
+def _serialize_header(
+    state: Mapping[str, Tensor],
+    metadata: Mapping[str, str],
+    expected: Mapping[str, tuple[str, tuple[int, ...]]],
+) -> tuple[bytes, list[Tensor]]:
+    """The safetensors header for ``state`` and the tensors in data order.
+
+    Written here rather than by safetensors.torch.save so that the bytes are a function of
+    the expert alone (the library orders metadata keys by hash map): the same expert gives
+    the same file, hence the same content-addressed name in the store. Data order and
+    padding follow the library (largest dtype first, then by name; header padded with
+    spaces to 8 bytes), so every tensor is aligned.
+    """
+    ordered = sorted(state, key=lambda name: (-state[name].element_size(), name))
+    header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
+    offset = 0
+    for name in ordered:
+        tensor = state[name]
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": expected[name][0],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, [state[name] for name in ordered]
+
+
+def read_expert_bytes(
+    path: Path | str,
+    *,
+    expert_id: int | None = None,
+    pin_memory: bool = False,
+    host_pool: HostBufferPool | None = None,
+) -> Tensor:
+    """The whole file as one uint8 CPU tensor, read with a single unbuffered read loop.
+
+    Buffers of 32 MiB and more come from ``host_pool`` when given, else from a fresh
+    huge-page mapping; smaller ones from the heap, where glibc reuses freed experts' pages.
+    """
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError as exc:
+        raise ExpertFileMissing(expert_id=expert_id, path=path) from exc
+    try:
+        size = os.fstat(fd).st_size
+        if pin_memory or size < _HUGE_PAGE_MIN_BYTES:
+            buf = torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory)
+        elif host_pool is not None:
+            buf = host_pool.take(size)
+        else:
+            buf = fresh_host_buffer(size)
+        view = host_view(buf)
+        done = 0
+        while done < size:
+            n = os.readv(fd, [view[done:]])
+            if not n:
+                raise ExpertFormatError(expert_id=expert_id, reason="file shrank while read")
+            done += n
+    finally:
+        os.close(fd)
+    return buf
+
+
+def parse_header(buf: Tensor | bytes, *, expert_id: int | None = None) -> ExpertHeader:
+    """Parse and validate a safetensors header against the arch it declares."""
+    raw = host_view(buf) if isinstance(buf, Tensor) else memoryview(buf)
+    total = raw.nbytes
+    if total < 8:
+        raise ExpertFormatError(expert_id=expert_id, reason="file shorter than 8 bytes")
+    (header_len,) = struct.unpack("<Q", raw[:8])
+    if header_len > min(_MAX_HEADER_BYTES, total - 8):
+        raise ExpertFormatError(expert_id=expert_id, reason="header length out of range")
+    try:
+        header = json.loads(bytes(raw[8 : 8 + header_len]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ExpertFormatError(expert_id=expert_id, reason=f"header is not JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise ExpertFormatError(expert_id=expert_id, reason="header is not a JSON object")
+    metadata = header.pop("__metadata__", None)
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise ExpertFormatError(expert_id=expert_id, reason="header has no string metadata")
+    if metadata.get("format_version") != str(FORMAT_VERSION):
+        raise ExpertFormatError(
+            expert_id=expert_id,
+            reason=f"format_version {metadata.get('format_version')!r}, "
+            f"expected {FORMAT_VERSION!r}",
+        )
+    try:
+        arch = ExpertArch.from_json(metadata.get("arch", ""))
+    except ValueError as exc:
+        raise ExpertFormatError(expert_id=expert_id, reason=f"bad arch metadata: {exc}") from exc
+    data_offset = 8 + header_len
+    data_bytes = total - data_offset
+    tensors: dict[str, TensorSpec] = {}
+    expected = expected_tensors(arch)
+    missing = sorted(set(expected) - set(header))
+    extra = sorted(set(header) - set(expected))
+    if missing or extra:
+        raise ExpertFormatError(
+            expert_id=expert_id, reason=f"tensors missing {missing[:5]}, unexpected {extra[:5]}"
+        )
+    for name, (want_dtype, want_shape) in expected.items():
+        info = header[name]
+        try:
+            dtype, shape = info["dtype"], tuple(int(s) for s in info["shape"])
+            start, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ExpertFormatError(
+                expert_id=expert_id, reason=f"{name}: malformed tensor entry"
+            ) from exc
+        if dtype != want_dtype:
+            raise ExpertFormatError(
+                expert_id=expert_id, reason=f"{name}: dtype {dtype}, expected {want_dtype}"
+            )
+        if shape != want_shape:
+            raise ExpertFormatError(
+                expert_id=expert_id,
+                reason=f"{name}: shape {list(shape)}, expected {list(want_shape)}",
+            )
+        numel = 1
+        for s in shape:
+            numel *= s
+        itemsize = _DTYPES[dtype].itemsize
+        if not 0 <= start <= end <= data_bytes or end - start != numel * itemsize:
+            raise ExpertFormatError(
+                expert_id=expert_id, reason=f"{name}: data offsets out of range"
+            )
+        tensors[name] = TensorSpec(dtype=dtype, shape=shape, start=start, end=end)
+    return ExpertHeader(
+        arch=arch,
+        metadata={k: v for k, v in metadata.items()},
+        tensors=tensors,
+        data_offset=data_offset,
+        data_bytes=data_bytes,
+    )
+
+
+def _tensor_views(data: Tensor, header: ExpertHeader) -> dict[str, Tensor]:
+    state: dict[str, Tensor] = {}
+    for name, spec in header.tensors.items():
+        dtype = _DTYPES[spec.dtype]
+        chunk = data[spec.start : spec.end]
+        itemsize = dtype.itemsize
+        if (chunk.storage_offset() % itemsize) != 0:
+            # safetensors writers align tensors, but the format does not promise it.
+            chunk = chunk.clone()
+        state[name] = chunk.view(dtype).reshape(spec.shape)
+    return state
+
+
+def _assign(expert: ExpertMLP, state: Mapping[str, Tensor]) -> None:
+    """Put the file's tensors into the meta skeleton in place of its parameters and buffers.
+
+    parse_header has already matched names, dtypes and shapes with the arch, so this skips
+    load_state_dict's per-tensor checks, which cost more than reading a small expert.
+    """
+    modules = dict(expert.named_modules())
+    for name, tensor in state.items():
+        owner, _, leaf = name.rpartition(".")
+        module = modules[owner]
+        if leaf in module._parameters:
+            module._parameters[leaf] = nn.Parameter(tensor)
+        else:
+            module._buffers[leaf] = tensor
+
+
+def load_expert(
+    path: Path | str,
+    device: str | torch.device = "cpu",
+    *,
+    expected_sha256: str | None = None,
+    expert_id: int | None = None,
+    host_pool: HostBufferPool | None = None,
+) -> ExpertMLP:
+    """Rebuild the expert saved at ``path`` on ``device``, in eval mode.
+
+    When ``expected_sha256`` is given the file's bytes are hashed first and a mismatch
+    raises ExpertChecksumError. A bad header, arch, dtype or shape raises ExpertFormatError;
+    a missing file ExpertFileMissing; all name ``expert_id``. ``host_pool`` recycles the
+    host buffers of large CPU experts (see HostBufferPool).
+    """
+    target = torch.device(device)
+    # On CUDA the read lands in pinned memory so the one host-to-device copy is a DMA.
+    pin = target.type == "cuda" and torch.cuda.is_available()
+    buf = read_expert_bytes(
+        path, expert_id=expert_id, pin_memory=pin, host_pool=None if pin else host_pool
+    )
+    if expected_sha256 is not None:
+        actual = sha256_hex(host_view(buf))
+        if actual != expected_sha256:
+            raise ExpertChecksumError(expert_id=expert_id, expected=expected_sha256, actual=actual)
+    header = parse_header(buf, expert_id=expert_id)
+    data = buf[header.data_offset :]
+    if target.type != "cpu":
+        data = data.to(target, non_blocking=pin)
+    state = _tensor_views(data, header)
+    expert = ExpertMLP(header.arch, device="meta")
+    _assign(expert, state)
+    if pin:
+        # The pinned buffer is released when this function returns; make the copy finish.
+        torch.cuda.current_stream(target).synchronize()
+    logger.debug("loaded expert %s from %s to %s", expert_id, path, target)
+    return expert.eval()

@@ -1,0 +1,141 @@
+"""manifest.json: the one file that says what a store holds (DESIGN.md, "Store layout")."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from experts_store._arch import ExpertArch
+from experts_store._exceptions import UnknownExpert
+
+__all__ = ["ExpertEntry", "Manifest", "expert_file_name", "router_file_name"]
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_EXPERT_FILE = re.compile(r"experts/(\d+)-([0-9a-f]{16})\.safetensors")
+_ROUTER_FILE = re.compile(r"router-([0-9a-f]{16})\.safetensors")
+
+
+def expert_file_name(expert_id: int, sha256: str) -> str:
+    """Store-relative path of an expert file; derived from id and content, never user input.
+
+    Content-addressed names let a new publish add files without touching the ones the
+    previous (possibly still served) manifest references.
+    """
+    return f"experts/{int(expert_id)}-{sha256[:16]}.safetensors"
+
+
+def router_file_name(sha256: str) -> str:
+    return f"router-{sha256[:16]}.safetensors"
+
+
+class ExpertEntry(BaseModel):
+    """One row of ``manifest["experts"]``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: int = Field(ge=0)
+    file: str
+    sha256: str
+    bytes: int = Field(ge=0)
+    params: int = Field(ge=0)
+    arch: dict[str, Any]
+
+    @field_validator("sha256")
+    @classmethod
+    def _check_sha256(cls, value: str) -> str:
+        if not _SHA256.fullmatch(value):
+            raise ValueError("sha256 must be 64 lowercase hex digits")
+        return value
+
+    @field_validator("arch")
+    @classmethod
+    def _check_arch(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return ExpertArch.from_dict(value).to_dict()
+
+    @model_validator(mode="after")
+    def _check_file(self) -> ExpertEntry:
+        # The exact derived name also rules out absolute paths and "..": nothing outside
+        # the store's experts/ directory can be named.
+        if self.file != expert_file_name(self.id, self.sha256):
+            raise ValueError(
+                f"expert {self.id}: file {self.file!r} is not the derived name "
+                f"{expert_file_name(self.id, self.sha256)!r}"
+            )
+        if self.params != self.expert_arch.num_parameters():
+            raise ValueError(f"expert {self.id}: params does not match its arch")
+        return self
+
+    @property
+    def expert_arch(self) -> ExpertArch:
+        return ExpertArch.from_dict(self.arch)
+
+
+class Manifest(BaseModel):
+    """The store's manifest.json."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    format_version: int
+    store_version: str = Field(min_length=1, max_length=128)
+    created_at: str
+    task: Literal["regression", "classification"]
+    input_dim: int = Field(ge=1)
+    output_dim: int = Field(ge=1)
+    routing: Literal["tree", "exact"]
+    branching: int = Field(ge=2)
+    num_experts: int = Field(ge=1)
+    temperature: float = Field(default=1.0, gt=0)
+    router_file: str = "router.safetensors"
+    experts: list[ExpertEntry]
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("router_file")
+    @classmethod
+    def _check_router_file(cls, value: str) -> str:
+        if not _ROUTER_FILE.fullmatch(value):
+            raise ValueError(f"router_file {value!r} is not of the form router-<sha16>.safetensors")
+        return value
+
+    @field_validator("store_version")
+    @classmethod
+    def _check_version(cls, value: str) -> str:
+        if not re.fullmatch(r"[0-9A-Za-z._-]+", value):
+            raise ValueError("store_version may hold only letters, digits, '.', '_' and '-'")
+        return value
+
+    @model_validator(mode="after")
+    def _check_experts(self) -> Manifest:
+        ids = [entry.id for entry in self.experts]
+        if ids != list(range(self.num_experts)):
+            raise ValueError(
+                f"expert ids must be exactly 0..{self.num_experts - 1} in order, got "
+                f"{ids[:10]}{'...' if len(ids) > 10 else ''}"
+            )
+        for entry in self.experts:
+            arch = entry.expert_arch
+            if arch.input_dim != self.input_dim or arch.output_dim != self.output_dim:
+                raise ValueError(
+                    f"expert {entry.id}: arch maps {arch.input_dim} -> {arch.output_dim}, "
+                    f"store maps {self.input_dim} -> {self.output_dim}"
+                )
+        return self
+
+    @property
+    def total_expert_bytes(self) -> int:
+        return sum(entry.bytes for entry in self.experts)
+
+    @property
+    def max_expert_bytes(self) -> int:
+        return max(entry.bytes for entry in self.experts)
+
+    @property
+    def total_params(self) -> int:
+        return sum(entry.params for entry in self.experts)
+
+    def expert(self, expert_id: int) -> ExpertEntry:
+        """The row of ``expert_id``; UnknownExpert when the store has no such expert."""
+        if isinstance(expert_id, bool) or not 0 <= expert_id < self.num_experts:
+            raise UnknownExpert(expert_id=int(expert_id), num_experts=self.num_experts)
+        return self.experts[expert_id]

@@ -1,0 +1,177 @@
+"""Store: the read side of a published store directory."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+
+from experts_store._exceptions import (
+    ExpertFormatError,
+    ExpertLoadError,
+    ManifestError,
+    StoreNotFound,
+)
+from experts_store._format import (
+    host_view,
+    load_expert,
+    parse_header,
+    read_expert_bytes,
+    sha256_hex,
+)
+from experts_store._hostbuf import HostBufferPool
+from experts_store._manifest import ExpertEntry, Manifest
+from experts_store._model import ExpertMLP
+from experts_store._writer import MANIFEST_NAME, REPORT_NAME
+
+__all__ = ["Store", "StoreExpertLoader", "StoreProblem"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StoreProblem:
+    """One finding of :meth:`Store.verify`; ``expert_id`` is None for the router/manifest."""
+
+    expert_id: int | None
+    message: str
+
+
+class Store:
+    """A published store, pinned to the manifest read at :meth:`open`.
+
+    Thread-safe. Each expert's sha256 is checked on its first load through this object;
+    later loads trust the content-addressed file. CPU loads of large experts reuse the
+    host buffers of freed ones through ``host_pool`` (see HostBufferPool).
+    """
+
+    def __init__(
+        self, root: Path, manifest: Manifest, *, host_pool: HostBufferPool | None = None
+    ) -> None:
+        self.root = root
+        self.manifest = manifest
+        self.host_pool = host_pool
+        self._verified: set[int] = set()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(cls, root: Path | str, *, host_pool_bytes: int | None = None) -> Store:
+        """Read ``root``'s manifest. ``host_pool_bytes`` bounds the freed expert buffers kept
+        for reuse (default: two of the store's largest experts; 0 disables the pool)."""
+        root = Path(root)
+        path = root / MANIFEST_NAME
+        try:
+            raw = path.read_bytes()
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            raise StoreNotFound(root=root) from exc
+        try:
+            manifest = Manifest.model_validate_json(raw)
+        except ValidationError as exc:
+            raise ManifestError(root=root, message=str(exc)) from exc
+        if host_pool_bytes is None:
+            host_pool_bytes = 2 * manifest.max_expert_bytes
+        pool = HostBufferPool(host_pool_bytes) if host_pool_bytes > 0 else None
+        return cls(root, manifest, host_pool=pool)
+
+    @property
+    def version(self) -> str:
+        return self.manifest.store_version
+
+    @property
+    def router_path(self) -> Path:
+        return self.root / self.manifest.router_file
+
+    def expert_entry(self, expert_id: int) -> ExpertEntry:
+        return self.manifest.expert(expert_id)
+
+    def expert_path(self, expert_id: int) -> Path:
+        return self.root / self.expert_entry(expert_id).file
+
+    def expert_nbytes(self, expert_id: int) -> int:
+        """Bytes the expert's parameters and buffers occupy on a device once loaded."""
+        return self.expert_entry(expert_id).expert_arch.nbytes()
+
+    def load_expert(self, expert_id: int, device: str | torch.device = "cpu") -> ExpertMLP:
+        entry = self.expert_entry(expert_id)
+        with self._lock:
+            verified = entry.id in self._verified
+        expert = load_expert(
+            self.root / entry.file,
+            device,
+            expected_sha256=None if verified else entry.sha256,
+            expert_id=entry.id,
+            host_pool=self.host_pool,
+        )
+        if expert.arch.to_dict() != entry.arch:
+            raise ExpertFormatError(
+                expert_id=entry.id, reason="file's arch differs from the manifest's"
+            )
+        if not verified:
+            with self._lock:
+                self._verified.add(entry.id)
+        return expert
+
+    def verify(self) -> list[StoreProblem]:
+        """Check every file's presence, sha256 and header; an empty list means all hold."""
+        problems: list[StoreProblem] = []
+        router_sha: str | None = None
+        try:
+            router_sha = sha256_hex(self.router_path.read_bytes())
+        except FileNotFoundError:
+            problems.append(StoreProblem(None, f"router file missing: {self.router_path}"))
+        if router_sha is not None and not self.manifest.router_file.endswith(
+            f"-{router_sha[:16]}.safetensors"
+        ):
+            problems.append(
+                StoreProblem(None, f"router file {self.manifest.router_file}: checksum mismatch")
+            )
+        for entry in self.manifest.experts:
+            try:
+                buf = read_expert_bytes(self.root / entry.file, expert_id=entry.id)
+                actual = sha256_hex(host_view(buf))
+                if actual != entry.sha256:
+                    problems.append(
+                        StoreProblem(
+                            entry.id,
+                            f"checksum mismatch: manifest {entry.sha256[:16]}..., "
+                            f"file {actual[:16]}...",
+                        )
+                    )
+                    continue
+                header = parse_header(buf, expert_id=entry.id)
+                if header.arch.to_dict() != entry.arch:
+                    problems.append(StoreProblem(entry.id, "file's arch differs from manifest"))
+            except ExpertLoadError as exc:
+                problems.append(StoreProblem(entry.id, exc.message))
+        return problems
+
+    def report(self) -> dict[str, Any] | None:
+        """report.json of the build, or None when the store has none."""
+        try:
+            data = json.loads((self.root / REPORT_NAME).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None
+        except (OSError, json.JSONDecodeError):
+            logger.warning("unreadable %s in %s", REPORT_NAME, self.root)
+            return None
+        return data if isinstance(data, dict) else None
+
+
+class StoreExpertLoader:
+    """The :class:`ExpertLoader` an :class:`ExpertCache` needs, reading from a Store."""
+
+    def __init__(self, store: Store, device: str | torch.device = "cpu") -> None:
+        self.store = store
+        self.device = torch.device(device)
+
+    def nbytes(self, expert_id: int) -> int:
+        return self.store.expert_nbytes(expert_id)
+
+    def load(self, expert_id: int) -> ExpertMLP:
+        return self.store.load_expert(expert_id, self.device)

@@ -1,0 +1,252 @@
+"""StoreWriter: stage a store's files, then publish them atomically.
+
+Publishing moves the staged files to content-addressed names (never overwriting a file
+the live manifest references), then replaces manifest.json with one ``os.replace``: a
+crash at any point leaves either the previous store or the new one readable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+from pydantic import ValidationError
+
+from experts_store._exceptions import ManifestError, StoreError
+from experts_store._format import (
+    FORMAT_VERSION,
+    ExpertFile,
+    host_view,
+    parse_header,
+    read_expert_bytes,
+    save_expert,
+    sha256_hex,
+)
+from experts_store._manifest import ExpertEntry, Manifest, expert_file_name, router_file_name
+from experts_store._model import ExpertMLP
+
+__all__ = ["StoreWriter"]
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_NAME = "manifest.json"
+REPORT_NAME = "report.json"
+STAGING_PREFIX = ".staging-"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _new_version(now: datetime) -> str:
+    # Sortable by time; the random suffix keeps two publishes in one microsecond apart.
+    return now.strftime("%Y%m%dT%H%M%S%fZ") + "-" + secrets.token_hex(3)
+
+
+def _referenced_files(root: Path) -> set[str] | None:
+    """Files the current manifest references, or None if it cannot be read."""
+    try:
+        manifest = Manifest.model_validate_json((root / MANIFEST_NAME).read_bytes())
+    except FileNotFoundError:
+        return set()
+    except (OSError, ValidationError):
+        return None
+    return {manifest.router_file, *(entry.file for entry in manifest.experts)}
+
+
+class StoreWriter:
+    """Stage experts, router and report under ``root``, then :meth:`publish` them.
+
+    Use as a context manager: leaving it without publishing (or with an exception)
+    removes the staging directory and leaves the previous store untouched. One writer
+    at a time per store root.
+    """
+
+    def __init__(
+        self,
+        root: Path | str,
+        *,
+        now: Callable[[], datetime] | None = None,
+        stale_staging_seconds: float = 3600.0,
+    ) -> None:
+        self.root = Path(root)
+        self._now = now or (lambda: datetime.now(UTC))
+        self._stale_staging_seconds = stale_staging_seconds
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.version = _new_version(self._now())
+        self.staging = self.root / f"{STAGING_PREFIX}{self.version}"
+        (self.staging / "experts").mkdir(parents=True)
+        self.router_path = self.staging / "router.safetensors"
+        self._entries: dict[int, ExpertEntry] = {}
+        self._report_written = False
+        self._closed = False
+
+    def __enter__(self) -> StoreWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.abort()
+
+    def abort(self) -> None:
+        """Drop everything staged (no-op after publish)."""
+        self._closed = True
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+    def expert_path(self, expert_id: int) -> Path:
+        """Where a (Ray) task may write expert ``expert_id`` with ``save_expert``."""
+        return self.staging / "experts" / f"{self._check_id(expert_id)}.safetensors"
+
+    def add_expert(self, expert_id: int, expert: ExpertMLP) -> ExpertEntry:
+        self._check_open()
+        written = save_expert(expert, self.expert_path(expert_id))
+        return self._record(expert_id, written)
+
+    def register_expert_file(self, expert_id: int) -> ExpertEntry:
+        """Record a file a task wrote at ``expert_path(expert_id)`` (its header is checked)."""
+        self._check_open()
+        buf = read_expert_bytes(self.expert_path(expert_id), expert_id=expert_id)
+        header = parse_header(buf, expert_id=expert_id)
+        written = ExpertFile(
+            sha256=sha256_hex(host_view(buf)),
+            bytes=buf.numel(),
+            params=header.arch.num_parameters(),
+            arch=header.arch,
+        )
+        return self._record(expert_id, written)
+
+    def write_report(self, report: Mapping[str, Any]) -> None:
+        """Stage report.json; it is moved into the store right after the manifest."""
+        self._check_open()
+        text = json.dumps(dict(report), indent=2, sort_keys=True, default=str)
+        path = self.staging / REPORT_NAME
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self._report_written = True
+
+    def publish(
+        self,
+        *,
+        task: Literal["regression", "classification"],
+        input_dim: int,
+        output_dim: int,
+        routing: Literal["tree", "exact"],
+        branching: int,
+        temperature: float = 1.0,
+        extra: Mapping[str, Any] | None = None,
+    ) -> Manifest:
+        """Make the staged store the live one and return its manifest."""
+        self._check_open()
+        if not self.router_path.is_file():
+            raise StoreError(f"nothing staged at {self.router_path}: save the router first")
+        router_sha = sha256_hex(self.router_path.read_bytes())
+        entries = [self._entries[i] for i in sorted(self._entries)]
+        try:
+            manifest = Manifest(
+                format_version=FORMAT_VERSION,
+                store_version=self.version,
+                created_at=self._now().isoformat(),
+                task=task,
+                input_dim=input_dim,
+                output_dim=output_dim,
+                routing=routing,
+                branching=branching,
+                num_experts=len(entries),
+                temperature=temperature,
+                router_file=router_file_name(router_sha),
+                experts=entries,
+                extra=dict(extra or {}),
+            )
+        except ValidationError as exc:
+            raise ManifestError(root=self.root, message=str(exc)) from exc
+        previous = _referenced_files(self.root)
+
+        (self.root / "experts").mkdir(exist_ok=True)
+        for entry in entries:
+            os.replace(self.expert_path(entry.id), self.root / entry.file)
+        os.replace(self.router_path, self.root / manifest.router_file)
+        _fsync_dir(self.root / "experts")
+        staged_manifest = self.staging / MANIFEST_NAME
+        with open(staged_manifest, "w", encoding="utf-8") as f:
+            f.write(manifest.model_dump_json(indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(staged_manifest, self.root / MANIFEST_NAME)
+        _fsync_dir(self.root)
+        if self._report_written:
+            os.replace(self.staging / REPORT_NAME, self.root / REPORT_NAME)
+        else:
+            # A report left from the previous publish would describe other experts.
+            (self.root / REPORT_NAME).unlink(missing_ok=True)
+        logger.info(
+            "published store %s version %s (%s experts)",
+            self.root,
+            manifest.store_version,
+            manifest.num_experts,
+        )
+        self._collect_garbage(manifest, previous)
+        self.abort()
+        return manifest
+
+    def _collect_garbage(self, manifest: Manifest, previous: set[str] | None) -> None:
+        """Delete files neither the new nor the previous manifest references."""
+        if previous is not None:
+            keep = previous | {manifest.router_file} | {e.file for e in manifest.experts}
+            candidates = [
+                *self.root.glob("experts/*.safetensors"),
+                *self.root.glob("router-*.safetensors"),
+            ]
+            for path in candidates:
+                if path.relative_to(self.root).as_posix() not in keep:
+                    logger.debug("removing unreferenced %s", path)
+                    path.unlink(missing_ok=True)
+        now = self._now().timestamp()
+        for staging in self.root.glob(f"{STAGING_PREFIX}*"):
+            if staging == self.staging or not staging.is_dir():
+                continue
+            try:
+                age = now - staging.stat().st_mtime
+            except FileNotFoundError:
+                continue
+            # A young staging dir may belong to a writer still at work; leave it.
+            if age > self._stale_staging_seconds:
+                shutil.rmtree(staging, ignore_errors=True)
+
+    def _record(self, expert_id: int, written: ExpertFile) -> ExpertEntry:
+        entry = ExpertEntry(
+            id=expert_id,
+            file=expert_file_name(expert_id, written.sha256),
+            sha256=written.sha256,
+            bytes=written.bytes,
+            params=written.params,
+            arch=written.arch.to_dict(),
+        )
+        self._entries[expert_id] = entry
+        return entry
+
+    def _check_id(self, expert_id: int) -> int:
+        if isinstance(expert_id, bool) or int(expert_id) != expert_id or expert_id < 0:
+            raise ValueError(f"expert ids are non-negative ints, got {expert_id!r}")
+        return int(expert_id)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError("this StoreWriter was already published or aborted")

@@ -1,0 +1,193 @@
+"""`exact` mode: batched branch-and-bound over the tree, with a blocked brute-force escape.
+
+The search keeps, for every query, a frontier of subtrees that may still hold its nearest
+prototype and expands all frontiers of the batch together, one level per step. A subtree
+is dropped when a lower bound on its distance exceeds the query's upper bound:
+
+- ball bound: d(q, c) - r, r the covering radius of the subtree's point c;
+- bisector bound: (d(q, c_i)^2 - d(q, c_j)^2) / (2 |c_i - c_j|) against the nearest
+  sibling c_j, valid because a node's members are exactly the Voronoi cell of its point
+  among its siblings.
+
+Bounds are compared with a relative slack far above float64 rounding, so a prototype tied
+with (or a hair closer than) the best is never pruned; leaf distances are float64 direct
+differences, so the answer equals a float64 brute-force scan, ties to the lowest index.
+Queries whose frontier stays large (high intrinsic dimension) leave the search and are
+answered by the blocked brute force, so exact mode is never much slower than a scan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._bruteforce import BlockedSearch
+
+__all__ = ["ExactIndex", "exact_nearest"]
+
+_SLACK = 1e-10
+# Pairs per chunk so that a gathered [pairs, branching, n] float64 block stays near 32 MB.
+_CHUNK_ELEMENTS = 1 << 22
+# A query leaves the tree search once its evaluations would pass K / _SWITCH_FRACTION;
+# below this many prototypes a scan is always cheaper than the search's fixed costs.
+_SWITCH_FRACTION = 48
+_MIN_TREE_SEARCH = 2048
+
+
+@dataclass(frozen=True)
+class ExactIndex:
+    nodes64: torch.Tensor  # [num_internal + K, n] float64
+    radius: torch.Tensor  # [num_internal + K] float64, 0 for leaves
+    children: torch.Tensor  # [num_internal, branching] int64, -1 padded
+    sibling: torch.Tensor  # [num_internal, branching, branching] float64 |c_i - c_j|
+    num_internal: int
+
+    @classmethod
+    def from_tree(
+        cls, nodes: torch.Tensor, radius: torch.Tensor, children: torch.Tensor, num_internal: int
+    ) -> ExactIndex:
+        nodes64 = nodes.to(torch.float64).contiguous()
+        k = nodes.shape[0] - num_internal
+        radius_all = torch.cat([radius.to(torch.float64), torch.zeros(k, dtype=torch.float64)])
+        nu = children.shape[1]
+        sibling = torch.empty((num_internal, nu, nu), dtype=torch.float64)
+        step = max(1, _CHUNK_ELEMENTS // max(1, nu * nu * nodes.shape[1]))
+        for lo in range(0, num_internal, step):
+            c = nodes64[children[lo : lo + step].clamp(min=0)]
+            diff = c[:, :, None, :] - c[:, None, :, :]
+            sibling[lo : lo + step] = (diff * diff).sum(dim=3).sqrt()
+        return cls(nodes64, radius_all, children, sibling, num_internal)
+
+
+def exact_nearest(
+    x: torch.Tensor,
+    seed_idx: torch.Tensor,
+    seed_d2: torch.Tensor,
+    seed_evals: torch.Tensor,
+    index: ExactIndex,
+    search: BlockedSearch,
+    *,
+    min_tree_search: int = _MIN_TREE_SEARCH,
+    switch_fraction: float = _SWITCH_FRACTION,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Nearest prototype of float64 x [B, n], seeded by a known prototype and its distance.
+
+    Returns (prototype index [B], float64 squared distance [B], evaluations [B]). Below
+    min_tree_search prototypes every query is scanned; a query leaves the tree search once
+    its evaluations would pass K / switch_fraction (0 never switches).
+    """
+    b = x.shape[0]
+    k_total = index.nodes64.shape[0] - index.num_internal
+    best_idx = seed_idx.clone()
+    best_d2 = seed_d2.clone()
+    evals = seed_evals.clone()
+    if index.num_internal == 0:
+        return best_idx, best_d2, evals
+    to_scan = torch.zeros(b, dtype=torch.bool)
+    if k_total <= min_tree_search:
+        to_scan[:] = True
+    else:
+        budget = k_total / switch_fraction if switch_fraction > 0 else float("inf")
+        _branch_and_bound(x, best_idx, best_d2, evals, to_scan, index, budget)
+    if bool(to_scan.any()):
+        rows = torch.nonzero(to_scan).flatten()
+        idx, d2 = search.knn(x[rows], 1)
+        best_idx[rows] = idx[:, 0]
+        best_d2[rows] = d2[:, 0]
+        evals[rows] += k_total
+    return best_idx, best_d2, evals
+
+
+def _branch_and_bound(
+    x: torch.Tensor,
+    best_idx: torch.Tensor,
+    best_d2: torch.Tensor,
+    evals: torch.Tensor,
+    to_scan: torch.Tensor,
+    index: ExactIndex,
+    budget: float,
+) -> None:
+    """Update best_idx / best_d2 / evals in place; mark in to_scan the queries given up."""
+    b = x.shape[0]
+    nu = index.children.shape[1]
+    n = x.shape[1]
+    m = index.num_internal
+    ub = best_d2.sqrt()
+    fq = torch.arange(b)
+    fnode = torch.zeros(b, dtype=torch.long)
+    step = max(1, _CHUNK_ELEMENTS // max(1, nu * n))
+    while fq.numel() > 0:
+        next_q: list[torch.Tensor] = []
+        next_node: list[torch.Tensor] = []
+        for lo in range(0, fq.numel(), step):
+            q = fq[lo : lo + step]
+            node = fnode[lo : lo + step]
+            ch = index.children[node]
+            valid = ch >= 0
+            chc = ch.clamp(min=0)
+            diff = x[q, None, :] - index.nodes64[chc]
+            d2 = (diff * diff).sum(dim=2)
+            d2.masked_fill_(~valid, float("inf"))
+            evals.index_add_(0, q, valid.sum(dim=1))
+            is_leaf = valid & (ch >= m)
+            _update_best(best_idx, best_d2, q, ch, d2, is_leaf, m)
+            d = d2.sqrt()
+            r = index.radius[chc]
+            inner = valid & (ch < m)
+            # Any subtree holds a prototype within d + r: a valid upper bound right away.
+            reach = torch.where(inner, d + r, torch.full_like(d, float("inf"))).min(dim=1).values
+            ub.scatter_reduce_(0, q, reach, reduce="amin")
+            ub = torch.minimum(ub, best_d2.sqrt())
+            uq = ub[q][:, None]
+            ball_lb = d - r
+            keep = inner & (ball_lb <= uq + _SLACK * (d + r + uq))
+            j = d2.argmin(dim=1)
+            s = index.sibling[node].gather(
+                2, j[:, None, None].expand(-1, nu, 1)
+            ).squeeze(2)
+            d2j = d2.gather(1, j[:, None])
+            gap = d2 - d2j
+            slack = _SLACK * (d2 + d2j + (r + s) ** 2)
+            # A sibling at distance 0 (duplicate points) gives no bisector: skip it.
+            bis_prune = (s > 0) & (gap > 2.0 * s * uq + slack)
+            keep &= ~bis_prune
+            kq, kslot = torch.nonzero(keep, as_tuple=True)
+            next_q.append(q[kq])
+            next_node.append(ch[kq, kslot])
+        fq = torch.cat(next_q)
+        fnode = torch.cat(next_node)
+        if fq.numel() == 0:
+            break
+        pending = torch.bincount(fq, minlength=b)
+        over = (evals + pending * nu > budget) & (pending > 0)
+        if bool(over.any()):
+            to_scan |= over
+            stay = ~over[fq]
+            fq, fnode = fq[stay], fnode[stay]
+
+
+def _update_best(
+    best_idx: torch.Tensor,
+    best_d2: torch.Tensor,
+    q: torch.Tensor,
+    ch: torch.Tensor,
+    d2: torch.Tensor,
+    is_leaf: torch.Tensor,
+    num_internal: int,
+) -> None:
+    """Fold the leaf candidates into the best so far: smaller distance, then lower index."""
+    lq, lslot = torch.nonzero(is_leaf, as_tuple=True)
+    if lq.numel() == 0:
+        return
+    cq = q[lq]
+    cd2 = d2[lq, lslot]
+    cidx = ch[lq, lslot] - num_internal
+    new_min = best_d2.clone()
+    new_min.scatter_reduce_(0, cq, cd2, reduce="amin")
+    big = torch.iinfo(torch.long).max
+    idx = torch.where(best_d2 == new_min, best_idx, torch.full_like(best_idx, big))
+    on_min = cd2 == new_min[cq]
+    idx.scatter_reduce_(0, cq[on_min], cidx[on_min], reduce="amin")
+    best_idx.copy_(idx)
+    best_d2.copy_(new_min)

@@ -1,0 +1,175 @@
+"""PrototypeTree: the ν-ary tree over the K prototypes that routes inputs to experts."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ._bruteforce import BlockedSearch, sq_dist_rows
+from ._build import TreeArrays, build_tree_arrays
+from ._exact import ExactIndex, exact_nearest
+from ._exceptions import RouterBuildError
+from ._io import read_router, write_router
+from ._routing import Mode, Routing, check_mode, check_top_k, gate_weights, to_inputs
+from ._walk import greedy_walk
+
+__all__ = ["PrototypeTree"]
+
+logger = logging.getLogger(__name__)
+
+
+class PrototypeTree:
+    """Prototypes p_0..p_{K-1} in R^n as the leaves of a ν-ary tree of points.
+
+    Build with PrototypeTree.build(), or read one with PrototypeTree.load(). route() sends
+    each input to one expert (`tree`: greedy descent; `exact`: the nearest prototype) or,
+    with top_k > 1, to the k nearest prototypes with softmax(-d^2 / temperature) weights.
+    """
+
+    def __init__(
+        self,
+        prototypes: torch.Tensor,
+        arrays: TreeArrays,
+        branching: int,
+        temperature: float = 1.0,
+    ) -> None:
+        self.prototypes = prototypes
+        self.branching = branching
+        self.temperature = float(temperature)
+        self._arrays = arrays
+        self._num_internal = int(arrays.children.shape[0])
+        # Internal points then prototypes: node id num_internal + p is the leaf of p.
+        self._nodes = torch.cat([arrays.points, prototypes], dim=0).contiguous()
+        self.depth = _depth(arrays.children, self._num_internal)
+        self._exact: ExactIndex | None = None
+        self._search: BlockedSearch | None = None
+
+    @classmethod
+    def build(
+        cls,
+        prototypes: torch.Tensor | np.ndarray,
+        branching: int = 4,
+        seed: int = 0,
+        temperature: float = 1.0,
+    ) -> PrototypeTree:
+        """Build the tree top-down by k-means; the same inputs and seed give the same tree."""
+        if isinstance(branching, bool) or not isinstance(branching, int) or branching < 2:
+            raise RouterBuildError(f"branching must be an integer >= 2, got {branching!r}")
+        if not (isinstance(temperature, int | float) and math.isfinite(temperature)):
+            raise RouterBuildError(f"temperature must be a finite number, got {temperature!r}")
+        if temperature <= 0:
+            raise RouterBuildError(f"temperature must be > 0, got {temperature!r}")
+        p = torch.as_tensor(prototypes).detach().to("cpu")
+        if p.dim() != 2 or p.shape[0] < 1 or p.shape[1] < 1:
+            raise RouterBuildError(f"prototypes must be [K >= 1, n >= 1], got {list(p.shape)}")
+        if p.is_complex() or p.dtype == torch.bool:
+            raise RouterBuildError(f"prototypes must be real numbers, got {p.dtype}")
+        p32 = p.to(torch.float32).contiguous()
+        if not bool(torch.isfinite(p32).all()):
+            raise RouterBuildError("prototypes contain NaN or infinite values (in float32)")
+        arrays = build_tree_arrays(p32, branching, seed)
+        tree = cls(p32, arrays, branching, float(temperature))
+        logger.info(
+            "built prototype tree: K=%s n=%s branching=%s depth=%s internal=%s",
+            tree.num_prototypes, tree.dim, branching, tree.depth, tree._num_internal,
+        )
+        return tree
+
+    @property
+    def num_prototypes(self) -> int:
+        return int(self.prototypes.shape[0])
+
+    @property
+    def dim(self) -> int:
+        return int(self.prototypes.shape[1])
+
+    @property
+    def num_internal_nodes(self) -> int:
+        return self._num_internal
+
+    def route(
+        self, x: torch.Tensor | np.ndarray, mode: Mode = "tree", top_k: int = 1
+    ) -> Routing:
+        """Route a batch x [B, n] (torch or numpy, float32/float64).
+
+        top_k > 1 is always the exact k nearest prototypes, whatever the mode. Raises a
+        RouterInputError subclass for a bad batch, mode or top_k.
+        """
+        mode = check_mode(mode)
+        k = check_top_k(top_k, self.num_prototypes)
+        xs = to_inputs(x, self.dim)
+        if k > 1:
+            idx, d2 = self._blocked_search().knn(xs, k)
+            evals = torch.full((xs.shape[0],), self.num_prototypes, dtype=torch.long)
+            return Routing(
+                experts=idx,
+                weights=gate_weights(d2, self.temperature),
+                distances=d2.sqrt().to(torch.float32),
+                distance_evals=evals,
+            )
+        leaf, sq32, evals = greedy_walk(
+            xs.to(torch.float32), self._nodes, self._arrays.children, self._num_internal
+        )
+        if mode == "tree":
+            dist = sq32.sqrt()
+        else:
+            best = sq_dist_rows(xs, self.prototypes[leaf].to(torch.float64))
+            leaf, best, evals = exact_nearest(
+                xs, leaf, best, evals, self._exact_index(), self._blocked_search()
+            )
+            dist = best.sqrt().to(torch.float32)
+        b = xs.shape[0]
+        return Routing(
+            experts=leaf[:, None],
+            weights=torch.ones((b, 1), dtype=torch.float32),
+            distances=dist[:, None],
+            distance_evals=evals,
+        )
+
+    def save(self, path: Path | str) -> None:
+        """Write the tree as safetensors (atomically; no pickle)."""
+        write_router(path, self.prototypes, self._arrays, self.branching, self.temperature)
+
+    @classmethod
+    def load(cls, path: Path | str) -> PrototypeTree:
+        """Read a tree written by save(); RouterFileError if missing or inconsistent."""
+        prototypes, arrays, branching, temperature = read_router(path)
+        return cls(prototypes, arrays, branching, temperature)
+
+    def _blocked_search(self) -> BlockedSearch:
+        if self._search is None:
+            self._search = BlockedSearch(self.prototypes, dtype=torch.float32)
+        return self._search
+
+    def _exact_index(self) -> ExactIndex:
+        if self._exact is None:
+            self._exact = ExactIndex.from_tree(
+                self._nodes, self._arrays.radius, self._arrays.children, self._num_internal
+            )
+        return self._exact
+
+    def __repr__(self) -> str:
+        return (
+            f"PrototypeTree(num_prototypes={self.num_prototypes}, dim={self.dim}, "
+            f"branching={self.branching}, depth={self.depth}, temperature={self.temperature})"
+        )
+
+
+def _depth(children: torch.Tensor, num_internal: int) -> int:
+    """Levels of internal nodes on the longest root-to-leaf path (0 for K = 1)."""
+    if num_internal == 0:
+        return 0
+    valid = (children >= 0) & (children < num_internal)
+    parents = torch.arange(num_internal)[:, None].expand_as(children)[valid]
+    parent_of = torch.full((num_internal,), -1, dtype=torch.long)
+    parent_of[children[valid]] = parents
+    frontier = torch.tensor([0])
+    depth = 0
+    while frontier.numel() > 0:
+        depth += 1
+        frontier = torch.nonzero(torch.isin(parent_of, frontier)).flatten()
+    return depth

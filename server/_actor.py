@@ -1,0 +1,343 @@
+"""One device's worth of serving: an expert cache plus the forward passes, with and without Ray.
+
+`ActorCore` is the plain-Python logic (tested without Ray and used in-process by the fake pool);
+`ExpertActor` is the body of the Ray actor, a thin wrapper that owns one `ActorCore`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from experts_store import (
+    CacheBusy,
+    CacheError,
+    Clock,
+    ExpertCache,
+    ExpertLoadError,
+    ExpertMLP,
+    MonotonicClock,
+    Store,
+    StoreError,
+)
+
+from ._runtime_types import ActorInfo, ActorReply, GroupOutcome
+
+__all__ = ["ActorCore", "ExpertActor", "activation_peak_bytes", "resolve_device"]
+
+logger = logging.getLogger(__name__)
+
+ERROR_LOAD = "load"
+ERROR_BUSY = "busy"
+ERROR_INTERNAL = "internal"
+
+
+def resolve_device(device: str) -> str:
+    """`auto` means CUDA when this process sees a GPU, else CPU."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def activation_peak_bytes(widths: Sequence[int], rows: int, element_size: int = 4) -> int:
+    """Largest input+output activation of any layer of a PReLU MLP over `rows` rows.
+
+    A Linear layer holds its input (w_j) and output (w_{j+1}) at once; a PReLU or BatchNorm on
+    a hidden width w holds 2·w. This is what the CPU path reports as the activation peak.
+    """
+    widths = list(widths)
+    linear = max(widths[j] + widths[j + 1] for j in range(len(widths) - 1))
+    hidden = max((2 * w for w in widths[1:-1]), default=0)
+    return rows * element_size * max(linear, hidden)
+
+
+@dataclass
+class _Resident:
+    """What the cache holds for one expert: the module and its activation meter."""
+
+    module: ExpertMLP
+    meter: _ActivationMeter
+
+
+class _ActivationMeter:
+    """Records the largest input+output activation bytes of any leaf module during a forward."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.peak = 0
+        self.fired = False
+        for sub in module.modules():
+            if next(sub.children(), None) is None:
+                sub.register_forward_hook(self._hook)
+
+    def reset(self) -> None:
+        self.peak = 0
+        self.fired = False
+
+    def _hook(self, _module: torch.nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+        nbytes = sum(_tensor_bytes(t) for t in inputs) + _tensor_bytes(output)
+        self.fired = True
+        self.peak = max(self.peak, nbytes)
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.nelement() * value.element_size()
+    return 0
+
+
+class _DeviceLoader:
+    """`ExpertLoader` that reads an expert file straight onto this actor's device."""
+
+    def __init__(self, store: Store, device: str) -> None:
+        self._store = store
+        self._device = device
+        self._cuda = device.startswith("cuda")
+        # A side stream lets a host->device copy overlap another expert's forward on the
+        # default stream; only exists on CUDA (unmeasured on the CPU-only dev machine).
+        self._copy_stream: Any = (
+            torch.cuda.Stream(device=device) if self._cuda else None  # type: ignore[no-untyped-call]
+        )
+
+    def nbytes(self, expert_id: int) -> int:
+        return self._store.expert_nbytes(expert_id)
+
+    def load(self, expert_id: int) -> _Resident:
+        if self._cuda:
+            module = self._load_cuda(expert_id)
+        else:
+            module = self._store.load_expert(expert_id, device=self._device)
+        module.eval()
+        return _Resident(module=module, meter=_ActivationMeter(module))
+
+    def _load_cuda(self, expert_id: int) -> ExpertMLP:
+        module = self._store.load_expert(expert_id, device="cpu")
+        with torch.cuda.stream(self._copy_stream):
+            for tensor in list(module.parameters()) + list(module.buffers()):
+                staged = tensor.data.pin_memory()
+                tensor.data = staged.to(self._device, non_blocking=True)
+        # Blocks only this loader thread; the compute stream keeps running.
+        self._copy_stream.synchronize()
+        return module
+
+
+class ActorCore:
+    """Runs groups of rows through their experts on one device, loading misses on demand.
+
+    Calls to `run` are serialised (the device computes one expert at a time, which is what
+    the per-request VRAM figure assumes); while one group computes, the next group's expert
+    is leased (loaded if missing) on a helper thread, so a load overlaps a compute.
+    `prefetch` may run concurrently and only warms the cache.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        name: str,
+        device: str = "cpu",
+        budget_bytes: int,
+        clock: Clock | None = None,
+        lease_timeout_s: float = 30.0,
+    ) -> None:
+        self.name = name
+        self.device = resolve_device(device)
+        self._store = store
+        self._clock: Clock = clock if clock is not None else MonotonicClock()
+        self._lease_timeout_s = lease_timeout_s
+        self._cache: ExpertCache[_Resident] = ExpertCache(
+            budget_bytes, _DeviceLoader(store, self.device), clock=self._clock
+        )
+        self._compute_lock = threading.Lock()
+        self._lookahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-lease")
+
+    @property
+    def cache(self) -> ExpertCache[_Resident]:
+        return self._cache
+
+    def close(self) -> None:
+        self._lookahead.shutdown(wait=True)
+
+    def run(self, groups: Sequence[tuple[int, np.ndarray]]) -> ActorReply:
+        """Forward each (expert_id, rows [m, n] float32) group; one outcome per group, in order."""
+        with self._compute_lock:
+            outcomes = self._run_locked(groups)
+        return ActorReply(
+            actor=self.name,
+            results=outcomes,
+            device_bytes=self._cache.resident_bytes,
+            resident=self._cache.resident(),
+        )
+
+    def _run_locked(self, groups: Sequence[tuple[int, np.ndarray]]) -> list[GroupOutcome]:
+        # Only a miss is worth a helper thread: a hit's lease takes microseconds, and handing
+        # work to a thread costs more than that on a busy machine.
+        resident = self._cache.resident()
+        outcomes: list[GroupOutcome] = []
+        pending: Future[_Leased] | None = None
+        try:
+            for index, (expert_id, rows) in enumerate(groups):
+                if pending is not None:
+                    leased = pending.result()
+                    pending = None
+                else:
+                    leased = self._open_lease(expert_id)
+                if index + 1 < len(groups) and groups[index + 1][0] not in resident:
+                    pending = self._lookahead.submit(self._open_lease, groups[index + 1][0])
+                outcomes.append(self._compute(expert_id, rows, leased))
+        finally:
+            if pending is not None:
+                pending.result().release()
+        return outcomes
+
+    def _open_lease(self, expert_id: int) -> _Leased:
+        manager = self._cache.lease(expert_id, timeout=self._lease_timeout_s)
+        try:
+            lease = manager.__enter__()
+        except ExpertLoadError as exc:
+            logger.warning("actor %s cannot load expert %s: %s", self.name, expert_id, exc)
+            return _Leased(None, None, ERROR_LOAD, str(exc))
+        except CacheBusy as exc:
+            return _Leased(None, None, ERROR_BUSY, str(exc))
+        except (CacheError, StoreError) as exc:
+            return _Leased(None, None, ERROR_LOAD, str(exc))
+        return _Leased(manager, lease, None, None)
+
+    def _compute(self, expert_id: int, rows: np.ndarray, leased: _Leased) -> GroupOutcome:
+        if leased.lease is None:
+            return GroupOutcome(
+                expert_id=expert_id, outputs=None, error=leased.error, error_kind=leased.error_kind
+            )
+        try:
+            resident: _Resident = leased.lease.value
+            start = self._clock.now()
+            outputs, activation = self._forward(resident, rows)
+            compute_ms = (self._clock.now() - start) * 1000.0
+            return GroupOutcome(
+                expert_id=expert_id,
+                outputs=outputs,
+                hit=bool(leased.lease.hit),
+                load_ms=float(leased.lease.load_seconds) * 1000.0,
+                compute_ms=compute_ms,
+                expert_bytes=int(leased.lease.nbytes),
+                activation_bytes=activation,
+            )
+        except Exception as exc:  # one bad group must not fail the other groups of the call
+            logger.exception("actor %s: expert %s failed to compute", self.name, expert_id)
+            return GroupOutcome(
+                expert_id=expert_id, outputs=None, error=repr(exc), error_kind=ERROR_INTERNAL
+            )
+        finally:
+            leased.release()
+
+    def _forward(self, resident: _Resident, rows: np.ndarray) -> tuple[np.ndarray, int]:
+        if not rows.flags.writeable:
+            # Arrays from Ray's object store are read-only; torch wants to own writable memory.
+            rows = np.array(rows)
+        x = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
+        cuda = self.device.startswith("cuda")
+        resident.meter.reset()
+        with torch.inference_mode():
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+                base = torch.cuda.memory_allocated(self.device)
+                y = resident.module(x.to(self.device, non_blocking=True))
+                activation = int(torch.cuda.max_memory_allocated(self.device) - base)
+            else:
+                y = resident.module(x)
+                activation = resident.meter.peak
+            out = y.to("cpu").numpy()
+        if not cuda and not resident.meter.fired:
+            # No leaf modules to hook (a purely functional forward): fall back to the arch.
+            activation = activation_peak_bytes(
+                resident.module.arch.widths, int(x.shape[0]), x.element_size()
+            )
+        return out, activation
+
+    def prefetch(self, expert_ids: Sequence[int]) -> dict[int, int]:
+        """Warm the cache with these experts where free room allows; returns what is resident.
+
+        Only free room is used, so a prefetch never evicts an expert that queued work is about
+        to need (the cache itself also never evicts a leased one).
+        """
+        for expert_id in expert_ids:
+            try:
+                if expert_id in self._cache.resident():
+                    continue
+                free = (
+                    self._cache.budget_bytes
+                    - self._cache.resident_bytes
+                    - self._cache.reserved_bytes
+                )
+                if self._store.expert_nbytes(expert_id) > free:
+                    continue
+                self._cache.prefetch(expert_id)
+            except (StoreError, CacheError) as exc:
+                # The failure is reported by the run that needs the expert.
+                logger.info("actor %s: prefetch of %s failed: %s", self.name, expert_id, exc)
+        return self._cache.resident()
+
+    def info(self) -> ActorInfo:
+        resident = self._cache.resident()
+        return ActorInfo(
+            name=self.name,
+            device=self.device,
+            resident_bytes=sum(resident.values()),
+            budget_bytes=self._cache.budget_bytes,
+            resident=sorted(resident),
+            alive=True,
+        )
+
+
+@dataclass
+class _Leased:
+    """A lease opened on the helper thread, or why it could not be opened."""
+
+    manager: AbstractContextManager[Any] | None
+    lease: Any
+    error_kind: str | None
+    error: str | None
+
+    def release(self) -> None:
+        if self.manager is not None:
+            manager, self.manager = self.manager, None
+            manager.__exit__(None, None, None)
+
+
+class ExpertActor:
+    """Body of the Ray actor (wrapped with `ray.remote` by the pool): one per device."""
+
+    def __init__(
+        self,
+        store_root: str,
+        name: str,
+        device: str,
+        budget_bytes: int,
+        torch_threads: int | None = None,
+    ) -> None:
+        if torch_threads is not None:
+            torch.set_num_threads(torch_threads)
+        self._core = ActorCore(
+            Store.open(Path(store_root)), name=name, device=device, budget_bytes=budget_bytes
+        )
+
+    def run(self, groups: list[tuple[int, np.ndarray]]) -> ActorReply:
+        return self._core.run(groups)
+
+    def prefetch(self, expert_ids: list[int]) -> dict[int, int]:
+        return self._core.prefetch(expert_ids)
+
+    def info(self) -> ActorInfo:
+        return self._core.info()
+
+    def get_pid(self) -> int:
+        return os.getpid()

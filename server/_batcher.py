@@ -1,0 +1,398 @@
+"""Merge concurrent requests into batches: one router call, one pool call per batch.
+
+Requests with the same (top_k, mode) that arrive within `max_batch_wait_ms` of the first one
+are merged up to `max_batch_rows` rows. A batch is routed off the event loop, its rows are
+grouped by expert (each (row, k) pair is one row for expert k), the home actors are asked to
+prefetch, and the pool runs all groups; each request then gets its own rows back in order,
+with per-expert stats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from experts_store import Clock, MonotonicClock
+from router import RouterInputError
+
+from ._exceptions import ExpertUnavailable, InvalidRequest, PoolClosed, PoolSaturated
+from ._runtime_types import (
+    BatchAnswer,
+    ExpertPool,
+    ExpertStat,
+    Group,
+    GroupResult,
+    RouterLike,
+)
+from ._settings import Settings
+
+__all__ = ["Batcher"]
+
+logger = logging.getLogger(__name__)
+
+Mode = Literal["tree", "exact"]
+
+
+@dataclass(eq=False)
+class _Pending:
+    x: torch.Tensor
+    top_k: int
+    mode: Mode
+    submitted: float
+    future: asyncio.Future[BatchAnswer]
+    rows: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rows = int(self.x.shape[0])
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return (self.top_k, self.mode)
+
+
+class Batcher:
+    """Turns single requests into batched router and pool calls; see the module docstring.
+
+    `sleep` is injectable with `clock` so that tests drive the batch window without waiting.
+    The batcher does not own the pool: `close()` stops batching, the lifespan closes the pool.
+    `on_batch(rows)` is called as each batch is dispatched (the batch-size histogram).
+    """
+
+    def __init__(
+        self,
+        router: RouterLike,
+        pool: ExpertPool,
+        settings: Settings,
+        clock: Clock | None = None,
+        *,
+        sleep: Callable[[float], Awaitable[None]] | None = None,
+        max_inflight_batches: int = 2,
+        on_batch: Callable[[int], None] | None = None,
+    ) -> None:
+        self._router = router
+        self._pool = pool
+        self._settings = settings
+        self._clock: Clock = clock if clock is not None else MonotonicClock()
+        self._sleep = sleep if sleep is not None else asyncio.sleep
+        self._window_s = settings.max_batch_wait_ms / 1000.0
+        self._queue: deque[_Pending] = deque()
+        self._queued_rows = 0
+        self._wakeup: asyncio.Event | None = None
+        self._slots: asyncio.Semaphore | None = None
+        self._max_inflight = max_inflight_batches
+        self._collector: asyncio.Task[None] | None = None
+        self._inflight: set[asyncio.Task[None]] = set()
+        self._rows_per_s: float | None = None
+        self._on_batch = on_batch
+        self._closed = False
+        self.batches = 0  # batches dispatched so far (for tests and metrics)
+
+    @property
+    def queued_rows(self) -> int:
+        """Rows admitted and not yet answered (waiting or being computed)."""
+        return self._queued_rows
+
+    async def submit(
+        self, x: torch.Tensor | np.ndarray, top_k: int = 1, mode: Mode = "tree"
+    ) -> BatchAnswer:
+        """Route and run one request; outputs come back in the order of its rows.
+
+        Raises `InvalidRequest` (shape, dimension, non-finite, top_k, mode), `PoolSaturated`
+        when the queue is full, `ExpertUnavailable` when one of its experts cannot be loaded,
+        `PoolClosed` after `close()`.
+        """
+        if self._closed:
+            raise PoolClosed()
+        x = self._validate(x, top_k, mode)
+        rows = int(x.shape[0])
+        limit = self._settings.max_queue_rows
+        if self._queued_rows > 0 and self._queued_rows + rows > limit:
+            raise PoolSaturated(
+                queued_rows=self._queued_rows,
+                max_queue_rows=limit,
+                retry_after_s=self._retry_after_s(),
+            )
+        loop = asyncio.get_running_loop()
+        item = _Pending(x, top_k, mode, self._clock.now(), loop.create_future())
+        self._queue.append(item)
+        self._queued_rows += rows
+        self._start(loop)
+        assert self._wakeup is not None
+        self._wakeup.set()
+        try:
+            return await item.future
+        finally:
+            self._queued_rows -= rows
+
+    def _validate(self, x: torch.Tensor | np.ndarray, top_k: int, mode: str) -> torch.Tensor:
+        tensor = torch.as_tensor(x)
+        if tensor.dim() != 2 or tensor.shape[0] == 0:
+            raise InvalidRequest("inputs must be a non-empty 2-D array", field="inputs")
+        if tensor.shape[1] != self._router.dim:
+            raise InvalidRequest(
+                f"inputs have {tensor.shape[1]} columns, the store expects {self._router.dim}",
+                field="inputs",
+            )
+        if not (tensor.is_floating_point() or tensor.dtype in (torch.int32, torch.int64)):
+            raise InvalidRequest("inputs must be numbers", field="inputs")
+        tensor = tensor.to(torch.float32).contiguous()
+        if not bool(torch.isfinite(tensor).all()):
+            raise InvalidRequest("inputs must be finite numbers", field="inputs")
+        if not 1 <= top_k <= self._router.num_prototypes:
+            raise InvalidRequest(
+                f"top_k must be between 1 and {self._router.num_prototypes}", field="top_k"
+            )
+        if mode not in ("tree", "exact"):
+            raise InvalidRequest("mode must be 'tree' or 'exact'", field="mode")
+        return tensor
+
+    def _retry_after_s(self) -> float:
+        if not self._rows_per_s:
+            return 1.0
+        return float(min(30.0, max(0.05, self._queued_rows / self._rows_per_s)))
+
+    def _start(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._collector is None:
+            self._wakeup = asyncio.Event()
+            self._slots = asyncio.Semaphore(self._max_inflight)
+            self._collector = loop.create_task(self._collect())
+
+    async def _collect(self) -> None:
+        assert self._wakeup is not None and self._slots is not None
+        while not self._closed:
+            self._drop_cancelled()
+            if not self._queue:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            await self._slots.acquire()
+            try:
+                await self._wait_for_window()
+                batch = self._take_batch()
+            except BaseException:
+                self._slots.release()
+                raise
+            if not batch:
+                self._slots.release()
+                continue
+            task = asyncio.get_running_loop().create_task(self._process(batch))
+            self._inflight.add(task)
+            task.add_done_callback(self._batch_done)
+
+    def _batch_done(self, task: asyncio.Task[None]) -> None:
+        self._inflight.discard(task)
+        if self._slots is not None:
+            self._slots.release()
+
+    def _drop_cancelled(self) -> None:
+        while self._queue and self._queue[0].future.done():
+            self._queue.popleft()
+
+    async def _wait_for_window(self) -> None:
+        """Wait until the first request's window closes or its key has a full batch."""
+        assert self._wakeup is not None
+        while True:
+            self._drop_cancelled()
+            if not self._queue:
+                return
+            first = self._queue[0]
+            same = sum(p.rows for p in self._queue if p.key == first.key)
+            remaining = first.submitted + self._window_s - self._clock.now()
+            if same >= self._settings.max_batch_rows or remaining <= 0:
+                return
+            self._wakeup.clear()
+            sleeper = asyncio.ensure_future(self._sleep(remaining))
+            waiter = asyncio.ensure_future(self._wakeup.wait())
+            try:
+                await asyncio.wait({sleeper, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                sleeper.cancel()
+                waiter.cancel()
+
+    def _take_batch(self) -> list[_Pending]:
+        self._drop_cancelled()
+        if not self._queue:
+            return []
+        key = self._queue[0].key
+        batch: list[_Pending] = []
+        rows = 0
+        kept: deque[_Pending] = deque()
+        while self._queue:
+            item = self._queue.popleft()
+            if item.future.done():
+                continue
+            fits = not batch or rows + item.rows <= self._settings.max_batch_rows
+            if item.key == key and fits:
+                batch.append(item)
+                rows += item.rows
+            else:
+                kept.append(item)
+        self._queue = kept
+        return batch
+
+    async def _process(self, batch: list[_Pending]) -> None:
+        started = self._clock.now()
+        self.batches += 1
+        if self._on_batch is not None:
+            self._on_batch(sum(item.rows for item in batch))
+        try:
+            answers = await self._run_batch(batch, started)
+        except RouterInputError as exc:
+            if len(batch) > 1:
+                # One bad request must not fail the others merged with it: route each alone.
+                await asyncio.gather(*(self._process([item]) for item in batch))
+            else:
+                _fail(batch, InvalidRequest(str(exc), field="inputs"))
+            return
+        except asyncio.CancelledError:
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_exception(PoolClosed())
+            raise
+        except Exception as exc:
+            if not isinstance(exc, PoolClosed | InvalidRequest):
+                logger.exception("batch of %s requests failed", len(batch))
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_exception(exc)
+            return
+        for item, answer in zip(batch, answers, strict=True):
+            if not item.future.done():
+                if isinstance(answer, BaseException):
+                    item.future.set_exception(answer)
+                else:
+                    item.future.set_result(answer)
+        elapsed = self._clock.now() - started
+        rows = sum(item.rows for item in batch)
+        if elapsed > 0:
+            rate = rows / elapsed * self._max_inflight
+            previous = self._rows_per_s
+            self._rows_per_s = rate if previous is None else 0.8 * previous + 0.2 * rate
+
+    async def _run_batch(
+        self, batch: list[_Pending], started: float
+    ) -> list[BatchAnswer | BaseException]:
+        x = batch[0].x if len(batch) == 1 else torch.cat([item.x for item in batch])
+        top_k, mode = batch[0].top_k, batch[0].mode
+        routing = await asyncio.to_thread(self._router.route, x, mode=mode, top_k=top_k)
+        route_ms = (self._clock.now() - started) * 1000.0
+        experts = routing.experts.to(torch.int64).reshape(x.shape[0], top_k)
+        weights = routing.weights.to(torch.float32).reshape(x.shape[0], top_k)
+        flat = experts.reshape(-1)
+        pair_rows = torch.arange(x.shape[0]).repeat_interleave(top_k)
+        order = torch.argsort(flat, stable=True)
+        unique, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        group_pairs = torch.split(order, counts.tolist())
+        groups = [
+            Group(expert_id=int(e), rows=x[pair_rows[pairs]])
+            for e, pairs in zip(unique.tolist(), group_pairs, strict=True)
+        ]
+        if self._settings.prefetch:
+            await self._pool.prefetch([g.expert_id for g in groups])
+        results = await self._pool.run(groups)
+        by_expert = {r.expert_id: r for r in results}
+        good = [r for r in results if r.error is None]
+        out_dim = int(good[0].outputs.shape[1]) if good else 0
+        flat_out = torch.zeros(flat.shape[0], out_dim)
+        for pairs, result in zip(group_pairs, results, strict=True):
+            if result.error is None:
+                flat_out[pairs] = result.outputs.to(torch.float32)
+        per_pair = flat_out.view(x.shape[0], top_k, out_dim)
+        outputs = per_pair[:, 0] if top_k == 1 else (per_pair * weights.unsqueeze(-1)).sum(1)
+        finished = self._clock.now()
+        return self._answers(
+            batch, routing.distance_evals, experts, weights, outputs, by_expert, route_ms,
+            started, finished,
+        )
+
+    def _answers(
+        self,
+        batch: list[_Pending],
+        distance_evals: torch.Tensor,
+        experts: torch.Tensor,
+        weights: torch.Tensor,
+        outputs: torch.Tensor,
+        by_expert: dict[int, GroupResult],
+        route_ms: float,
+        started: float,
+        finished: float,
+    ) -> list[BatchAnswer | BaseException]:
+        group_rows = {e: int(r.outputs.shape[0]) for e, r in by_expert.items()}
+        answers: list[BatchAnswer | BaseException] = []
+        start = 0
+        evals = distance_evals.to(torch.int64).reshape(-1)
+        for item in batch:
+            stop = start + item.rows
+            mine = experts[start:stop]
+            ids, counts = np.unique(mine.reshape(-1).numpy(), return_counts=True)
+            failed = [int(e) for e in ids if by_expert[int(e)].error is not None]
+            if failed:
+                first = by_expert[failed[0]]
+                answers.append(ExpertUnavailable(expert_id=failed[0], reason=str(first.error)))
+                start = stop
+                continue
+            stats = [
+                _stat(by_expert[int(e)], int(count), group_rows[int(e)])
+                for e, count in zip(ids.tolist(), counts.tolist(), strict=True)
+            ]
+            device_bytes: dict[str, int] = {}
+            for stat in stats:
+                device_bytes[stat.actor] = by_expert[stat.expert_id].device_bytes
+            answers.append(
+                BatchAnswer(
+                    outputs=outputs[start:stop].clone(),
+                    experts=mine.clone(),
+                    weights=weights[start:stop].clone(),
+                    stats=stats,
+                    device_bytes=device_bytes,
+                    distance_evals=evals[start:stop].clone(),
+                    route_ms=route_ms,
+                    queue_ms=(started - item.submitted) * 1000.0,
+                    total_ms=(finished - item.submitted) * 1000.0,
+                )
+            )
+            start = stop
+        return answers
+
+    async def close(self) -> None:
+        """Stop batching: queued and in-flight requests fail with `PoolClosed`."""
+        self._closed = True
+        tasks: list[asyncio.Task[Any]] = list(self._inflight)
+        if self._collector is not None:
+            tasks.append(self._collector)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        while self._queue:
+            item = self._queue.popleft()
+            if not item.future.done():
+                item.future.set_exception(PoolClosed())
+
+
+def _fail(batch: list[_Pending], exc: BaseException) -> None:
+    for item in batch:
+        if not item.future.done():
+            item.future.set_exception(exc)
+
+
+def _stat(result: GroupResult, rows: int, group_rows: int) -> ExpertStat:
+    share = result.activation_bytes * rows // max(group_rows, 1)
+    return ExpertStat(
+        expert_id=result.expert_id,
+        rows=rows,
+        cache="hit" if result.hit else "miss",
+        load_ms=result.load_ms,
+        compute_ms=result.compute_ms,
+        actor=result.actor,
+        expert_bytes=result.expert_bytes,
+        activation_bytes=result.activation_bytes,
+        vram_bytes=result.expert_bytes + share,
+    )

@@ -1,0 +1,157 @@
+"""Which actor runs which expert: residency first, then rendezvous hashing, spilling hot experts.
+
+The dispatcher is pure bookkeeping (no Ray, no asyncio), so both pools share it and it is
+tested on its own. It keeps three things per actor: whether it is alive, the rows dispatched
+to it and not yet answered, and the experts its last reply said were resident.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+
+__all__ = ["Dispatcher", "rendezvous_rank"]
+
+logger = logging.getLogger(__name__)
+
+
+def _score(expert_id: int, actor: str) -> int:
+    digest = hashlib.blake2b(f"{expert_id}\x00{actor}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def rendezvous_rank(expert_id: int, actors: Iterable[str]) -> list[str]:
+    """Actors ordered by highest-random-weight for this expert; the first is its home.
+
+    Removing an actor only moves the experts whose home it was, so the caches of the other
+    actors stay warm when one dies.
+    """
+    return sorted(actors, key=lambda actor: (-_score(expert_id, actor), actor))
+
+
+class Dispatcher:
+    """Residency table, per-actor queue depth and the placement policy.
+
+    Placement of one expert's rows:
+    1. actors already holding the expert (per their last reply), least queued first;
+    2. otherwise the expert's home actor by rendezvous hashing over the live actors;
+    3. if the chosen actor has more than `spill_queue_rows` rows queued, the expert spills to
+       its second rendezvous choice when that one is less loaded.
+    """
+
+    def __init__(self, actors: Sequence[str], *, spill_queue_rows: int) -> None:
+        if not actors:
+            raise ValueError("a pool needs at least one actor")
+        self._names = list(actors)
+        self._spill_queue_rows = spill_queue_rows
+        self._lock = threading.Lock()
+        self._alive = dict.fromkeys(self._names, True)
+        self._queued = dict.fromkeys(self._names, 0)
+        self._resident: dict[str, dict[int, int]] = {name: {} for name in self._names}
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def alive(self, actor: str) -> bool:
+        with self._lock:
+            return self._alive[actor]
+
+    def live_actors(self) -> list[str]:
+        with self._lock:
+            return [name for name in self._names if self._alive[name]]
+
+    def queued_rows(self, actor: str) -> int:
+        with self._lock:
+            return self._queued[actor]
+
+    def home(self, expert_id: int, *, exclude: Iterable[str] = ()) -> str | None:
+        """The expert's home among live actors not in `exclude` (None if there is none)."""
+        with self._lock:
+            return self._home_locked(expert_id, set(exclude))
+
+    def _home_locked(self, expert_id: int, exclude: set[str]) -> str | None:
+        candidates = [n for n in self._names if self._alive[n] and n not in exclude]
+        if not candidates:
+            return None
+        return rendezvous_rank(expert_id, candidates)[0]
+
+    def place(
+        self, expert_rows: Sequence[tuple[int, int]], *, exclude: Iterable[str] = ()
+    ) -> list[str | None]:
+        """Choose an actor for each (expert_id, rows) and count the rows as queued there.
+
+        Returns one actor name per entry (None when no live actor is left). Callers must call
+        `complete(actor, rows)` once the actor answered (or failed).
+        """
+        excluded = set(exclude)
+        chosen: list[str | None] = []
+        with self._lock:
+            live = [n for n in self._names if self._alive[n] and n not in excluded]
+            for expert_id, rows in expert_rows:
+                actor = self._choose_locked(expert_id, live)
+                if actor is not None:
+                    self._queued[actor] += rows
+                chosen.append(actor)
+        return chosen
+
+    def _choose_locked(self, expert_id: int, live: list[str]) -> str | None:
+        if not live:
+            return None
+        holders = [n for n in live if expert_id in self._resident[n]]
+        ranked = rendezvous_rank(expert_id, live)
+        if holders:
+            actor = min(holders, key=lambda n: (self._queued[n], ranked.index(n)))
+        else:
+            actor = ranked[0]
+        if self._queued[actor] > self._spill_queue_rows:
+            # The expert is hot and its actor saturated: a second copy on the next rendezvous
+            # choice keeps spills of one expert on one other actor instead of all of them.
+            others = [n for n in ranked if n != actor]
+            if others and self._queued[others[0]] < self._queued[actor]:
+                logger.debug("expert %s spills from %s to %s", expert_id, actor, others[0])
+                actor = others[0]
+        return actor
+
+    def complete(self, actor: str, rows: int) -> None:
+        with self._lock:
+            self._queued[actor] = max(0, self._queued[actor] - rows)
+
+    def update_residency(self, actor: str, resident: dict[int, int]) -> None:
+        """Replace what `actor` holds with what its latest reply reported."""
+        with self._lock:
+            self._resident[actor] = dict(resident)
+
+    def note_loading(self, actor: str, expert_id: int, nbytes: int) -> None:
+        """Record an expert as (about to be) resident before the actor's reply confirms it."""
+        with self._lock:
+            self._resident[actor].setdefault(expert_id, nbytes)
+
+    def mark_dead(self, actor: str) -> None:
+        """The actor died: whatever it held is gone, and nothing goes there until it is back."""
+        with self._lock:
+            self._alive[actor] = False
+            self._resident[actor] = {}
+        logger.warning("actor %s marked dead", actor)
+
+    def mark_alive(self, actor: str) -> None:
+        with self._lock:
+            self._alive[actor] = True
+            self._resident[actor] = {}
+
+    def residency(self) -> dict[int, list[str]]:
+        """expert_id -> actors holding it, as of their latest replies."""
+        table: dict[int, list[str]] = {}
+        with self._lock:
+            for name in self._names:
+                if not self._alive[name]:
+                    continue
+                for expert_id in self._resident[name]:
+                    table.setdefault(expert_id, []).append(name)
+        return {expert_id: sorted(names) for expert_id, names in sorted(table.items())}
+
+    def resident(self, actor: str) -> dict[int, int]:
+        with self._lock:
+            return dict(self._resident[actor])

@@ -1,0 +1,82 @@
+"""Errors of the serving runtime; the HTTP layer maps each to one status in one handler.
+
+    ServerError
+     ├── PoolSaturated          queue full: 429 + Retry-After
+     ├── ExpertUnavailable      an expert cannot be loaded (checksum, missing file): 503
+     ├── NotReady               store or pool not up yet (or shutting down): 503
+     ├── PoolClosed             the pool was closed while work was pending: 503
+     ├── ActorFailed            an actor died and the retry failed too: 503
+     ├── RequestTimeout         the answer did not come in time: 504
+     └── InvalidRequest         a request the router or pool refuses: 422
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "ActorFailed",
+    "ExpertUnavailable",
+    "InvalidRequest",
+    "NotReady",
+    "PoolClosed",
+    "PoolSaturated",
+    "RequestTimeout",
+    "ServerError",
+]
+
+
+class ServerError(Exception):
+    """Base of every error the serving runtime raises on purpose."""
+
+    def __init__(self, message: str, **fields: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fields = fields
+        for key, value in fields.items():
+            setattr(self, key, value)
+
+
+class PoolSaturated(ServerError):
+    def __init__(self, *, queued_rows: int, max_queue_rows: int, retry_after_s: float) -> None:
+        super().__init__(
+            f"the serving queue is full ({queued_rows} of {max_queue_rows} rows); retry later",
+            queued_rows=queued_rows,
+            max_queue_rows=max_queue_rows,
+            retry_after_s=retry_after_s,
+        )
+        self.retry_after_s = retry_after_s
+
+
+class ExpertUnavailable(ServerError):
+    def __init__(self, *, expert_id: int, reason: str) -> None:
+        super().__init__(
+            f"expert {expert_id} cannot be served: {reason}", expert_id=expert_id, reason=reason
+        )
+        self.expert_id = expert_id
+        self.reason = reason
+
+
+class NotReady(ServerError):
+    def __init__(self, *, reason: str) -> None:
+        super().__init__(f"not ready: {reason}", reason=reason)
+
+
+class PoolClosed(ServerError):
+    def __init__(self) -> None:
+        super().__init__("the expert pool is shut down")
+
+
+class ActorFailed(ServerError):
+    def __init__(self, *, actor: str, reason: str) -> None:
+        super().__init__(f"actor {actor} failed: {reason}", actor=actor, reason=reason)
+
+
+class RequestTimeout(ServerError):
+    def __init__(self, *, timeout_s: float) -> None:
+        super().__init__(f"no answer within {timeout_s:g} s", timeout_s=timeout_s)
+
+
+class InvalidRequest(ServerError):
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message, field=field)

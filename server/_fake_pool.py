@@ -1,0 +1,88 @@
+"""An in-process pool with the Ray pool's behaviour, for fast tests of everything above it.
+
+Experts are loaded and run by the same `ActorCore` the Ray actors use, one per fake actor,
+each call on a worker thread; `kill` simulates an actor dying mid-call and being restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+
+from experts_store import Clock, Store
+
+from ._actor import ActorCore, resolve_device
+from ._pool import ActorDied, DispatchingPool, check_budget
+from ._runtime_types import ActorInfo, ActorReply
+from ._settings import Settings
+
+__all__ = ["FakeExpertPool"]
+
+
+class FakeExpertPool(DispatchingPool):
+    """`ExpertPool` without Ray: `settings.actors` in-process actors over one store."""
+
+    def __init__(
+        self,
+        store: Store | Path | str,
+        settings: Settings,
+        *,
+        clock: Clock | None = None,
+        failure_ttl_s: float = 30.0,
+    ) -> None:
+        self._store = store if isinstance(store, Store) else Store.open(Path(store))
+        check_budget(self._store, settings.cache_bytes)
+        device = resolve_device(settings.device)
+        names = [f"actor-{index}" for index in range(settings.actors)]
+        super().__init__(
+            names,
+            device=device,
+            budget_bytes=settings.cache_bytes,
+            spill_queue_rows=settings.spill_queue_rows,
+            clock=clock,
+            failure_ttl_s=failure_ttl_s,
+        )
+        self._settings = settings
+        self._clock_arg = clock
+        self._cores = {name: self._new_core(name) for name in names}
+        self._doomed: set[str] = set()
+        self.calls: list[tuple[str, list[int]]] = []
+
+    def _new_core(self, name: str) -> ActorCore:
+        return ActorCore(
+            self._store,
+            name=name,
+            device=self._device,
+            budget_bytes=self._settings.cache_bytes,
+            clock=self._clock_arg,
+        )
+
+    def core(self, actor: str) -> ActorCore:
+        """The actor's logic (to inspect its cache in tests)."""
+        return self._cores[actor]
+
+    def kill(self, actor: str) -> None:
+        """The actor's next call dies mid-way; the actor comes back with an empty cache."""
+        self._doomed.add(actor)
+
+    async def _call_run(self, actor: str, payload: list[tuple[int, np.ndarray]]) -> ActorReply:
+        self.calls.append((actor, [expert_id for expert_id, _ in payload]))
+        if actor in self._doomed:
+            self._doomed.discard(actor)
+            old = self._cores[actor]
+            self._cores[actor] = self._new_core(actor)
+            await asyncio.to_thread(old.close)
+            raise ActorDied(actor)
+        return await asyncio.to_thread(self._cores[actor].run, payload)
+
+    async def _call_prefetch(self, actor: str, expert_ids: list[int]) -> dict[int, int]:
+        return await asyncio.to_thread(self._cores[actor].prefetch, expert_ids)
+
+    async def _call_info(self, actor: str) -> ActorInfo:
+        return self._cores[actor].info()
+
+    async def _shutdown(self) -> None:
+        for core in self._cores.values():
+            await asyncio.to_thread(core.close)

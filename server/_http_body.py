@@ -1,0 +1,254 @@
+"""Request bodies: size limits enforced before parsing, and the JSON / npy / raw float32 forms.
+
+The byte limit is checked on Content-Length first and then again while streaming, so a client
+that lies about (or omits) the length is cut off at the limit instead of filling memory.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+
+from server._http_models import PredictRequest, RouteRequest
+
+__all__ = [
+    "HttpError",
+    "ParsedInputs",
+    "check_rows",
+    "parse_inputs",
+    "parse_npy",
+    "parse_raw_float32",
+    "read_body_limited",
+    "validation_detail",
+]
+
+Mode = Literal["tree", "exact"]
+JSON_TYPES = ("application/json",)
+NPY_TYPE = "application/x-npy"
+RAW_TYPE = "application/octet-stream"
+ROWS_HEADER = "x-momlp-rows"
+_NPY_DTYPES = ("<f4", "<f8", ">f4", ">f8")
+# Bodies above this are parsed in a worker thread so that the event loop keeps serving.
+_THREAD_PARSE_BYTES = 256 * 1024
+
+
+class HttpError(Exception):
+    """An error found while reading a request, already carrying its HTTP status and code."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        *,
+        detail: Any = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.detail = detail
+        self.headers = headers or {}
+
+
+def _invalid(message: str, detail: Any = None) -> HttpError:
+    return HttpError(422, "invalid_input", message, detail=detail)
+
+
+def _too_large(message: str, detail: Any = None) -> HttpError:
+    return HttpError(413, "payload_too_large", message, detail=detail)
+
+
+def validation_detail(exc: ValidationError) -> list[dict[str, Any]]:
+    """Pydantic errors without the offending input (which may be megabytes) or doc URLs."""
+    return [
+        {"loc": list(err["loc"]), "msg": err["msg"], "type": err["type"]}
+        for err in exc.errors(include_url=False, include_input=False, include_context=False)
+    ][:20]
+
+
+async def read_body_limited(request: Request, max_bytes: int) -> bytes:
+    """The whole body, refusing with 413 as soon as it is known to exceed `max_bytes`."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            length = int(declared)
+        except ValueError:
+            raise _invalid("Content-Length is not an integer") from None
+        if length > max_bytes:
+            raise _too_large(
+                f"body of {length} bytes exceeds the limit of {max_bytes}",
+                {"bytes": length, "max_bytes": max_bytes},
+            )
+    chunks: list[bytes] = []
+    received = 0
+    async for chunk in request.stream():
+        received += len(chunk)
+        if received > max_bytes:
+            raise _too_large(
+                f"body exceeds the limit of {max_bytes} bytes",
+                {"bytes": received, "max_bytes": max_bytes},
+            )
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def check_rows(rows: int, cols: int, *, max_rows: int, input_dim: int) -> None:
+    """Refuse an empty batch, too many rows (413) or the wrong dimension (422)."""
+    if rows > max_rows:
+        raise _too_large(
+            f"{rows} rows exceed the limit of {max_rows}", {"rows": rows, "max_rows": max_rows}
+        )
+    if rows < 1:
+        raise _invalid("inputs must hold at least one row")
+    if cols != input_dim:
+        raise _invalid(
+            f"inputs have dimension {cols}, the model expects {input_dim}",
+            {"dimension": cols, "input_dim": input_dim},
+        )
+
+
+def _finite_float32(array: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.float32]]:
+    # A copy: the result must be writable (torch refuses read-only buffers) and C-ordered.
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = np.array(array, dtype=np.float32, order="C", copy=True)
+    if not bool(np.isfinite(out).all()):
+        bad = np.argwhere(~np.isfinite(out))[0]
+        raise _invalid(
+            "inputs must be finite float32 numbers (no NaN, no Inf, |x| < 3.4e38)",
+            {"row": int(bad[0]), "column": int(bad[1])},
+        )
+    return out
+
+
+def parse_npy(
+    body: bytes, *, max_rows: int, input_dim: int
+) -> np.ndarray[Any, np.dtype[np.float32]]:
+    """A 2-D float32/float64 .npy array; the header is checked before any data is touched."""
+    stream = io.BytesIO(body)
+    try:
+        version = np.lib.format.read_magic(stream)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
+        elif version in ((2, 0), (3, 0)):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
+        else:
+            raise ValueError(f"unsupported npy version {version}")
+    except ValueError as exc:
+        raise _invalid(f"not a valid .npy body: {exc}") from exc
+    if dtype.str not in _NPY_DTYPES:
+        raise _invalid(f"npy dtype {dtype.str} is not float32 or float64", {"dtype": dtype.str})
+    if len(shape) != 2:
+        raise _invalid(f"npy array must be 2-D, got shape {list(shape)}", {"shape": list(shape)})
+    check_rows(shape[0], shape[1], max_rows=max_rows, input_dim=input_dim)
+    offset = stream.tell()
+    expected = shape[0] * shape[1] * dtype.itemsize
+    if len(body) - offset != expected:
+        raise _invalid(f"npy data holds {len(body) - offset} bytes, its header promises {expected}")
+    flat = np.frombuffer(body, dtype=dtype, count=shape[0] * shape[1], offset=offset)
+    array = flat.reshape(shape, order="F" if fortran else "C")
+    return _finite_float32(array)
+
+
+def parse_raw_float32(
+    body: bytes, rows_header: str | None, *, max_rows: int, input_dim: int
+) -> np.ndarray[Any, np.dtype[np.float32]]:
+    """Raw little-endian float32, row-major, `X-Momlp-Rows` rows of `input_dim` values."""
+    if rows_header is None:
+        raise _invalid("a raw float32 body needs the X-Momlp-Rows header")
+    try:
+        rows = int(rows_header)
+    except ValueError:
+        raise _invalid("X-Momlp-Rows is not an integer") from None
+    check_rows(rows, input_dim, max_rows=max_rows, input_dim=input_dim)
+    expected = rows * input_dim * 4
+    if len(body) != expected:
+        raise _invalid(
+            f"body holds {len(body)} bytes, {rows} rows of dimension {input_dim} need {expected}",
+            {"bytes": len(body), "expected_bytes": expected},
+        )
+    return _finite_float32(np.frombuffer(body, dtype="<f4").reshape(rows, input_dim))
+
+
+@dataclass(frozen=True)
+class ParsedInputs:
+    x: np.ndarray[Any, np.dtype[np.float32]]
+    top_k: int | None
+    mode: Mode | None
+    return_stats: bool
+
+
+def _media_type(request: Request) -> str:
+    raw = request.headers.get("content-type", "application/json")
+    return raw.split(";", 1)[0].strip().lower()
+
+
+def _json_inputs(
+    body: bytes, model: type[RouteRequest], *, max_rows: int, input_dim: int
+) -> ParsedInputs:
+    try:
+        parsed = model.model_validate_json(body)
+    except ValidationError as exc:
+        raise _invalid(
+            "the request body does not match the schema", validation_detail(exc)
+        ) from exc
+    rows = parsed.inputs
+    lengths = {len(row) for row in rows}
+    if len(lengths) > 1:
+        first_bad = next(i for i, row in enumerate(rows) if len(row) != len(rows[0]))
+        raise _invalid(
+            "inputs are ragged: every row must have the same length",
+            {"row": first_bad, "length": len(rows[first_bad]), "expected": len(rows[0])},
+        )
+    check_rows(len(rows), len(rows[0]), max_rows=max_rows, input_dim=input_dim)
+    x = _finite_float32(np.asarray(rows, dtype=np.float64))
+    return_stats = parsed.return_stats if isinstance(parsed, PredictRequest) else False
+    return ParsedInputs(x, parsed.top_k, parsed.mode, return_stats)
+
+
+async def parse_inputs(
+    request: Request,
+    *,
+    max_bytes: int,
+    max_rows: int,
+    input_dim: int,
+    top_k: int | None,
+    mode: Mode | None,
+    return_stats: bool,
+    model: type[RouteRequest] = PredictRequest,
+) -> ParsedInputs:
+    """Read and parse a predict/route body; query parameters apply to the binary forms."""
+    media = _media_type(request)
+    if media not in (*JSON_TYPES, NPY_TYPE, RAW_TYPE):
+        raise HttpError(
+            415,
+            "unsupported_media_type",
+            f"Content-Type {media!r} is not one of application/json, {NPY_TYPE}, {RAW_TYPE}",
+        )
+    if media == RAW_TYPE:
+        # The row count is known from the header, so a too-large batch is refused unread.
+        rows_header = request.headers.get(ROWS_HEADER)
+        if rows_header is not None and rows_header.strip().isdigit():
+            check_rows(int(rows_header), input_dim, max_rows=max_rows, input_dim=input_dim)
+    body = await read_body_limited(request, max_bytes)
+    rows_header = request.headers.get(ROWS_HEADER)
+
+    def parse() -> ParsedInputs:
+        if media in JSON_TYPES:
+            return _json_inputs(body, model, max_rows=max_rows, input_dim=input_dim)
+        if media == NPY_TYPE:
+            x = parse_npy(body, max_rows=max_rows, input_dim=input_dim)
+        else:
+            x = parse_raw_float32(body, rows_header, max_rows=max_rows, input_dim=input_dim)
+        return ParsedInputs(x, top_k, mode, return_stats)
+
+    if len(body) > _THREAD_PARSE_BYTES:
+        return await run_in_threadpool(parse)
+    return parse()

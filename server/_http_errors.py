@@ -1,0 +1,178 @@
+"""The one place that turns an exception into the HTTP error JSON.
+
+`{"error": {"code", "message", "detail"}}` for every non-2xx answer: our own errors, FastAPI's
+validation errors, Starlette's 404/405, and anything unexpected (500 `internal`, logged here,
+never a traceback to the client).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from experts_store import ExpertLoadError
+from router import RouterInputError
+from server._exceptions import (
+    ActorFailed,
+    ExpertUnavailable,
+    InvalidRequest,
+    NotReady,
+    PoolClosed,
+    PoolSaturated,
+    RequestTimeout,
+    ServerError,
+)
+from server._http_body import HttpError
+
+__all__ = ["CatchAllMiddleware", "error_response", "install_error_handlers"]
+
+logger = logging.getLogger(__name__)
+
+_HTTP_CODES = {
+    400: "invalid_input",
+    401: "unauthorized",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+    422: "invalid_input",
+    429: "pool_saturated",
+    503: "not_ready",
+    504: "timeout",
+}
+
+
+def _json(
+    status: int, code: str, message: str, detail: Any = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    body = {"error": {"code": code, "message": message, "detail": detail}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _sanitized(errors: Any) -> list[dict[str, Any]]:
+    # FastAPI's errors carry the raw input and exception objects in ctx: neither is safe to echo.
+    out: list[dict[str, Any]] = []
+    for err in list(errors)[:20]:
+        out.append(
+            {
+                "loc": [str(part) for part in err.get("loc", ())],
+                "msg": str(err.get("msg", "")),
+                "type": str(err.get("type", "")),
+            }
+        )
+    return out
+
+
+def _server_error(exc: ServerError) -> JSONResponse:
+    if isinstance(exc, PoolSaturated):
+        retry = max(1, math.ceil(exc.retry_after_s))
+        return _json(
+            429,
+            "pool_saturated",
+            exc.message,
+            {"retry_after_s": exc.retry_after_s},
+            {"Retry-After": str(retry)},
+        )
+    if isinstance(exc, ExpertUnavailable):
+        return _json(
+            503,
+            "expert_unavailable",
+            exc.message,
+            {"expert_id": exc.expert_id, "reason": exc.reason},
+        )
+    if isinstance(exc, NotReady | PoolClosed):
+        return _json(503, "not_ready", exc.message, exc.fields or None)
+    if isinstance(exc, ActorFailed):
+        return _json(503, "actor_failed", exc.message, exc.fields)
+    if isinstance(exc, RequestTimeout):
+        return _json(504, "timeout", exc.message, exc.fields)
+    if isinstance(exc, InvalidRequest):
+        return _json(422, "invalid_input", exc.message, exc.fields)
+    logger.error("unmapped server error %s: %s", type(exc).__name__, exc)
+    return _json(500, "internal", "internal server error")
+
+
+def error_response(exc: BaseException) -> Response:
+    """The error JSON for `exc`; unexpected exceptions are logged and become 500 `internal`."""
+    if isinstance(exc, HttpError):
+        return _json(exc.status, exc.code, exc.message, exc.detail, exc.headers)
+    if isinstance(exc, ServerError):
+        return _server_error(exc)
+    if isinstance(exc, RequestValidationError):
+        return _json(422, "invalid_input", "the request is not valid", _sanitized(exc.errors()))
+    if isinstance(exc, RouterInputError):
+        return _json(422, "invalid_input", str(exc))
+    if isinstance(exc, ExpertLoadError):
+        expert_id = getattr(exc, "expert_id", None)
+        return _json(
+            503,
+            "expert_unavailable",
+            f"expert {expert_id} cannot be served: {exc}",
+            {"expert_id": expert_id, "reason": str(exc)},
+        )
+    if isinstance(exc, StarletteHTTPException):
+        code = _HTTP_CODES.get(exc.status_code)
+        if code is None:
+            code = "internal" if exc.status_code >= 500 else "http_error"
+        message = exc.detail if isinstance(exc.detail, str) else code.replace("_", " ")
+        headers = dict(exc.headers) if exc.headers else None
+        return _json(exc.status_code, code, message, None, headers)
+    logger.error("unhandled %s while serving a request", type(exc).__name__, exc_info=exc)
+    return _json(500, "internal", "internal server error")
+
+
+async def _handle(request: Request, exc: Exception) -> Response:
+    return error_response(exc)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every exception class the app may raise to `error_response`."""
+    for exc_class in (
+        HttpError,
+        ServerError,
+        RequestValidationError,
+        RouterInputError,
+        ExpertLoadError,
+        StarletteHTTPException,
+    ):
+        app.add_exception_handler(exc_class, _handle)
+
+
+class CatchAllMiddleware:
+    """Turns anything that escaped the handlers into a logged 500 with the error JSON.
+
+    Starlette's own `Exception` handler re-raises after answering, which would put a traceback
+    on the server's console and into test clients; this one answers and stops there.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracking(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracking)
+        except Exception as exc:
+            if started:
+                # Headers are out: nothing to answer with, the server closes the connection.
+                logger.error("error after the response started", exc_info=exc)
+                return
+            await error_response(exc)(scope, receive, send)

@@ -1,0 +1,141 @@
+"""Pydantic v2 models of the HTTP JSON (v1) shapes; field names are shared with `client`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "ActorInfoModel",
+    "ErrorBody",
+    "ErrorResponse",
+    "ExpertInfoModel",
+    "ExpertStatModel",
+    "ExpertsResponse",
+    "HealthResponse",
+    "ModelResponse",
+    "PredictRequest",
+    "PredictResponse",
+    "PredictStats",
+    "ReadyResponse",
+    "RouteRequest",
+    "RouteResponse",
+]
+
+# Strict so that "1.5" or true is refused rather than coerced; NaN/Inf are refused here
+# because a non-finite input would only come back as a non-finite output.
+FiniteNumber = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+Mode = Literal["tree", "exact"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RouteRequest(_Strict):
+    """Rows to route; every row must have the store's input dimension."""
+
+    inputs: list[list[FiniteNumber]] = Field(min_length=1)
+    top_k: int | None = Field(default=None, ge=1, strict=True, description="default 1")
+    mode: Mode | None = Field(default=None, description="default: the store's routing mode")
+
+
+class PredictRequest(RouteRequest):
+    """Rows to predict; `top_k > 1` returns the gate-weighted sum of the k nearest experts."""
+
+    return_stats: bool = Field(default=False, strict=True)
+
+
+class ExpertStatModel(BaseModel):
+    expert_id: int
+    rows: int
+    cache: Literal["hit", "miss"]
+    load_ms: float
+    compute_ms: float
+    actor: str
+    expert_bytes: int
+    activation_bytes: int
+    vram_bytes: int
+
+
+class PredictStats(BaseModel):
+    experts: list[ExpertStatModel]
+    vram_bytes: int
+    device_bytes: dict[str, int]
+    distance_evals: list[int]
+    route_ms: float
+    queue_ms: float
+    total_ms: float
+
+
+class PredictResponse(BaseModel):
+    outputs: list[list[float]]
+    experts: list[list[int]]
+    weights: list[list[float]]
+    store_version: str
+    stats: PredictStats | None = None
+
+
+class RouteResponse(BaseModel):
+    experts: list[list[int]]
+    weights: list[list[float]]
+    distances: list[list[float]]
+    distance_evals: list[int]
+    store_version: str
+
+
+class ModelResponse(BaseModel):
+    store_version: str
+    format_version: int
+    task: Literal["regression", "classification"]
+    input_dim: int
+    output_dim: int
+    num_experts: int
+    branching: int
+    routing: Mode
+    temperature: float
+    total_expert_bytes: int
+    max_expert_bytes: int
+    total_params: int
+    prototypes: list[list[float]] | None = None
+
+
+class ExpertInfoModel(BaseModel):
+    id: int
+    bytes: int
+    params: int
+    actors: list[str]
+
+
+class ActorInfoModel(BaseModel):
+    name: str
+    device: str
+    resident_bytes: int
+    budget_bytes: int
+    resident: list[int]
+    alive: bool
+
+
+class ExpertsResponse(BaseModel):
+    experts: list[ExpertInfoModel]
+    actors: list[ActorInfoModel]
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class ReadyResponse(BaseModel):
+    status: Literal["ready"] = "ready"
+    store_version: str
+
+
+class ErrorBody(BaseModel):
+    code: str
+    message: str
+    detail: Any = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody

@@ -1,0 +1,173 @@
+"""Prometheus metrics of one app, in a registry of its own (never the process-global one)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+__all__ = ["CONTENT_TYPE", "Metrics", "MetricsMiddleware", "PoolSnapshot"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
+_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    """What the pool looks like at scrape time."""
+
+    resident_bytes: dict[str, int] = field(default_factory=dict)
+    evictions: int | None = None
+    queue_rows: int = 0
+
+
+class _PoolCollector(Collector):
+    def __init__(self, snapshot: Callable[[], PoolSnapshot | None]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterable[Metric]:
+        snap = self._snapshot() or PoolSnapshot()
+        resident = GaugeMetricFamily(
+            "momlp_resident_bytes", "expert bytes resident on each actor", labels=["actor"]
+        )
+        for actor, nbytes in sorted(snap.resident_bytes.items()):
+            resident.add_metric([actor], float(nbytes))
+        yield resident
+        yield GaugeMetricFamily(
+            "momlp_queue_rows", "rows waiting to be batched or computed", value=snap.queue_rows
+        )
+        if snap.evictions is not None:
+            yield CounterMetricFamily(
+                "momlp_cache_evictions",
+                "experts evicted from actor caches (sum over actors)",
+                value=snap.evictions,
+            )
+
+
+class Metrics:
+    """The app's counters and histograms; `snapshot` is read on every scrape."""
+
+    def __init__(self, snapshot: Callable[[], PoolSnapshot | None] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "momlp_requests", "HTTP requests", ["endpoint", "status"], registry=r
+        )
+        self.request_seconds = Histogram(
+            "momlp_request_seconds",
+            "HTTP request latency",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.rows = Counter("momlp_rows", "input rows predicted", registry=r)
+        self.cache_hits = Counter(
+            "momlp_cache_hits", "(request, expert) pairs served from a resident expert", registry=r
+        )
+        self.cache_misses = Counter(
+            "momlp_cache_misses", "(request, expert) pairs that waited for a load", registry=r
+        )
+        self.load_seconds = Histogram(
+            "momlp_expert_load_seconds",
+            "expert load latency seen by requests",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_rows = Histogram(
+            "momlp_batch_rows",
+            "rows per expert batch sent to an actor",
+            buckets=_ROW_BUCKETS,
+            registry=r,
+        )
+        self._snapshot: Callable[[], PoolSnapshot | None] = snapshot or (lambda: None)
+        r.register(_PoolCollector(lambda: self._snapshot()))
+
+    def set_snapshot(self, snapshot: Callable[[], PoolSnapshot | None]) -> None:
+        self._snapshot = snapshot
+
+    def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+        self.request_seconds.labels(endpoint=endpoint).observe(seconds)
+
+    def observe_prediction(self, rows: int, caches: Sequence[tuple[str, float]]) -> None:
+        """`caches`: (cache, load_ms) of each ExpertStat of one answered request."""
+        self.rows.inc(rows)
+        for cache, load_ms in caches:
+            if cache == "hit":
+                self.cache_hits.inc()
+            else:
+                self.cache_misses.inc()
+                self.load_seconds.observe(load_ms / 1000.0)
+
+    def observe_batch(self, rows: int) -> None:
+        self.batch_rows.observe(rows)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def sample(self, name: str, labels: dict[str, str] | None = None) -> float | None:
+        """One sample's current value (tests and debugging)."""
+        return self.registry.get_sample_value(name, labels or {})
+
+
+def _endpoint(scope: Scope, known_paths: Collection[str]) -> str:
+    # The route template, not the raw path, so that label values stay few; a request refused
+    # before routing (401, 413) is still labelled by its path when that path is one of ours.
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    if isinstance(path, str):
+        return path
+    return scope["path"] if scope["path"] in known_paths else "unmatched"
+
+
+class MetricsMiddleware:
+    """Counts every HTTP answer by endpoint and status and times it (outermost middleware)."""
+
+    def __init__(
+        self, app: ASGIApp, *, metrics: Metrics, known_paths: Collection[str] = ()
+    ) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.known_paths = frozenset(known_paths)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+        start = time.perf_counter()
+
+        async def send_recording(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_recording)
+        finally:
+            self.metrics.observe_request(
+                _endpoint(scope, self.known_paths), status, time.perf_counter() - start
+            )

@@ -1,0 +1,410 @@
+"""Expert pools: the shared dispatch/retry logic, and the Ray-backed `RayExpertPool`.
+
+Ray is imported lazily so that the in-process `FakeExpertPool` (same base class) works in
+processes without a Ray runtime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Coroutine, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from experts_store import Clock, ExpertTooLarge, MonotonicClock, Store
+
+from ._actor import ERROR_LOAD, ExpertActor, resolve_device
+from ._dispatch import Dispatcher
+from ._exceptions import ActorFailed, PoolClosed
+from ._runtime_types import ActorInfo, ActorReply, Group, GroupResult
+from ._settings import Settings
+
+__all__ = ["ActorDied", "DispatchingPool", "RayExpertPool", "check_budget"]
+
+logger = logging.getLogger(__name__)
+
+_EMPTY = torch.empty(0, 0)
+
+
+class ActorDied(Exception):
+    """Internal: a call found its actor dead (Ray's RayActorError, or the fake pool's kill)."""
+
+    def __init__(self, actor: str) -> None:
+        super().__init__(f"actor {actor} died")
+        self.actor = actor
+
+
+def check_budget(store: Store, budget_bytes: int) -> None:
+    """Refuse to start when some expert can never fit in one actor's cache."""
+    for entry in store.manifest.experts:
+        nbytes = store.expert_nbytes(entry.id)
+        if nbytes > budget_bytes:
+            raise ExpertTooLarge(expert_id=entry.id, nbytes=nbytes, budget_bytes=budget_bytes)
+
+
+def _to_tensor(array: np.ndarray | None) -> torch.Tensor:
+    if array is None:
+        return _EMPTY
+    # Arrays from Ray's object store are read-only; torch needs writable memory.
+    return torch.from_numpy(array if array.flags.writeable else array.copy())
+
+
+class DispatchingPool(ABC):
+    """Places groups on actors, retries a dead actor's groups once, remembers bad experts.
+
+    Subclasses only move calls to actors (`_call_run`, `_call_prefetch`, `_call_info`) and
+    raise `ActorDied` when the actor died during the call.
+    """
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        *,
+        device: str,
+        budget_bytes: int,
+        spill_queue_rows: int,
+        clock: Clock | None = None,
+        failure_ttl_s: float = 30.0,
+        revive_timeout_s: float = 60.0,
+    ) -> None:
+        self._dispatcher = Dispatcher(names, spill_queue_rows=spill_queue_rows)
+        self._device = device
+        self._budget_bytes = budget_bytes
+        self._clock: Clock = clock if clock is not None else MonotonicClock()
+        self._failure_ttl_s = failure_ttl_s
+        self._revive_timeout_s = revive_timeout_s
+        self._failures: dict[int, tuple[str, float]] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        self._reviving: dict[str, asyncio.Task[Any]] = {}
+        self._closed = False
+
+    @property
+    def dispatcher(self) -> Dispatcher:
+        return self._dispatcher
+
+    @abstractmethod
+    async def _call_run(self, actor: str, payload: list[tuple[int, np.ndarray]]) -> ActorReply:
+        """Run the groups on `actor`; raise `ActorDied` if it died."""
+
+    @abstractmethod
+    async def _call_prefetch(self, actor: str, expert_ids: list[int]) -> dict[int, int]:
+        """Warm `actor`'s cache; returns its resident experts."""
+
+    @abstractmethod
+    async def _call_info(self, actor: str) -> ActorInfo:
+        """Ask `actor` about itself (waits for a restarting actor to come back)."""
+
+    async def run(self, groups: list[Group]) -> list[GroupResult]:
+        """Run every group on some actor; results in the order of `groups`.
+
+        A group whose expert cannot be loaded comes back with `error` set; an actor that dies
+        mid-call has its groups retried once elsewhere; if that fails too, `ActorFailed`.
+        """
+        if self._closed:
+            raise PoolClosed()
+        results: list[GroupResult | None] = [None] * len(groups)
+        todo: list[int] = []
+        now = self._clock.now()
+        for index, group in enumerate(groups):
+            remembered = self._failures.get(group.expert_id)
+            if remembered is not None and remembered[1] > now:
+                results[index] = _failed(group.expert_id, remembered[0], ERROR_LOAD, actor="")
+            else:
+                todo.append(index)
+        if todo:
+            await self._dispatch(groups, todo, results, retry=True, exclude=frozenset())
+        return [result for result in results if result is not None]
+
+    async def _dispatch(
+        self,
+        groups: list[Group],
+        indices: list[int],
+        results: list[GroupResult | None],
+        *,
+        retry: bool,
+        exclude: frozenset[str],
+    ) -> None:
+        placement = self._dispatcher.place(
+            [(groups[i].expert_id, int(groups[i].rows.shape[0])) for i in indices],
+            exclude=exclude,
+        )
+        by_actor: dict[str, list[int]] = {}
+        for index, actor in zip(indices, placement, strict=True):
+            if actor is None:
+                # No other live actor: the retry goes to the one that died, once Ray restarts it.
+                actor = next(iter(exclude), None)
+                if actor is None:
+                    raise ActorFailed(actor="*", reason="no live actor in the pool")
+            by_actor.setdefault(actor, []).append(index)
+        calls = [
+            self._run_on(actor, groups, idx, results, retry=retry, counted=actor not in exclude)
+            for actor, idx in by_actor.items()
+        ]
+        await asyncio.gather(*calls)
+
+    async def _run_on(
+        self,
+        actor: str,
+        groups: list[Group],
+        indices: list[int],
+        results: list[GroupResult | None],
+        *,
+        retry: bool,
+        counted: bool,
+    ) -> None:
+        rows = sum(int(groups[i].rows.shape[0]) for i in indices)
+        payload = [
+            (groups[i].expert_id, groups[i].rows.detach().to(torch.float32).contiguous().numpy())
+            for i in indices
+        ]
+        try:
+            reply = await self._call_run(actor, payload)
+        except ActorDied:
+            self._dispatcher.mark_dead(actor)
+            self._watch_revival(actor)
+            if not retry:
+                raise ActorFailed(actor=actor, reason="died again during the retry") from None
+            logger.warning("actor %s died mid-call; retrying %s groups", actor, len(indices))
+            await self._dispatch(groups, indices, results, retry=False, exclude=frozenset({actor}))
+            return
+        finally:
+            if counted:
+                self._dispatcher.complete(actor, rows)
+        if not self._dispatcher.alive(actor):
+            self._dispatcher.mark_alive(actor)
+        self._dispatcher.update_residency(actor, reply.resident)
+        now = self._clock.now()
+        for index, outcome in zip(indices, reply.results, strict=True):
+            if outcome.error_kind == ERROR_LOAD and outcome.error is not None:
+                self._failures[outcome.expert_id] = (outcome.error, now + self._failure_ttl_s)
+            results[index] = GroupResult(
+                expert_id=outcome.expert_id,
+                outputs=_to_tensor(outcome.outputs),
+                hit=outcome.hit,
+                load_ms=outcome.load_ms,
+                compute_ms=outcome.compute_ms,
+                expert_bytes=outcome.expert_bytes,
+                activation_bytes=outcome.activation_bytes,
+                actor=reply.actor,
+                device_bytes=reply.device_bytes,
+                error=outcome.error,
+                error_kind=outcome.error_kind,
+            )
+
+    def _watch_revival(self, actor: str) -> None:
+        task = self._reviving.get(actor)
+        if task is None or task.done():
+            self._reviving[actor] = self._spawn(self._revive(actor))
+
+    async def _revive(self, actor: str) -> None:
+        """Poll a dead actor until Ray has restarted it (or give up after the timeout).
+
+        Calls to a restarting Ray actor fail at once (ActorUnavailableError) rather than
+        queue, so this polls with a growing delay instead of waiting on one call.
+        """
+        waited, delay = 0.0, 0.05
+        while waited < self._revive_timeout_s:
+            try:
+                await self._call_info(actor)
+            except ActorDied:
+                await asyncio.sleep(delay)
+                waited += delay
+                delay = min(1.0, delay * 2)
+                continue
+            self._dispatcher.mark_alive(actor)
+            logger.info("actor %s is back", actor)
+            return
+        logger.error("actor %s did not come back within %s s", actor, self._revive_timeout_s)
+
+    async def wait_until_alive(self, actor: str) -> bool:
+        """Wait for a pending revival of `actor` to finish; True if it is alive."""
+        task = self._reviving.get(actor)
+        if task is not None:
+            await asyncio.shield(task)
+        return self._dispatcher.alive(actor)
+
+    def forget_failures(self) -> None:
+        """Let experts that failed to load be tried again (e.g. after the store was fixed)."""
+        self._failures.clear()
+
+    async def prefetch(self, expert_ids: list[int]) -> None:
+        """Ask each expert's home actor to start loading it; returns without waiting."""
+        if self._closed:
+            return
+        residency = self._dispatcher.residency()
+        by_actor: dict[str, list[int]] = {}
+        for expert_id in dict.fromkeys(expert_ids):
+            if expert_id in residency or expert_id in self._failures:
+                continue
+            home = self._dispatcher.home(expert_id)
+            if home is not None:
+                by_actor.setdefault(home, []).append(expert_id)
+        for actor, ids in by_actor.items():
+            self._spawn(self._prefetch_on(actor, ids))
+
+    async def _prefetch_on(self, actor: str, expert_ids: list[int]) -> None:
+        try:
+            resident = await self._call_prefetch(actor, expert_ids)
+        except ActorDied:
+            return  # the next run on that actor notices and retries
+        self._dispatcher.update_residency(actor, resident)
+
+    def residency(self) -> dict[int, list[str]]:
+        return self._dispatcher.residency()
+
+    def actors(self) -> list[ActorInfo]:
+        infos = []
+        for name in self._dispatcher.names:
+            resident = self._dispatcher.resident(name)
+            infos.append(
+                ActorInfo(
+                    name=name,
+                    device=self._device,
+                    resident_bytes=sum(resident.values()),
+                    budget_bytes=self._budget_bytes,
+                    resident=sorted(resident),
+                    alive=self._dispatcher.alive(name),
+                )
+            )
+        return infos
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def close(self) -> None:
+        self._closed = True
+        for task in list(self._background):
+            task.cancel()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        await self._shutdown()
+
+    @abstractmethod
+    async def _shutdown(self) -> None:
+        """Release the actors."""
+
+
+def _failed(expert_id: int, reason: str, kind: str, *, actor: str) -> GroupResult:
+    return GroupResult(
+        expert_id=expert_id,
+        outputs=_EMPTY,
+        hit=False,
+        load_ms=0.0,
+        compute_ms=0.0,
+        expert_bytes=0,
+        activation_bytes=0,
+        actor=actor,
+        error=reason,
+        error_kind=kind,
+    )
+
+
+class RayExpertPool(DispatchingPool):
+    """One Ray actor per device (per GPU on CUDA, `settings.actors` on CPU)."""
+
+    def __init__(
+        self,
+        handles: dict[str, Any],
+        *,
+        device: str,
+        settings: Settings,
+        clock: Clock | None = None,
+        failure_ttl_s: float = 30.0,
+    ) -> None:
+        super().__init__(
+            list(handles),
+            device=device,
+            budget_bytes=settings.cache_bytes,
+            spill_queue_rows=settings.spill_queue_rows,
+            clock=clock,
+            failure_ttl_s=failure_ttl_s,
+        )
+        self._handles = handles
+
+    @classmethod
+    def create(
+        cls,
+        store_root: Path | str,
+        settings: Settings,
+        *,
+        clock: Clock | None = None,
+        torch_threads: int | None = 1,
+        num_cpus_per_actor: float = 1.0,
+        max_concurrency: int = 4,
+    ) -> RayExpertPool:
+        """Start the actors and wait until each has opened the store (blocking).
+
+        Ray must already be initialised by the caller. Raises `ExpertTooLarge` if some expert
+        can never fit in `settings.cache_bytes`.
+        """
+        import ray
+
+        store = Store.open(Path(store_root))
+        check_budget(store, settings.cache_bytes)
+        device = resolve_device(settings.device)
+        if device.startswith("cuda"):
+            gpus = ray.cluster_resources().get("GPU", 0)  # type: ignore[no-untyped-call]
+            count = max(1, int(gpus))
+            resources: dict[str, Any] = {"num_gpus": 1, "num_cpus": num_cpus_per_actor}
+        else:
+            count = settings.actors
+            resources = {"num_cpus": num_cpus_per_actor}
+        remote_cls = ray.remote(ExpertActor)
+        handles: dict[str, Any] = {}
+        for index in range(count):
+            name = f"actor-{index}"
+            handles[name] = remote_cls.options(
+                max_restarts=settings.actor_max_restarts,
+                # We retry ourselves so that no group is ever answered twice.
+                max_task_retries=0,
+                max_concurrency=max_concurrency,
+                **resources,
+            ).remote(str(store.root), name, device, settings.cache_bytes, torch_threads)
+        ray.get([handle.get_pid.remote() for handle in handles.values()])
+        logger.info("started %s %s actor(s) of %s bytes", count, device, settings.cache_bytes)
+        return cls(handles, device=device, settings=settings, clock=clock)
+
+    def handle(self, actor: str) -> Any:
+        """The Ray actor handle (for fault-injection tests and tooling)."""
+        return self._handles[actor]
+
+    async def _call_run(self, actor: str, payload: list[tuple[int, np.ndarray]]) -> ActorReply:
+        from ray.exceptions import RayActorError
+
+        try:
+            reply: ActorReply = await self._handles[actor].run.remote(payload)
+        except RayActorError as exc:
+            raise ActorDied(actor) from exc
+        return reply
+
+    async def _call_prefetch(self, actor: str, expert_ids: list[int]) -> dict[int, int]:
+        from ray.exceptions import RayActorError
+
+        try:
+            resident: dict[int, int] = await self._handles[actor].prefetch.remote(expert_ids)
+        except RayActorError as exc:
+            raise ActorDied(actor) from exc
+        return resident
+
+    async def _call_info(self, actor: str) -> ActorInfo:
+        from ray.exceptions import RayActorError
+
+        try:
+            info: ActorInfo = await self._handles[actor].info.remote()
+        except RayActorError as exc:
+            raise ActorDied(actor) from exc
+        return info
+
+    async def _shutdown(self) -> None:
+        import ray
+
+        for handle in self._handles.values():
+            ray.kill(handle, no_restart=True)

@@ -1,0 +1,167 @@
+"""`momlp serve` and `momlp demo`; only the standard library is imported until a handler runs."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+__all__ = ["parse_bytes", "register", "settings_from_args"]
+
+logger = logging.getLogger(__name__)
+
+DEMO_STORE = Path("demo-store")
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """`268435456`, `256MiB`, `1.5GB` -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 268435456, 256MiB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _add_server_options(parser: argparse.ArgumentParser, *, store_help: str) -> None:
+    # Defaults are None so that an option not given leaves the MOMLP_* environment (or the
+    # Settings default) in charge.
+    parser.add_argument("--store", type=Path, help=store_help)
+    parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port to bind (default 8000; 0 picks one)")
+    parser.add_argument("--actors", type=int, help="expert actors on CPU (one per GPU on CUDA)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="default auto")
+    parser.add_argument(
+        "--cache-bytes", type=parse_bytes, help="expert cache budget per actor (e.g. 256MiB)"
+    )
+    parser.add_argument("--ray-address", help="Ray cluster to join (default: embedded Ray)")
+    parser.add_argument("--ray-num-cpus", type=int, help="CPUs of an embedded Ray")
+    parser.add_argument(
+        "--api-key-env",
+        metavar="VAR",
+        help="environment variable holding the bearer key (MOMLP_API_KEY is read anyway)",
+    )
+    parser.add_argument("--max-batch-wait-ms", type=float, help="batch window (default 2)")
+    parser.add_argument("--max-rows", type=int, help="rows per request (413 above)")
+    parser.add_argument("--max-body-bytes", type=parse_bytes, help="request body limit")
+    parser.add_argument(
+        "--watch-store",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reload when the store's manifest.json changes (default on)",
+    )
+
+
+_FIELDS = (
+    "store",
+    "host",
+    "port",
+    "actors",
+    "device",
+    "cache_bytes",
+    "ray_address",
+    "ray_num_cpus",
+    "max_batch_wait_ms",
+    "max_rows",
+    "max_body_bytes",
+    "watch_store",
+)
+
+
+class CliError(Exception):
+    """A problem with the command line or environment, reported without a traceback."""
+
+
+def settings_from_args(args: argparse.Namespace) -> Any:
+    """The `server.Settings` for these options (environment variables fill the rest)."""
+    from pydantic import ValidationError
+
+    from server._settings import Settings
+
+    overrides: dict[str, Any] = {
+        name: getattr(args, name) for name in _FIELDS if getattr(args, name, None) is not None
+    }
+    env_name = getattr(args, "api_key_env", None)
+    if env_name:
+        key = os.environ.get(env_name)
+        if not key:
+            raise CliError(f"--api-key-env {env_name}: that environment variable is empty or unset")
+        overrides["api_key"] = key
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
+        )
+        raise CliError(f"invalid settings: {problems}") from exc
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from server._runner import run_server
+
+    try:
+        settings = settings_from_args(args)
+    except CliError as exc:
+        logger.error("%s", exc)
+        return 2
+    if not (Path(settings.store) / "manifest.json").is_file():
+        logger.error(
+            "no store at %s (manifest.json missing): build one with `momlp build` or run "
+            "`momlp demo`",
+            settings.store,
+        )
+        return 2
+    return run_server(settings)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    if args.store is None:
+        args.store = DEMO_STORE
+    store = Path(args.store)
+    if args.rebuild or not (store / "manifest.json").is_file():
+        from trainer import build_store, quick_demo_config
+
+        logger.info("building the demo store (2-D Ackley, 16 experts) into %s", store)
+        build_store(quick_demo_config(store))
+    else:
+        logger.info("using the demo store already in %s", store)
+    return _serve(args)
+
+
+def register(subparsers: Any) -> None:
+    """Add `serve` and `demo` to the `momlp` root parser."""
+    serve = subparsers.add_parser(
+        "serve",
+        help="serve a store over HTTP",
+        description="Serve a momlp store: POST /v1/predict, /v1/route; docs at /docs.",
+    )
+    _add_server_options(serve, store_help="store directory (default ./store)")
+    serve.set_defaults(handler=_serve)
+
+    demo = subparsers.add_parser(
+        "demo",
+        help="build the demo store if absent, then serve it",
+        description="Build the 2-D Ackley demo store (16 experts) into ./demo-store if it is "
+        "not there yet, then serve it like `momlp serve`.",
+    )
+    _add_server_options(demo, store_help=f"demo store directory (default ./{DEMO_STORE})")
+    demo.add_argument("--rebuild", action="store_true", help="rebuild even if the store exists")
+    demo.set_defaults(handler=_demo)

@@ -1,0 +1,90 @@
+"""`momlp loadtest` arguments and handler (the handler runs against the fake server)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import httpx
+import pytest
+
+from client import AsyncClient, _cli, _loadtest
+
+pytestmark = pytest.mark.unit
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="momlp")
+    _cli.register(root.add_subparsers(dest="command"))
+    return root
+
+
+def test_defaults_and_exclusive_options(capsys):
+    args = parser().parse_args(["loadtest"])
+    assert (args.url, args.requests, args.duration, args.concurrency, args.rate) == (
+        "http://127.0.0.1:8000",
+        None,
+        None,
+        8,
+        None,
+    )
+    assert args.handler is _cli.run
+    for argv in (
+        ["loadtest", "--requests", "5", "--duration", "3"],
+        ["loadtest", "--concurrency", "2", "--rate", "10"],
+    ):
+        with pytest.raises(SystemExit):
+            parser().parse_args(argv)
+    capsys.readouterr()
+
+
+def test_bad_distribution_exits_2(capsys):
+    args = parser().parse_args(["loadtest", "--distribution", "pareto"])
+    assert args.handler(args) == 2
+    assert "distribution" in capsys.readouterr().err
+
+
+def test_handler_runs_and_writes_the_report(make_server, tmp_path, monkeypatch, capsys):
+    server = make_server(clock=None)
+    monkeypatch.setattr(
+        _loadtest,
+        "default_client_factory",
+        lambda config: AsyncClient(transport=httpx.MockTransport(server.handler)),
+    )
+    args = parser().parse_args(
+        [
+            "loadtest",
+            "--requests",
+            "12",
+            "--concurrency",
+            "3",
+            "--batch",
+            "2",
+            "--distribution",
+            "zipf:1.1",
+            "--report",
+            str(tmp_path),
+            "--no-plots",
+            "--quiet",
+        ]
+    )
+    assert args.handler(args) == 0
+    out = capsys.readouterr().out
+    assert "requests 12 (ok 12, errors 0)" in out and "report.json" in out
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["rows"] == 24 == server.predict_rows
+    assert data["config"]["distribution"] == "zipf:1.1"
+
+
+def test_unreachable_server_exits_1(monkeypatch, capsys):
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused")
+
+    monkeypatch.setattr(
+        _loadtest,
+        "default_client_factory",
+        lambda config: AsyncClient(transport=httpx.MockTransport(refuse), max_retries=0),
+    )
+    args = parser().parse_args(["loadtest", "--requests", "3", "--quiet"])
+    assert args.handler(args) == 1
+    assert "refused" in capsys.readouterr().err

@@ -1,0 +1,220 @@
+"""run_loadtest against the fake server: the report agrees with what the server counted."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+from collections import Counter
+
+import httpx
+import numpy as np
+import pytest
+
+from client import AsyncClient, LoadTestConfig, arun_loadtest
+
+pytestmark = pytest.mark.unit
+
+
+def factory(server):
+    def make(config: LoadTestConfig) -> AsyncClient:
+        return AsyncClient(
+            transport=httpx.MockTransport(server.handler),
+            api_key=config.api_key,
+            max_retries=config.max_retries,
+        )
+
+    return make
+
+
+async def run(server, clock, **kwargs):
+    config = LoadTestConfig(**kwargs)
+    return await arun_loadtest(
+        config, client_factory=factory(server), clock=clock, sleep=clock.sleep
+    )
+
+
+async def test_closed_loop_report_matches_the_server_tally(make_server, fake_clock):
+    server = make_server(cache_capacity=4)
+    report = await run(server, fake_clock, requests=40, concurrency=4, batch=3, seed=1)
+    assert report.requests == report.ok == server.predict_requests == 40
+    assert report.errors == 0 and report.errors_by_status == {}
+    assert report.rows == server.predict_rows == 120
+    assert (report.hits, report.misses) == (server.hits, server.misses)
+    assert report.loads == report.misses
+    assert report.hit_rate == pytest.approx(server.hits / (server.hits + server.misses))
+    assert report.dense_equivalent_bytes == server.total_expert_bytes
+    assert report.max_expert_bytes == max(server.expert_bytes.values())
+    assert report.vram_bytes["max"] == max(server.request_vram)
+    assert report.vram_bytes["p99"] == pytest.approx(np.percentile(server.request_vram, 99))
+    assert report.vram_ratio == pytest.approx(
+        np.percentile(server.request_vram, 99) / server.total_expert_bytes
+    )
+    assert {int(k): v for k, v in report.expert_rows.items()} == dict(server.rows_by_expert)
+    assert sum(bucket["requests"] for bucket in report.time_series) == 40
+    assert report.time_series[-1]["device_bytes"] == {"actor-0": sum(server.cache.values())}
+
+
+async def test_one_worker_latencies_are_the_server_service_times(make_server, fake_clock):
+    server = make_server()
+    report = await run(server, fake_clock, requests=25, concurrency=1, save_requests=True)
+    latencies = [record["latency_ms"] for record in report.records]
+    expected = [seconds * 1000 for seconds in server.service_times]
+    assert latencies == pytest.approx(expected)
+    for key, q in (("p50", 50), ("p90", 90), ("p99", 99)):
+        assert report.latency_ms[key] == pytest.approx(np.percentile(expected, q))
+    assert report.latency_ms["mean"] == pytest.approx(np.mean(expected))
+    assert report.duration_s == pytest.approx(sum(server.service_times))
+    last = report.time_series[-1]
+    assert last["requests_per_s"] == pytest.approx(last["requests"] / report.duration_s)
+    assert report.requests_per_s == pytest.approx(25 / sum(server.service_times))
+
+
+@pytest.mark.parametrize("distribution", ["zipf:1.2", "uniform"])
+async def test_expert_frequencies_follow_the_law(make_server, fake_clock, distribution):
+    server = make_server(cache_capacity=16)
+    report = await run(server, fake_clock, requests=150, batch=8, distribution=distribution, seed=3)
+    expected = {int(k): v for k, v in report.workload["expected_frequencies"].items()}
+    assert len(expected) == 16, "every expert of the grid got route-verified inputs"
+    total = sum(server.rows_by_expert.values())
+    observed = {e: server.rows_by_expert[e] / total for e in expected}
+    distance = 0.5 * sum(abs(observed[e] - expected[e]) for e in expected)
+    assert distance < 0.08, (observed, expected)
+    if distribution.startswith("zipf"):
+        top = max(expected, key=expected.__getitem__)
+        assert max(observed, key=observed.__getitem__) == top
+        assert observed[top] == pytest.approx(expected[top], abs=0.04)
+
+
+async def test_empty_pools_are_redrawn(make_server, fake_clock, grid):
+    # Two prototypes share a point: the later one (ties go to the lowest index) never wins.
+    prototypes = [*grid(3), [0.0, 0.0]]
+    server = make_server(prototypes)
+    report = await run(server, fake_clock, requests=60, batch=4, distribution="zipf:2")
+    assert report.workload["experts_with_inputs"] == 9
+    assert "9" not in report.expert_rows and server.rows_by_expert[9] == 0
+    assert report.rows == 240
+
+
+async def test_same_seed_same_workload(make_server, fake_clock):
+    first, second = make_server(), make_server()
+    await run(first, fake_clock, requests=20, batch=2, distribution="zipf:1", seed=7)
+    await run(second, fake_clock, requests=20, batch=2, distribution="zipf:1", seed=7)
+    assert first.rows_by_expert == second.rows_by_expert
+
+
+async def test_errors_are_counted_by_status(make_server, fake_clock, make_error):
+    server = make_server()
+    server.fail_every = (4, make_error(429, "pool_saturated", **{"Retry-After": "1"}))
+    report = await run(server, fake_clock, requests=40, concurrency=2)
+    assert report.requests == 40
+    assert report.errors_by_status == {"429": 10}
+    assert report.ok == server.predict_requests == 30
+    assert report.errors == 10
+
+
+async def test_open_loop_sends_at_seeded_poisson_arrivals(make_server, fake_clock):
+    server = make_server(service_s=0.001, miss_s=0.0)
+    report = await run(server, fake_clock, requests=30, rate=200.0, seed=5, save_requests=True)
+    arrivals = random.Random(5 + 2)
+    expected, t = [], 0.0
+    for _ in range(30):
+        t += arrivals.expovariate(200.0)
+        expected.append(t)
+    assert [record["start_s"] for record in report.records] == pytest.approx(expected)
+    assert report.ok == 30
+
+
+async def test_duration_mode_stops_on_time(make_server, fake_clock):
+    server = make_server(service_s=0.01, miss_s=0.0)
+    report = await run(server, fake_clock, requests=None, duration_s=2.0, concurrency=1)
+    assert report.requests == server.predict_requests
+    assert 195 <= report.requests <= 201
+    assert [bucket["t"] for bucket in report.time_series] == [0, 1, 2][: len(report.time_series)]
+    assert report.time_series[0]["requests"] in (99, 100, 101)
+
+
+async def test_cluster_distribution_runs_without_route_pools(make_server, fake_clock):
+    server = make_server()
+    report = await run(server, fake_clock, requests=20, batch=2, distribution="cluster")
+    assert report.ok == 20 and server.calls["/v1/route"] == 0
+    assert report.workload["expected_frequencies"] == {}
+
+
+async def test_route_calls_shrink_on_413(make_server, fake_clock):
+    server = make_server(max_rows=30)
+    report = await run(server, fake_clock, requests=5, route_chunk_rows=1000)
+    assert report.workload["pool_inputs"] == 16 * 8
+    assert report.ok == 5
+
+
+async def test_report_dir_holds_json_and_plots(make_server, fake_clock, tmp_path):
+    pytest.importorskip("matplotlib")
+    server = make_server()
+    report = await run(
+        server, fake_clock, requests=30, concurrency=2, report_dir=tmp_path, api_key="k"
+    )
+    data = json.loads((tmp_path / "report.json").read_text())
+    for key in (
+        "requests",
+        "rows",
+        "duration_s",
+        "requests_per_s",
+        "rows_per_s",
+        "latency_ms",
+        "errors_by_status",
+        "hits",
+        "misses",
+        "hit_rate",
+        "loads",
+        "vram_bytes",
+        "dense_equivalent_bytes",
+        "vram_ratio",
+        "max_expert_bytes",
+        "time_series",
+    ):
+        assert key in data
+    assert data["requests"] == 30 and data["config"]["api_key"] == "***"
+    assert "records" not in data
+    assert sorted(report.plots) == sorted(
+        [
+            "latency_over_time.png",
+            "throughput_over_time.png",
+            "vram_per_request.png",
+            "device_bytes_over_time.png",
+            "hit_rate_over_time.png",
+        ]
+    )
+    for name in report.plots:
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+async def test_no_plots_without_matplotlib(make_server, fake_clock, tmp_path, monkeypatch):
+    from client import _loadtest
+
+    monkeypatch.setattr(_loadtest, "matplotlib_available", lambda: False)
+    report = await run(make_server(), fake_clock, requests=5, report_dir=tmp_path)
+    assert report.plots == [] and not list(tmp_path.glob("*.png"))
+    assert any("matplotlib" in note for note in report.notes)
+    assert "matplotlib" in report.summary()
+
+
+async def test_progress_line_on_the_stream(make_server, fake_clock):
+    stream = io.StringIO()
+    config = LoadTestConfig(requests=40, concurrency=2)
+    server = make_server()
+    await arun_loadtest(config, client_factory=factory(server), clock=fake_clock, progress=stream)
+    text = stream.getvalue()
+    assert text.startswith("\r") and text.endswith("\n")
+    last = text.rstrip("\n").split("\r")[-1]
+    assert last.startswith("40/40") and "errors 0" in last and "p50" in last
+    assert Counter(text)["\r"] >= 2
+
+
+def test_config_validation():
+    with pytest.raises(ValueError):
+        LoadTestConfig(distribution="pareto")
+    with pytest.raises(ValueError):
+        LoadTestConfig(requests=None, duration_s=None)
+    with pytest.raises(ValueError):
+        LoadTestConfig(rate=0.0)

@@ -1,0 +1,102 @@
+"""Figures of a load-test report from hand-made records, checked against numpy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from client import RequestRecord
+from client._report import build_report, percentile
+
+pytestmark = pytest.mark.unit
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    values=st.lists(st.floats(-1e6, 1e6, allow_nan=False), min_size=1, max_size=50),
+    q=st.floats(0, 100),
+)
+def test_percentile_matches_numpy(values, q):
+    assert percentile(values, q) == pytest.approx(np.percentile(values, q), rel=1e-9, abs=1e-6)
+
+
+def record(index, start, end, status="200", **kwargs):
+    return RequestRecord(index, start, end, kwargs.pop("rows", 2), status, **kwargs)
+
+
+def test_build_report_counts_and_buckets():
+    records = [
+        record(
+            0,
+            0.0,
+            0.1,
+            hits=1,
+            misses=1,
+            vram_bytes=100,
+            device_bytes={"a": 10},
+            expert_rows={3: 2},
+        ),
+        record(
+            1,
+            0.2,
+            0.5,
+            hits=2,
+            misses=0,
+            vram_bytes=300,
+            device_bytes={"a": 20},
+            expert_rows={3: 1, 4: 1},
+        ),
+        record(2, 0.6, 1.2, status="429"),
+        record(
+            3, 1.0, 1.5, hits=0, misses=1, vram_bytes=200, device_bytes={"b": 5}, expert_rows={5: 2}
+        ),
+        record(4, 1.1, 1.6, status="timeout"),
+    ]
+    report = build_report(
+        records,
+        duration_s=2.0,
+        dense_equivalent_bytes=1000,
+        max_expert_bytes=90,
+        config={},
+        model={"num_experts": 6},
+        workload={},
+        save_requests=True,
+    )
+    assert (report.requests, report.ok, report.errors, report.rows) == (5, 3, 2, 6)
+    assert report.errors_by_status == {"429": 1, "timeout": 1}
+    assert (report.hits, report.misses, report.loads) == (3, 2, 2)
+    assert report.hit_rate == pytest.approx(0.6)
+    assert report.requests_per_s == pytest.approx(1.5) and report.rows_per_s == pytest.approx(3)
+    ok_latencies = [100.0, 300.0, 500.0]
+    assert report.latency_ms["p50"] == pytest.approx(np.percentile(ok_latencies, 50))
+    assert report.latency_ms["max"] == pytest.approx(500.0)
+    assert report.vram_bytes["p99"] == pytest.approx(np.percentile([100, 300, 200], 99))
+    assert report.vram_ratio == pytest.approx(np.percentile([100, 300, 200], 99) / 1000)
+    assert report.expert_rows == {"3": 3, "4": 1, "5": 2}
+    first, second = report.time_series
+    assert (first["t"], first["requests"], first["errors"], first["hits"]) == (0, 2, 0, 3)
+    assert first["device_bytes"] == {"a": 20}
+    assert (second["t"], second["requests"], second["errors"]) == (1, 1, 2)
+    assert first["requests_per_s"] == 2.0
+    # The run ended at 2.0 s: the second bucket covers a full second.
+    assert second["rows_per_s"] == pytest.approx(2.0)
+    assert second["hit_rate"] == 0.0 and second["device_bytes"] == {"b": 5}
+    assert len(report.records) == 5 and report.records[0]["latency_ms"] == pytest.approx(100)
+    assert "errors by status: 429: 1, timeout: 1" in report.summary()
+
+
+def test_empty_run_gives_zeros_not_nan():
+    report = build_report(
+        [record(0, 0.0, 0.1, status="503")],
+        duration_s=0.1,
+        dense_equivalent_bytes=0,
+        max_expert_bytes=0,
+        config={},
+        model={},
+        workload={},
+    )
+    assert report.latency_ms == {"p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0, "mean": 0.0}
+    assert report.hit_rate is None and report.vram_ratio is None
+    assert "hit rate n/a" in report.summary()

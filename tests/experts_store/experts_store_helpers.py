@@ -1,0 +1,44 @@
+"""Helpers for the experts_store tests: small random experts and published stores."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from experts_store import ExpertArch, ExpertMLP, Manifest, StoreWriter
+
+PublishStore = Callable[..., Manifest]
+
+
+def make_expert(
+    widths: tuple[int, ...] = (3, 8, 8, 2), *, batchnorm: bool = False, seed: int = 0
+) -> ExpertMLP:
+    """A random expert; with BatchNorm its running stats are moved off their init values."""
+    gen = torch.Generator().manual_seed(seed)
+    expert = ExpertMLP(ExpertArch(widths=widths, batchnorm=batchnorm), generator=gen)
+    if batchnorm:
+        expert.train()
+        with torch.no_grad():
+            for _ in range(3):
+                expert(torch.randn(32, widths[0], generator=gen) * 2 + 1)
+    return expert.eval()
+
+
+def publish(
+    root: Path, *, num_experts: int = 3, seed: int = 0, widths: tuple[int, ...] = (3, 8, 2)
+) -> Manifest:
+    """Publish ``num_experts`` random experts (and a stand-in router file) under ``root``."""
+    with StoreWriter(root) as writer:
+        for expert_id in range(num_experts):
+            writer.add_expert(expert_id, make_expert(widths, seed=seed * 1000 + expert_id))
+        writer.router_path.write_bytes(f"router seed {seed}".encode())
+        writer.write_report({"seed": seed})
+        return writer.publish(
+            task="regression",
+            input_dim=widths[0],
+            output_dim=widths[-1],
+            routing="tree",
+            branching=2,
+        )

@@ -1,0 +1,97 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from experts_store import Manifest, UnknownExpert
+
+pytestmark = pytest.mark.unit
+
+
+def manifest_dict(store_root: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((store_root / "manifest.json").read_text())
+    return data
+
+
+def test_published_manifest_has_the_design_keys(store_root: Path) -> None:
+    data = manifest_dict(store_root)
+    for key in (
+        "format_version",
+        "store_version",
+        "task",
+        "input_dim",
+        "output_dim",
+        "routing",
+        "branching",
+        "num_experts",
+        "experts",
+        "created_at",
+        "temperature",
+        "router_file",
+        "extra",
+    ):
+        assert key in data
+    assert set(data["experts"][0]) == {"id", "file", "sha256", "bytes", "params", "arch"}
+    manifest = Manifest.model_validate(data)
+    assert manifest.total_expert_bytes == sum(e["bytes"] for e in data["experts"])
+    assert manifest.expert(2).id == 2
+    with pytest.raises(UnknownExpert) as info:
+        manifest.expert(3)
+    assert info.value.expert_id == 3
+
+
+@pytest.mark.parametrize(
+    "bad_file",
+    [
+        "/etc/passwd",
+        "../experts/0-0123456789abcdef.safetensors",
+        "experts/../../x.safetensors",
+        "experts/1-{sha}.safetensors",
+        "experts/0-{sha}.pkl",
+        "experts/0.safetensors",
+    ],
+)
+def test_file_paths_must_be_the_derived_names(store_root: Path, bad_file: str) -> None:
+    data = manifest_dict(store_root)
+    data["experts"][0]["file"] = bad_file.format(sha=data["experts"][0]["sha256"][:16])
+    with pytest.raises(ValidationError):
+        Manifest.model_validate(data)
+
+
+@pytest.mark.parametrize("ids", [[0, 1, 1], [1, 2, 3], [0, 2, 1]])
+def test_ids_must_be_exactly_zero_to_k_minus_one(store_root: Path, ids: list[int]) -> None:
+    data = manifest_dict(store_root)
+    for entry, new_id in zip(data["experts"], ids, strict=True):
+        sha = entry["sha256"]
+        entry["id"], entry["file"] = new_id, f"experts/{new_id}-{sha[:16]}.safetensors"
+    with pytest.raises(ValidationError, match="0..2"):
+        Manifest.model_validate(data)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("router_file", "../router-0123456789abcdef.safetensors"),
+        ("task", "ranking"),
+        ("routing", "random"),
+        ("num_experts", 4),
+        ("input_dim", 5),
+        ("store_version", "a/b"),
+    ],
+)
+def test_other_fields_are_validated(store_root: Path, key: str, value: object) -> None:
+    data = manifest_dict(store_root)
+    data[key] = value
+    with pytest.raises(ValidationError):
+        Manifest.model_validate(data)
+
+
+def test_entry_arch_must_agree_with_params(store_root: Path) -> None:
+    data = manifest_dict(store_root)
+    data["experts"][1]["params"] += 1
+    with pytest.raises(ValidationError, match="params"):
+        Manifest.model_validate(data)

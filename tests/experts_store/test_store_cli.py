@@ -1,0 +1,77 @@
+"""`momlp store info|verify` (experts_store/_cli.py), through the real `momlp` root parser."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from experts_store import Store
+from server._cli import main
+
+pytestmark = pytest.mark.unit
+
+
+def test_info_prints_a_summary_and_per_expert_rows(
+    store_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["store", "info", str(store_root)]) == 0
+    out = capsys.readouterr().out
+    manifest = Store.open(store_root).manifest
+    assert manifest.store_version in out
+    assert "K=3" in out and "ν=2" in out and "routing=tree" in out and "3 -> 2" in out
+    for entry in manifest.experts:
+        assert f"{entry.bytes}" in out
+
+
+def test_info_json(store_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["store", "info", str(store_root), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    manifest = Store.open(store_root).manifest
+    assert data["num_experts"] == 3
+    assert data["total_expert_bytes"] == manifest.total_expert_bytes
+    assert [e["id"] for e in data["experts"]] == [0, 1, 2]
+
+
+def test_verify_passes_on_an_intact_store(
+    store_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["store", "verify", str(store_root)]) == 0
+    assert "ok" in capsys.readouterr().out
+
+
+def test_verify_names_the_corrupted_expert(
+    store_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = Store.open(store_root).expert_path(2)
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    assert main(["store", "verify", str(store_root)]) != 0
+    out = capsys.readouterr().out
+    assert "FAIL expert 2" in out
+    assert "failing experts: 2" in out
+
+
+def test_missing_store_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["store", "verify", str(tmp_path)]) == 1
+    assert "no store" in capsys.readouterr().err
+
+
+def test_console_script_verify(store_root: Path) -> None:
+    script = Path(sys.executable).with_name("momlp")
+    command = [str(script)] if script.exists() else [shutil.which("momlp") or "momlp"]
+    Store.open(store_root).expert_path(0).unlink()
+    result = subprocess.run(
+        [*command, "store", "verify", str(store_root)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode != 0
+    assert "FAIL expert 0" in result.stdout

@@ -1,0 +1,174 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from experts_store_helpers import make_expert, publish
+
+from experts_store import (
+    ExpertFormatError,
+    ManifestError,
+    Store,
+    StoreError,
+    StoreNotFound,
+    StoreWriter,
+    save_expert,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def files_under(root: Path) -> set[str]:
+    return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
+
+
+def test_publish_creates_a_readable_store(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    manifest = publish(root, num_experts=3)
+    store = Store.open(root)
+    assert store.version == manifest.store_version
+    assert store.manifest == manifest
+    assert files_under(root) == {
+        "manifest.json",
+        "report.json",
+        manifest.router_file,
+        *(e.file for e in manifest.experts),
+    }
+    assert store.report() == {"seed": 0}
+    x = torch.randn(4, 3)
+    assert torch.equal(store.load_expert(1)(x), make_expert((3, 8, 2), seed=1)(x))
+
+
+def test_nothing_is_published_without_publish(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    with StoreWriter(root) as writer:
+        writer.add_expert(0, make_expert())
+        writer.router_path.write_bytes(b"r")
+    assert files_under(root) == set()
+    with pytest.raises(StoreNotFound):
+        Store.open(root)
+
+
+def test_exception_before_publish_keeps_previous_store(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    first = publish(root, seed=1)
+    before = files_under(root)
+    with pytest.raises(RuntimeError, match="training crashed"), StoreWriter(root) as writer:
+        writer.add_expert(0, make_expert(seed=99))
+        raise RuntimeError("training crashed")
+    assert files_under(root) == before
+    assert Store.open(root).version == first.store_version
+    assert Store.open(root).verify() == []
+
+
+def test_failing_manifest_replace_keeps_previous_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "store"
+    first = publish(root, seed=1)
+    real_replace = os.replace
+
+    def replace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        if Path(dst).name == "manifest.json":
+            raise OSError("disk full")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError, match="disk full"):
+        publish(root, seed=2)
+    monkeypatch.undo()
+    store = Store.open(root)
+    assert store.version == first.store_version
+    assert store.verify() == []
+    assert store.report() == {"seed": 1}
+    x = torch.randn(3, 3)
+    assert torch.equal(store.load_expert(0)(x), make_expert((3, 8, 2), seed=1000)(x))
+    assert not list(root.glob(".staging-*"))
+
+
+def test_republish_gets_new_version_and_keeps_previous_files(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    first = publish(root, seed=1)
+    old_store = Store.open(root)
+    second = publish(root, seed=2)
+    assert second.store_version != first.store_version
+    assert Store.open(root).version == second.store_version
+    # A reader still on the previous manifest keeps working.
+    assert old_store.verify() == []
+    x = torch.randn(3, 3)
+    assert torch.equal(old_store.load_expert(2)(x), make_expert((3, 8, 2), seed=1002)(x))
+    third = publish(root, seed=3)
+    live = {third.router_file, second.router_file}
+    live |= {e.file for m in (second, third) for e in m.experts}
+    assert files_under(root) == {"manifest.json", "report.json", *live}
+
+
+def test_unchanged_experts_keep_their_file(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    first = publish(root, seed=1)
+    second = publish(root, seed=1)
+    assert [e.file for e in first.experts] == [e.file for e in second.experts]
+    assert Store.open(root).verify() == []
+
+
+def test_expert_files_written_by_tasks_are_registered(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    with StoreWriter(root) as writer:
+        for expert_id in range(2):
+            written = save_expert(make_expert(seed=expert_id), writer.expert_path(expert_id))
+            entry = writer.register_expert_file(expert_id)
+            assert entry.sha256 == written.sha256 and entry.bytes == written.bytes
+        writer.router_path.write_bytes(b"r")
+        manifest = writer.publish(
+            task="classification",
+            input_dim=3,
+            output_dim=2,
+            routing="exact",
+            branching=4,
+            temperature=0.5,
+            extra={"dataset": "toy"},
+        )
+    assert manifest.extra == {"dataset": "toy"}
+    assert Store.open(root).manifest.temperature == 0.5
+    assert not (root / "report.json").exists()
+
+
+def test_bad_task_file_is_refused_at_registration(tmp_path: Path) -> None:
+    with StoreWriter(tmp_path / "store") as writer:
+        writer.expert_path(0).write_bytes(b"not safetensors")
+        with pytest.raises(ExpertFormatError) as info:
+            writer.register_expert_file(0)
+    assert info.value.expert_id == 0
+
+
+def test_missing_ids_or_router_are_refused(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    with StoreWriter(root) as writer:
+        writer.add_expert(0, make_expert())
+        writer.add_expert(2, make_expert())
+        with pytest.raises(StoreError, match="router"):
+            writer.publish(
+                task="regression", input_dim=3, output_dim=2, routing="tree", branching=2
+            )
+        writer.router_path.write_bytes(b"r")
+        with pytest.raises(ManifestError, match="0..1"):
+            writer.publish(
+                task="regression", input_dim=3, output_dim=2, routing="tree", branching=2
+            )
+    assert not (root / "manifest.json").exists()
+
+
+def test_stale_staging_dirs_are_removed_on_publish(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    crashed = StoreWriter(root)
+    crashed.add_expert(0, make_expert())
+    young = StoreWriter(root, stale_staging_seconds=3600)
+    os.utime(crashed.staging, (0, 0))
+    publish(root)
+    assert not crashed.staging.exists()
+    assert young.staging.exists()
+    young.abort()
+    with pytest.raises(StoreError):
+        young.add_expert(0, make_expert())

@@ -1,0 +1,74 @@
+"""Helpers of the integration tests: a small real store and its local (reference) reading."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from experts_store import ExpertArch, ExpertMLP, StoreWriter, load_expert
+
+K, N, WIDTH, OUT = 8, 3, 24, 2
+
+
+def build_store(root: Path, *, seed: int = 0) -> Path:
+    """K random PReLU experts N -> WIDTH -> WIDTH -> OUT over K random prototypes."""
+    from router import PrototypeTree
+
+    generator = torch.Generator().manual_seed(seed)
+    arch = ExpertArch(widths=(N, WIDTH, WIDTH, OUT))
+    with StoreWriter(root) as writer:
+        for expert_id in range(K):
+            writer.add_expert(expert_id, ExpertMLP(arch, generator=generator))
+        protos = torch.randn(K, N, generator=generator)
+        PrototypeTree.build(protos, branching=2, seed=seed).save(writer.router_path)
+        writer.publish(task="regression", input_dim=N, output_dim=OUT, routing="tree", branching=2)
+    return root
+
+
+@dataclass
+class LocalModel:
+    """The store read straight from its files: the reference the server must agree with."""
+
+    root: Path
+    manifest: dict[str, Any]
+    prototypes: np.ndarray
+
+    @classmethod
+    def open(cls, root: Path) -> LocalModel:
+        from safetensors.numpy import load_file
+
+        manifest = json.loads((root / "manifest.json").read_text())
+        arrays = load_file(str(root / manifest["router_file"]))
+        return cls(root, manifest, np.asarray(arrays["prototypes"], dtype=np.float64))
+
+    def expert(self, expert_id: int, x: np.ndarray) -> np.ndarray:
+        module = load_expert(self.root / self.manifest["experts"][expert_id]["file"])
+        with torch.no_grad():
+            out: np.ndarray = module(torch.as_tensor(x, dtype=torch.float32)).numpy()
+        return out
+
+    def nearest(self, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        d2 = ((x[:, None, :].astype(np.float64) - self.prototypes[None]) ** 2).sum(-1)
+        order = np.argsort(d2, axis=1, kind="stable")[:, :k]
+        return order, np.take_along_axis(d2, order, axis=1)
+
+
+@dataclass
+class LiveServer:
+    url: str
+    store: Path
+    local: LocalModel
+
+
+def wait_until(condition: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not happen within {timeout} s")
+        time.sleep(0.02)

@@ -1,0 +1,112 @@
+"""Branch-and-bound exact search: 100% agreement with a float64 numpy scan, ties included."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from router_testdata import make_prototypes, make_queries, numpy_knn
+
+from router import PrototypeTree
+from router._bruteforce import sq_dist_rows
+from router._exact import exact_nearest
+
+pytestmark = pytest.mark.unit
+
+KINDS = ["uniform", "clustered", "lowdim", "duplicates"]
+
+
+def _exact(
+    tree: PrototypeTree, x: np.ndarray, switch_fraction: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Run the search with the scan threshold off so small trees exercise the bounds."""
+    xs = torch.from_numpy(np.asarray(x, dtype=np.float64))
+    walk = tree.route(xs, mode="tree")
+    seed = walk.experts[:, 0]
+    seed_d2 = sq_dist_rows(xs, tree.prototypes[seed].to(torch.float64))
+    idx, d2, evals = exact_nearest(
+        xs,
+        seed,
+        seed_d2,
+        walk.distance_evals,
+        tree._exact_index(),
+        tree._blocked_search(),
+        min_tree_search=0,
+        switch_fraction=switch_fraction,
+    )
+    return idx.numpy(), d2.numpy(), evals.numpy()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    k=st.integers(1, 150),
+    n=st.integers(1, 6),
+    nu=st.integers(2, 6),
+    kind=st.sampled_from(KINDS),
+    seed=st.integers(0, 2**16),
+    switch_fraction=st.sampled_from([0.0, 2.0, 8.0]),
+)
+def test_branch_and_bound_agrees_with_float64_scan(
+    k: int, n: int, nu: int, kind: str, seed: int, switch_fraction: float
+) -> None:
+    rng = np.random.default_rng(seed)
+    p = make_prototypes(kind, k, n, rng)
+    tree = PrototypeTree.build(p, branching=nu, seed=seed)
+    x = make_queries(p, 20, rng)
+    idx, d2, evals = _exact(tree, x, switch_fraction)
+    want_idx, want_d2 = numpy_knn(x, p)
+    assert idx.tolist() == want_idx[:, 0].tolist()
+    np.testing.assert_allclose(d2, want_d2[:, 0], rtol=1e-12, atol=0)
+    assert (evals >= 0).all()
+
+
+def test_near_ties_are_resolved_like_the_scan() -> None:
+    # Pairs of prototypes one float32 ulp apart, queries on and beside their bisectors.
+    rng = np.random.default_rng(5)
+    base = rng.random((200, 3)).astype(np.float32)
+    twin = np.nextafter(base, np.float32(2.0))
+    p = np.concatenate([base, twin, base])  # exact duplicates too
+    tree = PrototypeTree.build(p, branching=3, seed=0)
+    mid = (base.astype(np.float64) + twin.astype(np.float64)) / 2
+    x = np.concatenate([mid, np.nextafter(mid, 0.0), np.nextafter(mid, 2.0)])
+    want_idx, _ = numpy_knn(x, p)
+    idx, _, _ = _exact(tree, x, switch_fraction=0.0)
+    assert idx.tolist() == want_idx[:, 0].tolist()
+    assert tree.route(x, mode="exact").experts[:, 0].tolist() == want_idx[:, 0].tolist()
+
+
+def test_pruning_pays_on_clustered_low_dimensional_data() -> None:
+    rng = np.random.default_rng(0)
+    p = make_prototypes("clustered", 4000, 2, rng)
+    tree = PrototypeTree.build(p, branching=4, seed=0)
+    x = make_queries(p, 100, rng)
+    idx, _, evals = _exact(tree, x, switch_fraction=0.0)
+    assert idx.tolist() == numpy_knn(x, p)[0][:, 0].tolist()
+    assert np.median(evals) < len(p) / 10
+
+
+def test_high_dimension_switches_to_the_scan() -> None:
+    rng = np.random.default_rng(0)
+    p = make_prototypes("uniform", 3000, 64, rng)
+    tree = PrototypeTree.build(p, branching=4, seed=0)
+    x = rng.random((50, 64))
+    r = tree.route(x, mode="exact")
+    assert r.experts[:, 0].tolist() == numpy_knn(x, p)[0][:, 0].tolist()
+    # A query that gave up on the tree paid for a full scan on top of its partial search.
+    assert int(r.distance_evals.max()) >= len(p)
+    assert int(r.distance_evals.max()) <= len(p) + len(p) // 8 + 4 * tree.depth + 4 * 8
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_far_from_origin_data(kind: str) -> None:
+    # Large offsets make the matmul expansion cancel badly; direct differences must decide.
+    rng = np.random.default_rng(1)
+    p = (make_prototypes(kind, 2600, 3, rng).astype(np.float64) * 1e-3 + 1e4).astype(np.float32)
+    tree = PrototypeTree.build(p, branching=4, seed=0)
+    x = make_queries(p, 100, rng)
+    want = numpy_knn(x, p)[0][:, 0].tolist()
+    assert tree.route(x, mode="exact").experts[:, 0].tolist() == want
+    idx, _, _ = _exact(tree, x, switch_fraction=0.0)
+    assert idx.tolist() == want

@@ -1,0 +1,142 @@
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from experts_store import Store, load_expert
+from server._actor import ActorCore, activation_peak_bytes
+
+pytestmark = pytest.mark.unit
+
+MakeStore = Callable[..., Path]
+
+
+def direct(store: Store, expert_id: int, rows: np.ndarray) -> np.ndarray:
+    """Independent reference: read the file ourselves and run the expert."""
+    entry = store.expert_entry(expert_id)
+    expert = load_expert(store.root / entry.file, expected_sha256=entry.sha256)
+    with torch.no_grad():
+        return expert(torch.tensor(rows)).numpy()
+
+
+def rows_for(n: int, m: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((m, n)).astype(np.float32)
+
+
+def test_outputs_equal_a_direct_forward_with_hit_and_miss_stats(make_store: MakeStore) -> None:
+    store = Store.open(make_store(K=6, n=5, width=12, out=3))
+    core = ActorCore(store, name="a0", budget_bytes=10**8)
+    groups = [(e, rows_for(5, 4 + e, seed=e)) for e in (0, 3, 5)]
+    first = core.run(groups)
+    second = core.run(groups)
+    for reply in (first, second):
+        assert reply.actor == "a0"
+        assert [o.expert_id for o in reply.results] == [0, 3, 5]
+        for (expert_id, rows), outcome in zip(groups, reply.results, strict=True):
+            assert outcome.error is None and outcome.outputs is not None
+            np.testing.assert_allclose(outcome.outputs, direct(store, expert_id, rows), rtol=1e-6)
+            assert outcome.expert_bytes == store.expert_nbytes(expert_id)
+    assert [o.hit for o in first.results] == [False, False, False]
+    assert [o.hit for o in second.results] == [True, True, True]
+    assert sorted(second.resident) == [0, 3, 5]
+    assert second.device_bytes == sum(store.expert_nbytes(e) for e in (0, 3, 5))
+    core.close()
+
+
+def test_activation_bytes_are_the_largest_layer_input_plus_output(make_store: MakeStore) -> None:
+    store = Store.open(make_store(K=2, n=3, width=40, out=2, hidden_layers=2))
+    core = ActorCore(store, name="a0", budget_bytes=10**8)
+    [outcome] = core.run([(1, rows_for(3, 17, seed=0))]).results
+    # Layers 3->40, 40->40, 40->2 and PReLUs on 40: the biggest holds 40+40 floats per row.
+    assert outcome.activation_bytes == 17 * 4 * 80 == activation_peak_bytes((3, 40, 40, 2), 17)
+    core.close()
+
+
+def test_resident_bytes_never_exceed_the_budget(make_store: MakeStore) -> None:
+    store = Store.open(make_store(K=30, n=4, width=8, out=2))
+    per_expert = store.expert_nbytes(0)
+    budget = 5 * per_expert
+    core = ActorCore(store, name="a0", budget_bytes=budget)
+    rng = np.random.default_rng(1)
+    misses = 0
+    for step in range(40):
+        experts = rng.choice(30, size=rng.integers(1, 8), replace=False)
+        reply = core.run([(int(e), rows_for(4, 3, seed=step)) for e in experts])
+        assert reply.device_bytes <= budget
+        assert sum(reply.resident.values()) <= budget
+        assert all(o.error is None for o in reply.results)
+        misses += sum(not o.hit for o in reply.results)
+    assert core.cache.stats.evictions > 0
+    assert misses == core.cache.stats.misses
+    core.close()
+
+
+def test_a_budget_of_one_expert_still_serves_many(make_store: MakeStore) -> None:
+    store = Store.open(make_store(K=4, n=2, width=4, out=1))
+    core = ActorCore(store, name="a0", budget_bytes=store.expert_nbytes(0))
+    groups = [(e, rows_for(2, 2, seed=e)) for e in range(4)]
+    reply = core.run(groups)
+    for (expert_id, rows), outcome in zip(groups, reply.results, strict=True):
+        assert outcome.outputs is not None
+        np.testing.assert_allclose(outcome.outputs, direct(store, expert_id, rows), rtol=1e-6)
+    assert list(reply.resident) == [3]
+    core.close()
+
+
+def corrupt(store: Store, expert_id: int) -> Path:
+    path = store.expert_path(expert_id)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_a_corrupted_expert_fails_only_its_group(make_store: MakeStore) -> None:
+    store = Store.open(make_store(K=3, n=2, width=4, out=1))
+    corrupt(store, 1)
+    core = ActorCore(store, name="a0", budget_bytes=10**8)
+    reply = core.run([(e, rows_for(2, 2, seed=e)) for e in range(3)])
+    good0, bad, good2 = reply.results
+    assert good0.error is None and good2.error is None
+    assert bad.outputs is None and bad.error_kind == "load"
+    assert bad.error is not None and "1" in bad.error
+    assert sorted(reply.resident) == [0, 2]
+    core.close()
+
+
+def test_missing_file_is_a_load_error(make_store: MakeStore) -> None:
+    store = Store.open(make_store(K=2, n=2, width=4, out=1))
+    store.expert_path(0).unlink()
+    core = ActorCore(store, name="a0", budget_bytes=10**8)
+    [outcome] = core.run([(0, rows_for(2, 1, seed=0))]).results
+    assert outcome.error_kind == "load"
+    core.close()
+
+
+def test_prefetch_uses_free_room_only(make_store: MakeStore) -> None:
+    store = Store.open(make_store(K=6, n=2, width=4, out=1))
+    core = ActorCore(store, name="a0", budget_bytes=2 * store.expert_nbytes(0))
+    assert sorted(core.prefetch([4])) == [4]
+    core.run([(0, rows_for(2, 1, seed=0))])
+    # The cache is full now (0 and 4): prefetching 5 would evict, so it does nothing.
+    assert sorted(core.prefetch([5])) == [0, 4]
+    [outcome] = core.run([(4, rows_for(2, 1, seed=1))]).results
+    assert outcome.hit
+    info = core.info()
+    assert info.resident == [0, 4] and info.budget_bytes == 2 * store.expert_nbytes(0)
+    core.close()
+
+
+def test_read_only_rows_are_accepted(make_store: MakeStore) -> None:
+    store = Store.open(make_store(K=1, n=2, width=4, out=1))
+    core = ActorCore(store, name="a0", budget_bytes=10**8)
+    rows = rows_for(2, 3, seed=0)
+    rows.flags.writeable = False  # as Ray hands them over from its object store
+    [outcome] = core.run([(0, rows)]).results
+    assert outcome.outputs is not None
+    np.testing.assert_allclose(outcome.outputs, direct(store, 0, rows), rtol=1e-6)
+    core.close()

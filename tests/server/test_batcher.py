@@ -1,0 +1,349 @@
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from experts_store import Store, load_expert
+from server._actor import activation_peak_bytes
+from server._batcher import Batcher
+from server._exceptions import ExpertUnavailable, InvalidRequest, PoolClosed, PoolSaturated
+from server._fake_pool import FakeExpertPool
+from server._runtime_types import ActorInfo, Group, GroupResult
+from server._settings import Settings
+
+pytestmark = pytest.mark.unit
+
+MakeStore = Callable[..., Path]
+Built = tuple[Store, "Batcher", "GatedPool", "TableRouter", "FakeClock"]
+Setup = Callable[..., Built]
+
+
+class FakeClock:
+    """Time moves only when the test says so; `sleep` returns once the clock passed its end."""
+
+    def __init__(self) -> None:
+        self.t = 100.0
+        self._sleepers: list[tuple[float, asyncio.Future[None]]] = []
+
+    def now(self) -> float:
+        return self.t
+
+    async def sleep(self, seconds: float) -> None:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._sleepers.append((self.t + seconds, future))
+        await future
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+        for end, future in self._sleepers:
+            if end <= self.t and not future.done():
+                future.set_result(None)
+        self._sleepers = [(e, f) for e, f in self._sleepers if not f.done()]
+
+
+@dataclass(frozen=True)
+class FakeRouting:
+    experts: torch.Tensor
+    weights: torch.Tensor
+    distance_evals: torch.Tensor
+
+
+class TableRouter:
+    """Row i goes to expert round(x[i, 0]) mod K (then the next ids for top_k > 1)."""
+
+    def __init__(self, dim: int, num_prototypes: int) -> None:
+        self.dim = dim
+        self.num_prototypes = num_prototypes
+        self.calls: list[int] = []
+
+    def route(self, x: torch.Tensor, mode: str = "tree", top_k: int = 1) -> FakeRouting:
+        self.calls.append(int(x.shape[0]))
+        first = x[:, 0].round().long() % self.num_prototypes
+        experts = torch.stack([(first + j) % self.num_prototypes for j in range(top_k)], dim=1)
+        gate = torch.softmax(-torch.arange(top_k, dtype=torch.float32), dim=0)
+        weights = gate.expand(x.shape[0], top_k).contiguous()
+        return FakeRouting(experts, weights, torch.full((x.shape[0],), 3 + top_k))
+
+
+class GatedPool:
+    """Wraps a pool; calls wait until `gate` is set, and every call is recorded."""
+
+    def __init__(self, inner: FakeExpertPool) -> None:
+        self.inner = inner
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.runs: list[list[Group]] = []
+        self.prefetched: list[list[int]] = []
+
+    async def run(self, groups: list[Group]) -> list[GroupResult]:
+        self.runs.append(groups)
+        await self.gate.wait()
+        return await self.inner.run(groups)
+
+    async def prefetch(self, expert_ids: list[int]) -> None:
+        self.prefetched.append(list(expert_ids))
+
+    def residency(self) -> dict[int, list[str]]:
+        return self.inner.residency()
+
+    def actors(self) -> list[ActorInfo]:
+        return self.inner.actors()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+def inputs(experts: list[int], n: int, seed: int = 0) -> torch.Tensor:
+    x = torch.randn(len(experts), n, generator=torch.Generator().manual_seed(seed))
+    x[:, 0] = torch.tensor(experts, dtype=torch.float32)
+    return x
+
+
+def reference(store: Store, experts: torch.Tensor, weights: torch.Tensor, x: torch.Tensor) -> (
+    torch.Tensor
+):
+    """Weighted sum over k of each row's experts, from files read independently."""
+    modules = {}
+    for e in experts.unique().tolist():
+        entry = store.expert_entry(e)
+        modules[e] = load_expert(store.root / entry.file, expected_sha256=entry.sha256)
+    out = []
+    with torch.no_grad():
+        for i in range(x.shape[0]):
+            row = sum(
+                float(weights[i, j]) * modules[int(experts[i, j])](x[i : i + 1])[0]
+                for j in range(experts.shape[1])
+            )
+            out.append(row)
+    return torch.stack(out)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def setup(make_store: MakeStore) -> Setup:
+    def build(**settings_kwargs: object) -> Built:
+        store = Store.open(make_store(K=6, n=3, width=8, out=2))
+        fields: dict[str, object] = {"max_batch_wait_ms": 2.0, "cache_bytes": 10**7}
+        fields.update(settings_kwargs)
+        settings = Settings(**fields)  # type: ignore[arg-type]
+        clock = FakeClock()
+        pool = GatedPool(FakeExpertPool(store, settings, clock=clock))
+        router = TableRouter(dim=3, num_prototypes=6)
+        batcher = Batcher(router, pool, settings, clock, sleep=clock.sleep)
+        return store, batcher, pool, router, clock
+
+    return build
+
+
+async def settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+async def test_requests_within_the_window_share_one_router_and_pool_call(setup: Setup) -> None:
+    store, batcher, pool, router, clock = setup()
+    first = asyncio.create_task(batcher.submit(inputs([0, 1], 3, seed=1)))
+    await settle()
+    clock.advance(0.001)
+    second = asyncio.create_task(batcher.submit(inputs([1, 2, 2], 3, seed=2)))
+    await settle()
+    assert router.calls == []  # the window (2 ms from the first request) is still open
+    clock.advance(0.0015)
+    a, b = await asyncio.gather(first, second)
+    assert router.calls == [5]
+    assert len(pool.runs) == 1
+    assert sorted(g.expert_id for g in pool.runs[0]) == [0, 1, 2]
+    assert [g.rows.shape[0] for g in sorted(pool.runs[0], key=lambda g: g.expert_id)] == [1, 2, 2]
+    assert a.experts[:, 0].tolist() == [0, 1] and b.experts[:, 0].tolist() == [1, 2, 2]
+    for x, answer in ((inputs([0, 1], 3, seed=1), a), (inputs([1, 2, 2], 3, seed=2), b)):
+        expected = reference(store, answer.experts, answer.weights, x)
+        torch.testing.assert_close(answer.outputs, expected, rtol=1e-5, atol=1e-6)
+    assert a.queue_ms == pytest.approx(2.5) and b.queue_ms == pytest.approx(1.5)
+    third = asyncio.create_task(batcher.submit(inputs([3], 3)))
+    await settle()
+    clock.advance(0.002)
+    await third
+    assert router.calls == [5, 1]
+    await batcher.close()
+    await pool.close()
+
+
+async def test_a_full_batch_goes_without_waiting_for_the_window(setup: Setup) -> None:
+    _, batcher, pool, router, _clock = setup(max_batch_rows=4)
+    answers = await asyncio.gather(
+        batcher.submit(inputs([0, 1], 3)), batcher.submit(inputs([2, 3], 3))
+    )
+    assert router.calls == [4]
+    assert [a.outputs.shape for a in answers] == [(2, 2), (2, 2)]
+    await batcher.close()
+    await pool.close()
+
+
+async def test_top_k_outputs_are_the_gate_weighted_sum(setup: Setup) -> None:
+    store, batcher, pool, _router, clock = setup(max_batch_wait_ms=0.0)
+    x = inputs([0, 4, 5, 5], 3, seed=7)
+    answer = await batcher.submit(x, top_k=3)
+    assert answer.experts.tolist() == [[0, 1, 2], [4, 5, 0], [5, 0, 1], [5, 0, 1]]
+    torch.testing.assert_close(answer.weights.sum(1), torch.ones(4))
+    expected = reference(store, answer.experts, answer.weights, x)
+    torch.testing.assert_close(answer.outputs, expected, rtol=1e-5, atol=1e-6)
+    # (row, k) pairs are rows of their expert: expert 0 gets one pair from each row.
+    stat0 = next(s for s in answer.stats if s.expert_id == 0)
+    assert stat0.rows == 4
+    assert answer.distance_evals.tolist() == [6, 6, 6, 6]
+    await batcher.close()
+    await pool.close()
+
+
+async def test_stats_share_the_activation_peak_by_rows(setup: Setup) -> None:
+    store, batcher, pool, _router, clock = setup()
+    one = asyncio.create_task(batcher.submit(inputs([2], 3)))
+    three = asyncio.create_task(batcher.submit(inputs([2, 2, 2, 4], 3, seed=3)))
+    await settle()
+    clock.advance(0.01)
+    a, b = await asyncio.gather(one, three)
+    widths = (3, 8, 2)
+    peak = activation_peak_bytes(widths, 4)  # expert 2's batch had 1 + 3 rows
+    [sa] = a.stats
+    assert (sa.expert_id, sa.rows, sa.cache, sa.activation_bytes) == (2, 1, "miss", peak)
+    assert sa.expert_bytes == store.expert_nbytes(2)
+    assert sa.vram_bytes == store.expert_nbytes(2) + peak * 1 // 4
+    sb2, sb4 = b.stats
+    assert (sb2.expert_id, sb2.rows) == (2, 3)
+    assert sb2.vram_bytes == store.expert_nbytes(2) + peak * 3 // 4
+    assert sb4.vram_bytes == store.expert_nbytes(4) + activation_peak_bytes(widths, 1)
+    assert b.vram_bytes == max(sb2.vram_bytes, sb4.vram_bytes)
+    assert b.device_bytes == {"actor-0": store.expert_nbytes(2) + store.expert_nbytes(4)}
+    again = asyncio.create_task(batcher.submit(inputs([2], 3)))
+    await settle()
+    clock.advance(0.01)
+    assert (await again).stats[0].cache == "hit"
+    await batcher.close()
+    await pool.close()
+
+
+async def test_full_queue_fails_fast_then_drains(setup: Setup) -> None:
+    _, batcher, pool, _router, clock = setup(max_queue_rows=5, max_batch_wait_ms=0.0)
+    pool.gate.clear()
+    waiting = [asyncio.create_task(batcher.submit(inputs([e, e], 3))) for e in (0, 1)]
+    await settle()
+    assert batcher.queued_rows == 4
+    with pytest.raises(PoolSaturated) as info:
+        await batcher.submit(inputs([3, 3], 3))
+    assert info.value.retry_after_s > 0
+    assert info.value.fields["max_queue_rows"] == 5
+    pool.gate.set()
+    answers = await asyncio.gather(*waiting)
+    assert [a.outputs.shape[0] for a in answers] == [2, 2]
+    assert batcher.queued_rows == 0
+    await batcher.submit(inputs([3, 3], 3))
+    await batcher.close()
+    await pool.close()
+
+
+async def test_prefetch_is_asked_for_the_batch_experts(setup: Setup) -> None:
+    _, batcher, pool, _router, _clock = setup(max_batch_wait_ms=0.0)
+    await batcher.submit(inputs([5, 1, 5], 3))
+    assert pool.prefetched == [[1, 5]]
+    await batcher.close()
+    await pool.close()
+
+
+async def test_different_top_k_are_batched_separately(setup: Setup) -> None:
+    _, batcher, pool, router, clock = setup()
+    tasks = [
+        asyncio.create_task(batcher.submit(inputs([0], 3), top_k=1)),
+        asyncio.create_task(batcher.submit(inputs([1], 3), top_k=2)),
+        asyncio.create_task(batcher.submit(inputs([2], 3), top_k=1)),
+    ]
+    await settle()
+    clock.advance(0.01)
+    await settle()
+    clock.advance(0.01)
+    answers = await asyncio.gather(*tasks)
+    assert sorted(router.calls) == [1, 2]
+    assert [a.experts.shape[1] for a in answers] == [1, 2, 1]
+    await batcher.close()
+    await pool.close()
+
+
+async def test_an_unloadable_expert_fails_only_its_requests(setup: Setup) -> None:
+    store, batcher, pool, _router, clock = setup()
+    path = store.expert_path(3)
+    path.write_bytes(path.read_bytes()[:-8] + b"corrupt!")
+    good = asyncio.create_task(batcher.submit(inputs([1, 2], 3)))
+    bad = asyncio.create_task(batcher.submit(inputs([1, 3], 3)))
+    await settle()
+    clock.advance(0.01)
+    results = await asyncio.gather(good, bad, return_exceptions=True)
+    assert not isinstance(results[0], BaseException)
+    assert isinstance(results[1], ExpertUnavailable)
+    assert results[1].expert_id == 3
+    # The failure is remembered: the next request for 3 fails without another load attempt.
+    calls_before = len(pool.inner.calls)
+    with pytest.raises(ExpertUnavailable):
+        await asyncio.gather(batcher.submit(inputs([3], 3)), _advance(clock))
+    assert all(3 not in ids for _, ids in pool.inner.calls[calls_before:])
+    await batcher.close()
+    await pool.close()
+
+
+async def _advance(clock: FakeClock) -> None:
+    await settle()
+    clock.advance(0.01)
+
+
+async def test_invalid_requests_are_refused_before_batching(setup: Setup) -> None:
+    _, batcher, pool, router, _clock = setup()
+    for bad, kwargs in [
+        (torch.zeros(2, 4), {}),
+        (torch.zeros(0, 3), {}),
+        (torch.zeros(3), {}),
+        (torch.tensor([[0.0, float("nan"), 1.0]]), {}),
+        (torch.zeros(1, 3), {"top_k": 7}),
+        (torch.zeros(1, 3), {"top_k": 0}),
+        (torch.zeros(1, 3), {"mode": "fast"}),
+    ]:
+        with pytest.raises(InvalidRequest):
+            await batcher.submit(bad, **kwargs)  # type: ignore[arg-type]
+    assert router.calls == [] and batcher.queued_rows == 0
+    await batcher.close()
+    await pool.close()
+
+
+async def test_close_fails_waiting_requests_and_refuses_new_ones(setup: Setup) -> None:
+    _, batcher, pool, _router, _clock = setup(max_batch_wait_ms=0.0)
+    pool.gate.clear()
+    waiting = asyncio.create_task(batcher.submit(inputs([0], 3)))
+    await settle()
+    await batcher.close()
+    with pytest.raises(PoolClosed):
+        await waiting
+    with pytest.raises(PoolClosed):
+        await batcher.submit(inputs([0], 3))
+    pool.gate.set()
+    await pool.close()
+
+
+async def test_numpy_inputs_and_a_dead_actor_mid_stream(setup: Setup) -> None:
+    store, batcher, pool, _router, _clock = setup(max_batch_wait_ms=0.0, actors=2)
+    rng = np.random.default_rng(0)
+    xs = []
+    for _ in range(12):
+        x = rng.standard_normal((3, 3)).astype(np.float32)
+        x[:, 0] = rng.integers(0, 6, size=3)
+        xs.append(x)
+    pool.inner.kill("actor-0")
+    pool.inner.kill("actor-1")  # both die once: their groups are retried on the restarted ones
+    answers = await asyncio.gather(*(batcher.submit(x) for x in xs))
+    for x, answer in zip(xs, answers, strict=True):
+        xt = torch.from_numpy(x)
+        expected = reference(store, answer.experts, answer.weights, xt)
+        torch.testing.assert_close(answer.outputs, expected, rtol=1e-5, atol=1e-6)
+    await batcher.close()
+    await pool.close()

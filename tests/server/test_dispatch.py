@@ -1,0 +1,93 @@
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from server._dispatch import Dispatcher, rendezvous_rank
+
+pytestmark = pytest.mark.unit
+
+ACTORS = ["actor-0", "actor-1", "actor-2"]
+
+
+def test_home_is_stable_and_spreads_experts_over_actors() -> None:
+    dispatcher = Dispatcher(ACTORS, spill_queue_rows=100)
+    homes = [dispatcher.home(e) for e in range(3000)]
+    assert homes == [dispatcher.home(e) for e in range(3000)]
+    counts = Counter(homes)
+    assert set(counts) == set(ACTORS)
+    # Highest-random-weight hashing: each actor gets about a third of the experts.
+    assert all(800 < c < 1200 for c in counts.values())
+
+
+def test_removing_an_actor_moves_only_its_experts() -> None:
+    before = {e: rendezvous_rank(e, ACTORS)[0] for e in range(1000)}
+    after = {e: rendezvous_rank(e, ["actor-0", "actor-2"])[0] for e in range(1000)}
+    moved = {e for e in before if before[e] != after[e]}
+    assert moved == {e for e in before if before[e] == "actor-1"}
+
+
+def test_unheld_expert_goes_home_and_counts_as_queued() -> None:
+    dispatcher = Dispatcher(ACTORS, spill_queue_rows=100)
+    [actor] = dispatcher.place([(7, 5)])
+    assert actor == dispatcher.home(7)
+    assert dispatcher.queued_rows(actor) == 5
+    dispatcher.complete(actor, 5)
+    assert dispatcher.queued_rows(actor) == 0
+
+
+def test_held_expert_goes_to_the_least_queued_holder() -> None:
+    dispatcher = Dispatcher(ACTORS, spill_queue_rows=100)
+    home = dispatcher.home(3)
+    busy, idle = [a for a in ACTORS if a != home]
+    dispatcher.update_residency(busy, {3: 10, 50: 10})
+    dispatcher.update_residency(idle, {3: 10})
+    assert dispatcher.place([(50, 20)]) == [busy]  # 50 is held by `busy` only
+    assert dispatcher.place([(3, 1)]) == [idle]  # held by both: the less queued one
+    assert dispatcher.queued_rows(idle) == 1
+    dispatcher.complete(busy, 20)
+    dispatcher.place([(50, 5)])
+    dispatcher.complete(busy, 5)
+    # Equal queues: the holder ranked first for the expert wins, never the non-holder home.
+    assert dispatcher.place([(3, 1)])[0] in (busy, idle)
+
+
+def test_hot_expert_spills_to_its_second_choice_when_home_is_saturated() -> None:
+    dispatcher = Dispatcher(ACTORS, spill_queue_rows=10)
+    first, second, _ = rendezvous_rank(5, ACTORS)
+    assert dispatcher.place([(5, 11)]) == [first]
+    # The home now has 11 > 10 rows queued: the next rows of 5 spill to its second choice.
+    assert dispatcher.place([(5, 3)]) == [second]
+    dispatcher.complete(first, 11)
+    assert dispatcher.place([(5, 1)]) == [first]
+
+
+def test_dead_actor_gets_nothing_and_loses_its_residency() -> None:
+    dispatcher = Dispatcher(ACTORS, spill_queue_rows=100)
+    victim = dispatcher.home(1)
+    assert victim is not None
+    dispatcher.update_residency(victim, {1: 8, 2: 8})
+    assert dispatcher.residency()[1] == [victim]
+    dispatcher.mark_dead(victim)
+    assert 1 not in dispatcher.residency()
+    placed = dispatcher.place([(e, 1) for e in range(200)])
+    assert victim not in placed
+    dispatcher.mark_alive(victim)
+    assert victim in dispatcher.place([(e, 1) for e in range(200)])
+
+
+def test_place_returns_none_without_live_actors() -> None:
+    dispatcher = Dispatcher(["a"], spill_queue_rows=1)
+    assert dispatcher.place([(0, 1)], exclude=["a"]) == [None]
+    dispatcher.mark_dead("a")
+    assert dispatcher.place([(0, 1)]) == [None]
+
+
+def test_residency_lists_every_holder() -> None:
+    dispatcher = Dispatcher(ACTORS, spill_queue_rows=100)
+    dispatcher.update_residency("actor-0", {1: 4, 2: 4})
+    dispatcher.update_residency("actor-2", {2: 4})
+    assert dispatcher.residency() == {1: ["actor-0"], 2: ["actor-0", "actor-2"]}
+    dispatcher.update_residency("actor-0", {})
+    assert dispatcher.residency() == {2: ["actor-2"]}

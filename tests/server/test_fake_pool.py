@@ -1,0 +1,131 @@
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from experts_store import ExpertTooLarge, Store, load_expert
+from server._exceptions import PoolClosed
+from server._fake_pool import FakeExpertPool
+from server._runtime_types import Group
+from server._settings import Settings
+
+pytestmark = pytest.mark.unit
+
+MakeStore = Callable[..., Path]
+
+
+class StepClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+
+def groups_for(experts: list[int], n: int, rows: int = 2, seed: int = 0) -> list[Group]:
+    generator = torch.Generator().manual_seed(seed)
+    return [Group(e, torch.randn(rows, n, generator=generator)) for e in experts]
+
+
+def expected(store: Store, group: Group) -> torch.Tensor:
+    entry = store.expert_entry(group.expert_id)
+    module = load_expert(store.root / entry.file, expected_sha256=entry.sha256)
+    with torch.no_grad():
+        result: torch.Tensor = module(group.rows)
+    return result
+
+
+async def test_results_come_back_in_group_order_and_fill_the_residency_table(
+    make_store: MakeStore,
+) -> None:
+    store = Store.open(make_store(K=12, n=3, width=6, out=2))
+    pool = FakeExpertPool(store, Settings(actors=3, cache_bytes=10**6))
+    groups = groups_for([7, 0, 11, 3, 5], 3)
+    results = await pool.run(groups)
+    assert [r.expert_id for r in results] == [7, 0, 11, 3, 5]
+    for group, result in zip(groups, results, strict=True):
+        torch.testing.assert_close(result.outputs, expected(store, group))
+        # Nothing was resident: each expert ran on its rendezvous home.
+        assert result.actor == pool.dispatcher.home(group.expert_id)
+    residency = pool.residency()
+    holders = {e: actors[0] for e, actors in residency.items()}
+    assert holders == {r.expert_id: r.actor for r in results}
+    infos = {info.name: info for info in pool.actors()}
+    for result in results:
+        assert result.expert_id in infos[result.actor].resident
+    assert all(info.alive and info.budget_bytes == 10**6 for info in infos.values())
+    await pool.close()
+
+
+async def test_an_actor_dying_mid_call_is_retried_elsewhere_exactly_once(
+    make_store: MakeStore,
+) -> None:
+    store = Store.open(make_store(K=12, n=3, width=6, out=2))
+    pool = FakeExpertPool(store, Settings(actors=3, cache_bytes=10**6))
+    groups = groups_for(list(range(12)), 3, seed=4)
+    pool.kill("actor-1")
+    results = await pool.run(groups)
+    assert [r.expert_id for r in results] == list(range(12))
+    for group, result in zip(groups, results, strict=True):
+        torch.testing.assert_close(result.outputs, expected(store, group))
+        assert result.actor != "actor-1"
+    # Every group but actor-1's ran once; actor-1's groups were sent twice (died, retried).
+    sent = Counter(e for _, ids in pool.calls for e in ids)
+    pool.dispatcher.mark_alive("actor-1")
+    homes = {e: pool.dispatcher.home(e) for e in range(12)}
+    assert "actor-1" in homes.values()
+    assert all(sent[e] == (2 if homes[e] == "actor-1" else 1) for e in range(12))
+    await pool.close()
+
+
+async def test_a_dead_actor_comes_back_after_its_restart(make_store: MakeStore) -> None:
+    store = Store.open(make_store(K=8, n=3, width=6, out=2))
+    pool = FakeExpertPool(store, Settings(actors=2, cache_bytes=10**6))
+    pool.kill("actor-0")
+    await pool.run(groups_for(list(range(8)), 3))
+    for _ in range(50):  # the revival probe runs in the background
+        if pool.dispatcher.alive("actor-0"):
+            break
+        await pool.run([])
+    assert pool.dispatcher.alive("actor-0")
+    await pool.close()
+
+
+async def test_a_failed_load_is_remembered_for_a_while(make_store: MakeStore) -> None:
+    store = Store.open(make_store(K=4, n=3, width=6, out=2))
+    path = store.expert_path(2)
+    good_bytes = path.read_bytes()
+    path.unlink()
+    clock = StepClock()
+    settings = Settings(actors=1, cache_bytes=10**6)
+    pool = FakeExpertPool(store, settings, clock=clock, failure_ttl_s=5)
+    first = await pool.run(groups_for([1, 2], 3))
+    assert first[0].error is None
+    assert first[1].error is not None and first[1].error_kind == "load"
+    path.write_bytes(good_bytes)
+    calls = len(pool.calls)
+    again = await pool.run(groups_for([2], 3))
+    assert again[0].error is not None and len(pool.calls) == calls
+    clock.t += 6  # the memory expires: the fixed file is read again
+    [fixed] = await pool.run(groups_for([2], 3))
+    assert fixed.error is None
+    await pool.close()
+
+
+async def test_an_expert_larger_than_the_budget_is_a_startup_error(make_store: MakeStore) -> None:
+    store = Store.open(make_store(K=2, n=3, width=6, out=2))
+    with pytest.raises(ExpertTooLarge) as info:
+        FakeExpertPool(store, Settings(cache_bytes=store.expert_nbytes(0) - 1))
+    assert info.value.expert_id == 0
+
+
+async def test_a_closed_pool_refuses_work(make_store: MakeStore) -> None:
+    store = Store.open(make_store(K=2, n=3, width=6, out=2))
+    pool = FakeExpertPool(store, Settings())
+    await pool.close()
+    with pytest.raises(PoolClosed):
+        await pool.run(groups_for([0], 3))

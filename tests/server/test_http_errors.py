@@ -1,0 +1,311 @@
+"""Every error case answers its status with the one error JSON shape, and nothing else leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from app_support import app_settings, error_of, fake_app, fake_pool, manifest, running
+from fastapi import FastAPI
+
+from experts_store import Store
+from server import create_app
+from server._runtime_types import ActorInfo, ExpertPool, Group, GroupResult
+from server._settings import Settings
+
+pytestmark = pytest.mark.unit
+
+X = [[0.1, 0.2, 0.3, 0.4]]
+
+
+@pytest.fixture
+def store(make_store: Any) -> Path:
+    path: Path = make_store(K=8, n=4, width=16, out=2)
+    return path
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=True)
+    return buf.getvalue()
+
+
+NPY = {"Content-Type": "application/x-npy"}
+RAW = {"Content-Type": "application/octet-stream"}
+
+INVALID_JSON_BODIES: list[tuple[str, bytes]] = [
+    ("wrong dimension", b'{"inputs": [[1, 2, 3]]}'),
+    ("ragged rows", b'{"inputs": [[1, 2, 3, 4], [1, 2, 3]]}'),
+    ("a string number", b'{"inputs": [["1", 2, 3, 4]]}'),
+    ("a boolean", b'{"inputs": [[true, 2, 3, 4]]}'),
+    ("null in a row", b'{"inputs": [[null, 2, 3, 4]]}'),
+    ("NaN", b'{"inputs": [[NaN, 2, 3, 4]]}'),
+    ("Infinity", b'{"inputs": [[1, -Infinity, 3, 4]]}'),
+    ("overflows float32", b'{"inputs": [[1e39, 2, 3, 4]]}'),
+    ("empty batch", b'{"inputs": []}'),
+    ("empty rows", b'{"inputs": [[]]}'),
+    ("flat list", b'{"inputs": [1, 2, 3, 4]}'),
+    ("no inputs", b'{"top_k": 1}'),
+    ("top_k 0", b'{"inputs": [[1, 2, 3, 4]], "top_k": 0}'),
+    ("top_k above K", b'{"inputs": [[1, 2, 3, 4]], "top_k": 9}'),
+    ("top_k a float", b'{"inputs": [[1, 2, 3, 4]], "top_k": 1.5}'),
+    ("bad mode", b'{"inputs": [[1, 2, 3, 4]], "mode": "fastest"}'),
+    ("unknown field", b'{"inputs": [[1, 2, 3, 4]], "topk": 2}'),
+    ("not JSON", b'{"inputs": [[1, 2, 3, 4]'),
+    ("JSON but not an object", b"[[1, 2, 3, 4]]"),
+    ("empty body", b""),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "body"), INVALID_JSON_BODIES, ids=[c for c, _ in INVALID_JSON_BODIES]
+)
+async def test_invalid_json_bodies_are_422(store: Path, case: str, body: bytes) -> None:
+    async with running(fake_app(store)) as client:
+        for path in ("/v1/predict", "/v1/route"):
+            response = await client.post(
+                path, content=body, headers={"Content-Type": "application/json"}
+            )
+            assert response.status_code == 422, (case, response.text)
+            assert error_of(response)["code"] == "invalid_input"
+
+
+INVALID_BINARY: list[tuple[str, bytes, dict[str, str], str]] = [
+    ("npy int64", _npy(np.ones((2, 4), dtype=np.int64)), NPY, ""),
+    ("npy object (pickle)", _npy(np.array([[1.0, 2, 3, 4]], dtype=object)), NPY, ""),
+    ("npy 3-D", _npy(np.ones((1, 2, 4), dtype=np.float32)), NPY, ""),
+    ("npy wrong dimension", _npy(np.ones((2, 3), dtype=np.float32)), NPY, ""),
+    ("npy NaN", _npy(np.full((2, 4), np.nan, dtype=np.float32)), NPY, ""),
+    ("npy truncated", _npy(np.ones((2, 4), dtype=np.float32))[:-4], NPY, ""),
+    ("not npy", b"hello world", NPY, ""),
+    ("raw without rows header", np.ones(8, "<f4").tobytes(), RAW, ""),
+    ("raw size mismatch", np.ones(7, "<f4").tobytes(), {**RAW, "X-Momlp-Rows": "2"}, ""),
+    ("raw Inf", np.full(4, np.inf, "<f4").tobytes(), {**RAW, "X-Momlp-Rows": "1"}, ""),
+    ("raw rows not a number", np.ones(4, "<f4").tobytes(), {**RAW, "X-Momlp-Rows": "x"}, ""),
+    ("query top_k 0", np.ones(4, "<f4").tobytes(), {**RAW, "X-Momlp-Rows": "1"}, "?top_k=0"),
+    ("query top_k text", np.ones(4, "<f4").tobytes(), {**RAW, "X-Momlp-Rows": "1"}, "?top_k=a"),
+    ("query bad mode", np.ones(4, "<f4").tobytes(), {**RAW, "X-Momlp-Rows": "1"}, "?mode=x"),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "body", "headers", "query"), INVALID_BINARY, ids=[c[0] for c in INVALID_BINARY]
+)
+async def test_invalid_binary_bodies_are_422(
+    store: Path, case: str, body: bytes, headers: dict[str, str], query: str
+) -> None:
+    async with running(fake_app(store)) as client:
+        response = await client.post(f"/v1/predict{query}", content=body, headers=headers)
+    assert response.status_code == 422, (case, response.text)
+    assert error_of(response)["code"] == "invalid_input"
+
+
+async def test_unsupported_media_type_is_415(store: Path) -> None:
+    async with running(fake_app(store)) as client:
+        response = await client.post(
+            "/v1/predict", content=b"1,2,3,4", headers={"Content-Type": "text/csv"}
+        )
+    assert response.status_code == 415
+    assert error_of(response)["code"] == "unsupported_media_type"
+
+
+async def test_too_many_rows_is_413_in_every_body_form(store: Path) -> None:
+    x = np.zeros((5, 4), dtype=np.float32)
+    async with running(fake_app(store, max_rows=4)) as client:
+        answers = [
+            await client.post("/v1/predict", json={"inputs": x.tolist()}),
+            await client.post("/v1/predict", content=_npy(x), headers=NPY),
+            await client.post(
+                "/v1/predict", content=x.tobytes(), headers={**RAW, "X-Momlp-Rows": "5"}
+            ),
+            await client.post("/v1/route", json={"inputs": x.tolist()}),
+        ]
+        ok = await client.post("/v1/predict", json={"inputs": x[:4].tolist()})
+    for response in answers:
+        assert response.status_code == 413, response.text
+        error = error_of(response)
+        assert error["code"] == "payload_too_large"
+        assert error["detail"] == {"rows": 5, "max_rows": 4}
+    assert ok.status_code == 200
+
+
+async def test_body_over_the_byte_limit_is_413_by_content_length(store: Path) -> None:
+    async with running(fake_app(store, max_body_bytes=64)) as client:
+        response = await client.post("/v1/predict", content=b"x" * 65, headers=RAW)
+    assert response.status_code == 413
+    assert error_of(response)["detail"] == {"bytes": 65, "max_bytes": 64}
+
+
+async def test_streamed_body_is_cut_off_at_the_limit(store: Path) -> None:
+    sent: list[int] = []
+
+    async def chunks() -> AsyncIterator[bytes]:
+        # No Content-Length (chunked): the server must stop reading once past the limit.
+        for index in range(1000):
+            sent.append(index)
+            yield b"[" * 1024
+
+    async with running(fake_app(store, max_body_bytes=4096)) as client:
+        response = await client.post(
+            "/v1/predict", content=chunks(), headers={"Content-Type": "application/json"}
+        )
+    assert response.status_code == 413
+    assert error_of(response)["code"] == "payload_too_large"
+    assert len(sent) < 10
+
+
+async def test_unknown_path_and_wrong_method(store: Path) -> None:
+    async with running(fake_app(store)) as client:
+        missing = await client.get("/v2/predict")
+        wrong = await client.get("/v1/predict")
+    assert missing.status_code == 404 and error_of(missing)["code"] == "not_found"
+    assert wrong.status_code == 405 and error_of(wrong)["code"] == "method_not_allowed"
+    assert "POST" in wrong.headers["allow"]
+
+
+async def test_api_key_is_required_except_on_healthz(
+    store: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    key = "s3cret-key-value"
+    app = create_app(app_settings(store, api_key=key), pool_factory=fake_pool)
+    async with running(app) as client:
+        assert (await client.get("/healthz")).status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {key}"}):
+            for method, path in (("GET", "/readyz"), ("POST", "/v1/predict"), ("GET", "/metrics")):
+                response = await client.request(method, path, json={"inputs": X}, headers=headers)
+                assert response.status_code == 401, (headers, path)
+                assert error_of(response)["code"] == "unauthorized"
+                assert response.headers["www-authenticate"] == "Bearer"
+        good = {"Authorization": f"Bearer {key}"}
+        assert (await client.post("/v1/predict", json={"inputs": X}, headers=good)).is_success
+        assert (await client.get("/v1/model", headers=good)).is_success
+    assert key not in caplog.text
+
+
+class _BlockingPool:
+    """Delegates to a real pool, but `run` waits until the test opens the gate."""
+
+    def __init__(self, inner: ExpertPool) -> None:
+        self.inner = inner
+        self.gate = asyncio.Event()
+        self.entered = asyncio.Event()
+
+    async def run(self, groups: list[Group]) -> list[GroupResult]:
+        self.entered.set()
+        await self.gate.wait()
+        return await self.inner.run(groups)
+
+    async def prefetch(self, expert_ids: list[int]) -> None:
+        await self.inner.prefetch(expert_ids)
+
+    def residency(self) -> dict[int, list[str]]:
+        return self.inner.residency()
+
+    def actors(self) -> list[ActorInfo]:
+        return self.inner.actors()
+
+    async def close(self) -> None:
+        self.gate.set()
+        await self.inner.close()
+
+
+def _blocking_app(store: Path, **overrides: Any) -> tuple[FastAPI, list[_BlockingPool]]:
+    pools: list[_BlockingPool] = []
+
+    def factory(settings: Settings, opened: Store) -> ExpertPool:
+        pools.append(_BlockingPool(fake_pool(settings, opened)))
+        return pools[-1]
+
+    return create_app(app_settings(store, **overrides), pool_factory=factory), pools
+
+
+async def test_full_queue_is_429_with_retry_after(store: Path) -> None:
+    app, pools = _blocking_app(store, max_queue_rows=4)
+    async with running(app) as client:
+        first = asyncio.create_task(
+            client.post("/v1/predict", json={"inputs": np.zeros((4, 4)).tolist()})
+        )
+        await pools[0].entered.wait()
+        refused = await client.post("/v1/predict", json={"inputs": X})
+        pools[0].gate.set()
+        assert (await first).status_code == 200
+    assert refused.status_code == 429
+    error = error_of(refused)
+    assert error["code"] == "pool_saturated"
+    assert int(refused.headers["retry-after"]) >= 1
+
+
+async def test_no_answer_in_time_is_504(store: Path) -> None:
+    app, pools = _blocking_app(store, request_timeout_s=0.01)
+    async with running(app) as client:
+        response = await client.post("/v1/predict", json={"inputs": X})
+        pools[0].gate.set()
+    assert response.status_code == 504
+    assert error_of(response)["code"] == "timeout"
+
+
+async def test_broken_expert_is_503_naming_it_while_others_serve(store: Path) -> None:
+    m = manifest(store)
+    x = np.random.default_rng(0).normal(size=(64, 4))
+    async with running(fake_app(store)) as client:
+        routed = (await client.post("/v1/route", json={"inputs": x.tolist()})).json()
+        experts = [row[0] for row in routed["experts"]]
+        broken, healthy = experts[0], next(e for e in experts if e != experts[0])
+        path = store / m["experts"][broken]["file"]
+        path.write_bytes(path.read_bytes()[:-8] + b"\x00" * 8)
+        bad = await client.post("/v1/predict", json={"inputs": [x[0].tolist()]})
+        row = x[experts.index(healthy)].tolist()
+        good = await client.post("/v1/predict", json={"inputs": [row]})
+    assert bad.status_code == 503
+    error = error_of(bad)
+    assert error["code"] == "expert_unavailable"
+    assert error["detail"]["expert_id"] == broken
+    assert str(broken) in error["message"]
+    assert good.status_code == 200
+
+
+async def test_unexpected_errors_are_a_logged_500_without_traceback(
+    store: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Exploding:
+        async def submit(self, x: Any, *, top_k: int, mode: str) -> Any:
+            raise RuntimeError("secret internals")
+
+        async def close(self) -> None:
+            return None
+
+    app = create_app(
+        app_settings(store),
+        pool_factory=fake_pool,
+        batcher_factory=lambda *args: Exploding(),
+    )
+    async with running(app) as client:
+        response = await client.post("/v1/predict", json={"inputs": X})
+    assert response.status_code == 500
+    assert error_of(response) == {
+        "code": "internal",
+        "message": "internal server error",
+        "detail": None,
+    }
+    assert "secret internals" not in response.text
+    assert "secret internals" in caplog.text
+
+
+async def test_not_ready_before_startup(store: Path) -> None:
+    app = fake_app(store)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        ready = await client.get("/readyz")
+        predict = await client.post("/v1/predict", json={"inputs": X})
+        health = await client.get("/healthz")
+    assert ready.status_code == 503 and error_of(ready)["code"] == "not_ready"
+    assert predict.status_code == 503 and error_of(predict)["code"] == "not_ready"
+    assert health.status_code == 200

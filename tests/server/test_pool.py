@@ -1,0 +1,146 @@
+"""RayExpertPool against real Ray actors (few, small, fast)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from experts_store import ExpertTooLarge, Store, load_expert
+from router import PrototypeTree
+from server._batcher import Batcher
+from server._exceptions import ExpertUnavailable
+from server._pool import RayExpertPool
+from server._runtime_types import Group
+from server._settings import Settings
+
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_session")]
+
+MakeStore = Callable[..., Path]
+
+
+def reference(store: Store, group: Group) -> torch.Tensor:
+    entry = store.expert_entry(group.expert_id)
+    module = load_expert(store.root / entry.file, expected_sha256=entry.sha256)
+    with torch.no_grad():
+        out: torch.Tensor = module(group.rows)
+    return out
+
+
+def random_groups(rng: np.random.Generator, K: int, n: int, count: int) -> list[Group]:
+    experts = rng.choice(K, size=count, replace=False)
+    return [
+        Group(int(e), torch.from_numpy(rng.standard_normal((int(rng.integers(1, 9)), n))).float())
+        for e in experts
+    ]
+
+
+async def start(store: Store, **settings: int) -> RayExpertPool:
+    return await asyncio.to_thread(RayExpertPool.create, store.root, Settings(**settings))
+
+
+async def test_outputs_match_the_files_and_caches_stay_in_budget(make_store: MakeStore) -> None:
+    store = Store.open(make_store(K=50, n=4, width=16, out=3))
+    budget = 5 * store.expert_nbytes(0)
+    pool = await start(store, actors=2, cache_bytes=budget)
+    rng = np.random.default_rng(0)
+    try:
+        for _ in range(12):
+            groups = random_groups(rng, 50, 4, int(rng.integers(1, 12)))
+            results = await pool.run(groups)
+            assert [r.expert_id for r in results] == [g.expert_id for g in groups]
+            for group, result in zip(groups, results, strict=True):
+                assert result.error is None
+                torch.testing.assert_close(result.outputs, reference(store, group))
+                assert 0 < result.device_bytes <= budget
+            for info in pool.actors():
+                assert info.resident_bytes <= budget and len(info.resident) <= 5
+        assert {info.name for info in pool.actors()} == {"actor-0", "actor-1"}
+    finally:
+        await pool.close()
+
+
+async def test_two_actors_never_load_an_expert_twice_while_it_fits(make_store: MakeStore) -> None:
+    store = Store.open(make_store(K=10, n=3, width=8, out=2))
+    pool = await start(store, actors=2, cache_bytes=10 * store.expert_nbytes(0))
+    rng = np.random.default_rng(1)
+    misses: Counter[int] = Counter()
+    try:
+        for _ in range(6):
+            results = await pool.run(random_groups(rng, 10, 3, 6))
+            misses.update(r.expert_id for r in results if not r.hit)
+        assert set(misses.values()) == {1}
+        # The two caches partition the experts: each is held by exactly one actor.
+        assert all(len(actors) == 1 for actors in pool.residency().values())
+    finally:
+        await pool.close()
+
+
+async def test_killing_an_actor_mid_stream_loses_and_duplicates_nothing(
+    make_store: MakeStore,
+) -> None:
+    store = Store.open(make_store(K=16, n=4, width=32, out=2))
+    pool = await start(store, actors=2, cache_bytes=10**7)
+    rng = np.random.default_rng(2)
+    batches = [random_groups(rng, 16, 4, 8) for _ in range(30)]
+    try:
+        pid = await pool.handle("actor-0").get_pid.remote()
+        tasks = [asyncio.create_task(pool.run(groups)) for groups in batches]
+        await asyncio.sleep(0)  # let the first calls reach the actors
+        os.kill(pid, signal.SIGKILL)
+        answers = await asyncio.gather(*tasks)
+        for groups, results in zip(batches, answers, strict=True):
+            assert [r.expert_id for r in results] == [g.expert_id for g in groups]
+            for group, result in zip(groups, results, strict=True):
+                torch.testing.assert_close(result.outputs, reference(store, group))
+        # Ray restarts the actor; it serves again, with a new process and an empty cache.
+        assert await pool.wait_until_alive("actor-0")
+        new_pid = await pool.handle("actor-0").get_pid.remote()
+        assert new_pid != pid
+        results = await pool.run(batches[0])
+        assert all(r.error is None for r in results)
+    finally:
+        await pool.close()
+
+
+async def test_a_corrupted_expert_fails_only_the_requests_that_need_it(
+    make_store: MakeStore,
+) -> None:
+    store = Store.open(make_store(K=8, n=2, width=8, out=1))
+    router = PrototypeTree.load(store.router_path)
+    path = store.expert_path(5)
+    path.write_bytes(path.read_bytes()[:-4] + b"\x00\x01\x02\x03")
+    settings = Settings(actors=2, cache_bytes=10**7, max_batch_wait_ms=5.0)
+    pool = await asyncio.to_thread(RayExpertPool.create, store.root, settings)
+    batcher = Batcher(router, pool, settings)
+    try:
+        xs = [torch.randn(3, 2, generator=torch.Generator().manual_seed(s)) for s in range(40)]
+        answers = await asyncio.gather(*(batcher.submit(x) for x in xs), return_exceptions=True)
+        needs_5 = [bool((router.route(x).experts == 5).any()) for x in xs]
+        assert any(needs_5) and not all(needs_5)
+        for x, needs, answer in zip(xs, needs_5, answers, strict=True):
+            if needs:
+                assert isinstance(answer, ExpertUnavailable) and answer.expert_id == 5
+            else:
+                assert not isinstance(answer, BaseException)
+                routed = router.route(x).experts[:, 0]
+                expected = torch.cat(
+                    [reference(store, Group(int(e), x[i : i + 1])) for i, e in enumerate(routed)]
+                )
+                torch.testing.assert_close(answer.outputs, expected)
+    finally:
+        await batcher.close()
+        await pool.close()
+
+
+def test_an_expert_larger_than_the_budget_refuses_to_start(make_store: MakeStore) -> None:
+    store = Store.open(make_store(K=3, n=2, width=8, out=1))
+    with pytest.raises(ExpertTooLarge):
+        RayExpertPool.create(store.root, Settings(cache_bytes=store.expert_nbytes(0) // 2))

@@ -1,0 +1,126 @@
+"""`momlp serve` / `momlp demo` option handling (the serving itself is in tests/integration)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import pytest
+from app_support import build_small_store
+
+import server._runner
+import trainer
+from server._cli import build_parser, main
+from server._serve_cli import CliError, parse_bytes, settings_from_args
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("268435456", 268435456), ("256MiB", 256 * 2**20), ("1.5GB", 1_500_000_000), ("4k", 4000)],
+)
+def test_parse_bytes(text: str, expected: int) -> None:
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "MiB", "12 parsecs", "-1"])
+def test_parse_bytes_refuses_nonsense(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_bytes(text)
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_options_become_settings_and_the_environment_fills_the_rest(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("MOMLP_MAX_ROWS", "77")
+    monkeypatch.setenv("MOMLP_ACTORS", "5")
+    args = _args(
+        "--store",
+        str(tmp_path),
+        "--port",
+        "0",
+        "--actors",
+        "2",
+        "--cache-bytes",
+        "1MiB",
+        "--device",
+        "cpu",
+        "--ray-address",
+        "10.0.0.1:6379",
+        "--no-watch-store",
+    )
+    settings = settings_from_args(args)
+    assert settings.store == tmp_path and settings.port == 0
+    assert settings.actors == 2  # the option wins over MOMLP_ACTORS
+    assert settings.max_rows == 77  # not given: the environment applies
+    assert settings.cache_bytes == 2**20 and settings.device == "cpu"
+    assert settings.ray_address == "10.0.0.1:6379" and settings.watch_store is False
+    assert settings.host == "127.0.0.1" and settings.api_key is None
+
+
+def test_api_key_comes_from_the_named_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MY_SERVICE_KEY", "k-123")
+    settings = settings_from_args(_args("--api-key-env", "MY_SERVICE_KEY"))
+    assert settings.api_key is not None and settings.api_key.get_secret_value() == "k-123"
+    assert "k-123" not in repr(settings)
+    monkeypatch.delenv("MY_SERVICE_KEY")
+    with pytest.raises(CliError, match="MY_SERVICE_KEY"):
+        settings_from_args(_args("--api-key-env", "MY_SERVICE_KEY"))
+
+
+def test_invalid_values_are_reported_without_a_traceback(tmp_path: Path) -> None:
+    with pytest.raises(CliError, match="port"):
+        settings_from_args(_args("--store", str(tmp_path), "--port", "70000"))
+    assert main(["serve", "--store", str(tmp_path), "--actors", "0"]) == 2
+
+
+def test_serve_refuses_a_directory_without_a_store(tmp_path: Path) -> None:
+    assert main(["serve", "--store", str(tmp_path / "nothing")]) == 2
+
+
+def _record_runs(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    runs: list[Any] = []
+
+    def fake_run(settings: Any) -> int:
+        runs.append(settings)
+        return 0
+
+    monkeypatch.setattr(server._runner, "run_server", fake_run)
+    return runs
+
+
+def test_serve_runs_the_server_with_the_settings(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    runs = _record_runs(monkeypatch)
+    store = build_small_store(tmp_path / "store")
+    assert main(["serve", "--store", str(store), "--port", "0"]) == 0
+    assert [(s.store, s.port) for s in runs] == [(store, 0)]
+
+
+def test_demo_builds_the_store_once_then_serves_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    runs = _record_runs(monkeypatch)
+    builds: list[Any] = []
+
+    def fake_build(config: Any, **kwargs: Any) -> None:
+        builds.append(config)
+        build_small_store(Path(config.out))
+
+    monkeypatch.setattr(trainer, "build_store", fake_build)
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", "--port", "0"]) == 0
+    assert main(["demo", "--port", "0"]) == 0
+    assert len(builds) == 1
+    config = builds[0]
+    assert (config.dataset, config.experts, config.out) == ("ackley2d", 16, Path("demo-store"))
+    assert [Path(s.store) for s in runs] == [Path("demo-store")] * 2
+    assert main(["demo", "--port", "0", "--rebuild"]) == 0
+    assert len(builds) == 2

@@ -1,0 +1,187 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from experts_store import Store, load_expert
+from trainer import BuildConfig, BuildFailed, DataError, build_store, load_config_dataset
+
+pytestmark = pytest.mark.ray
+
+_GRID = {"holder1d": 200, "ackley2d": 12, "rastrigin2d": 12, "ackley3d": 6, "rastrigin3d": 6}
+
+
+def tiny(out: Path, dataset: str, **changes: Any) -> BuildConfig:
+    """A build small enough for a test: 4 narrow experts, a few epochs, a coarse grid."""
+    fields: dict[str, Any] = {
+        "out": out,
+        "dataset": dataset,
+        "experts": 4,
+        "branching": 2,
+        "width": 16,
+        "prototype_epochs": 2,
+        "warmup_epochs": 1,
+        "epochs": 3,
+        "batch_size": 64,
+        "lr": 3e-3,
+        "grid_size": _GRID.get(dataset),
+    }
+    fields.update(changes)
+    return BuildConfig(**fields)
+
+
+def own_tree_walk(router_file: Path, x: np.ndarray) -> np.ndarray:
+    """Greedy descent written from the router file's arrays, row by row (float32 distances)."""
+    tensors = load_file(str(router_file))
+    prototypes = tensors["prototypes"].numpy()
+    points = tensors["internal_points"].numpy()
+    children = tensors["children"].numpy()
+    num_internal = children.shape[0]
+    nodes = np.concatenate([points, prototypes]).astype(np.float32)
+    chosen = np.empty(len(x), dtype=np.int64)
+    for row, q in enumerate(x.astype(np.float32)):
+        node = 0
+        while node < num_internal:
+            kids = children[node][children[node] >= 0]
+            d = ((q[None, :] - nodes[kids]) ** 2).sum(axis=1)
+            node = int(kids[int(np.argmin(d))])
+        chosen[row] = node - num_internal
+    return chosen
+
+
+def brute_force_nearest(prototypes: np.ndarray, x: np.ndarray) -> np.ndarray:
+    d = ((x.astype(np.float64)[:, None, :] - prototypes.astype(np.float64)[None]) ** 2).sum(-1)
+    return np.argmin(d, axis=1)
+
+
+def recompute(config: BuildConfig) -> tuple[float, np.ndarray, np.ndarray]:
+    """(test metric, test rows per expert, train rows per expert) from the published files."""
+    store = Store.open(config.out)
+    data = load_config_dataset(config)
+    router_file = store.router_path
+    if store.manifest.routing == "exact":
+        protos = load_file(str(router_file))["prototypes"].numpy()
+        test_ids = brute_force_nearest(protos, data.x_test)
+        train_ids = brute_force_nearest(protos, data.x_train)
+    else:
+        test_ids = own_tree_walk(router_file, data.x_test)
+        train_ids = own_tree_walk(router_file, data.x_train)
+    outputs = np.zeros((len(data.x_test), store.manifest.output_dim), dtype=np.float64)
+    for entry in store.manifest.experts:
+        rows = np.flatnonzero(test_ids == entry.id)
+        if rows.size == 0:
+            continue
+        expert = load_expert(store.root / entry.file, expected_sha256=entry.sha256)
+        with torch.no_grad():
+            outputs[rows] = expert(torch.tensor(data.x_test[rows])).double().numpy()
+    if data.task == "classification":
+        metric = float(np.mean(outputs.argmax(axis=1) == data.y_test))
+    else:
+        metric = float(np.mean((outputs - data.y_test.astype(np.float64)) ** 2))
+    k = store.manifest.num_experts
+    return metric, np.bincount(test_ids, minlength=k), np.bincount(train_ids, minlength=k)
+
+
+@pytest.mark.parametrize(
+    ("dataset", "routing", "prototypes"),
+    [
+        ("holder1d", "exact", "learned"),
+        ("ackley2d", "tree", "learned"),
+        ("ackley3d", "tree", "kmeans"),
+        ("rastrigin2d", "exact", "kmeans"),
+        ("rastrigin3d", "tree", "learned"),
+        ("digits", "tree", "kmeans"),
+    ],
+)
+def test_build_publishes_a_verified_store_whose_report_matches_the_served_mixture(
+    ray_session: None, tmp_path: Path, dataset: str, routing: str, prototypes: str
+) -> None:
+    config = tiny(tmp_path / "store", dataset, routing=routing, prototypes=prototypes)
+    manifest = build_store(config, progress=False)
+    store = Store.open(config.out)
+    assert store.verify() == []
+    assert store.version == manifest.store_version
+    assert (manifest.num_experts, manifest.branching, manifest.routing) == (4, 2, routing)
+    assert manifest.task == ("classification" if dataset == "digits" else "regression")
+    report = store.report()
+    assert report is not None
+    metric, test_counts, train_counts = recompute(config)
+    # The report scored exactly what is served: same routing, same files.
+    assert report["mixture"]["value"] == pytest.approx(metric, rel=1e-5, abs=1e-7)
+    assert [e["test_samples"] for e in report["experts"]] == test_counts.tolist()
+    assert [e["train_samples"] for e in report["experts"]] == train_counts.tolist()
+    assert report["baseline"]["metric"] == report["mixture"]["metric"]
+    assert report["total_params"] == sum(e.params for e in manifest.experts)
+    assert report["baseline"]["params"] > report["params_per_expert"]["max"]
+
+
+def test_a_killed_task_is_retried_and_the_build_still_publishes(
+    ray_session: None, tmp_path: Path
+) -> None:
+    config = tiny(tmp_path / "store", "ackley2d", crash_once_expert=1, max_retries=2,
+                  baseline=False)
+    build_store(config, progress=False)
+    store = Store.open(config.out)
+    assert store.verify() == []
+    report = store.report()
+    assert report is not None
+    assert report["experts"][1]["retried_after_crash"] is True
+    assert report["baseline"] is None
+    assert not list(config.out.rglob("*.crash-marker"))
+
+
+def test_a_build_that_cannot_finish_leaves_the_previous_store(
+    ray_session: None, tmp_path: Path
+) -> None:
+    out = tmp_path / "store"
+    first = build_store(tiny(out, "ackley2d", baseline=False), progress=False)
+    failing = tiny(out, "ackley2d", crash_once_expert=0, max_retries=0, baseline=False, seed=1)
+    with pytest.raises(BuildFailed) as info:
+        build_store(failing, progress=False)
+    assert info.value.expert_id == 0
+    store = Store.open(out)
+    assert store.version == first.store_version
+    assert store.verify() == []
+    assert not [p for p in out.iterdir() if p.name.startswith(".staging")]
+
+
+def test_a_build_into_a_fresh_directory_that_fails_publishes_nothing(
+    ray_session: None, tmp_path: Path
+) -> None:
+    out = tmp_path / "store"
+    failing = tiny(out, "ackley2d", crash_once_expert=2, max_retries=0, baseline=False)
+    with pytest.raises(BuildFailed):
+        build_store(failing, progress=False)
+    assert not (out / "manifest.json").exists()
+    assert not [p for p in out.iterdir() if p.name.startswith(".staging")]
+
+
+@pytest.mark.unit
+def test_bad_data_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.npz"
+    x = np.ones((30, 2))
+    x[3, 0] = np.inf
+    np.savez(bad, X=x, y=np.zeros(30))
+    out = tmp_path / "store"
+    with pytest.raises(DataError, match="NaN or infinite"):
+        build_store(BuildConfig(out=out, data=bad), progress=False)
+    few = tmp_path / "few.npz"
+    np.savez(few, X=np.random.default_rng(0).normal(size=(10, 2)), y=np.zeros(10))
+    with pytest.raises(DataError, match="fewer than the 16 experts"):
+        build_store(BuildConfig(out=out, data=few, experts=16), progress=False)
+    assert not out.exists()
+
+
+def test_report_json_is_plain_json(ray_session: None, tmp_path: Path) -> None:
+    config = tiny(tmp_path / "store", "rastrigin2d", baseline=False, experts=3)
+    build_store(config, progress=False)
+    report = json.loads((config.out / "report.json").read_text())
+    assert report["num_experts"] == 3
+    assert set(report["timings"]) >= {"prototypes_s", "train_s", "evaluate_s", "total_s"}
+    assert report["config"]["dataset"] == "rastrigin2d"

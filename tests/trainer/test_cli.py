@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from server._cli import main
+from trainer._cli import register
+
+
+@pytest.mark.unit
+def test_registration_imports_only_the_standard_library() -> None:
+    code = (
+        "import sys, trainer._cli as c; "
+        "heavy = {'torch', 'numpy', 'ray', 'experts_store', 'router'} & set(sys.modules); "
+        "print(sorted(heavy))"
+    )
+    # trainer/__init__ is heavy, so import the CLI module by path without the package init.
+    out = subprocess.run(
+        [sys.executable, "-c", code.replace("import sys, trainer._cli as c", _LOAD_BY_PATH)],
+        capture_output=True, text=True, check=True,
+    )
+    assert out.stdout.strip() == "[]"
+
+
+_CLI_FILE = Path(__file__).parents[2] / "trainer" / "_cli.py"
+_LOAD_BY_PATH = (
+    "import sys, importlib.util as u; "
+    f"s = u.spec_from_file_location('tcli', {str(_CLI_FILE)!r}); "
+    "c = u.module_from_spec(s); s.loader.exec_module(c)"
+)
+
+
+@pytest.mark.unit
+def test_build_parser_accepts_the_documented_command() -> None:
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(
+        ["build", "--dataset", "ackley2d", "--experts", "16", "--branching", "4", "--out", "d"]
+    )
+    assert (args.dataset, args.experts, args.branching, args.out) == ("ackley2d", 16, 4, Path("d"))
+    assert callable(args.handler)
+
+
+@pytest.mark.unit
+def test_bad_data_exits_2_with_a_clear_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, X=np.full((30, 2), np.nan), y=np.zeros(30))
+    code = main(["build", "--data", str(bad), "--out", str(tmp_path / "s"), "--no-progress"])
+    assert code == 2
+    assert "NaN" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.ray
+def test_momlp_build_then_store_verify(
+    ray_session: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "store"
+    code = main([
+        "build", "--dataset", "rastrigin2d", "--quick", "--experts", "4", "--branching", "2",
+        "--grid-size", "12", "--width", "16", "--epochs", "2", "--prototype-epochs", "1",
+        "--out", str(out), "--no-progress",
+    ])
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["num_experts"] == 4 and summary["mixture"]["metric"] == "mse"
+    assert main(["store", "verify", str(out)]) == 0

@@ -1,0 +1,150 @@
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trainer import (
+    DataError,
+    ackley,
+    fbm_path,
+    load_data_file,
+    make_dataset,
+    rastrigin,
+    regular_grid,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def test_ackley_matches_eq_37_at_hand_computed_points() -> None:
+    # At the origin: 20 + e − 20·e^0 − e^1 = 0.
+    assert ackley(np.zeros((1, 2)))[0] == pytest.approx(0.0, abs=1e-12)
+    # x = (1, 0): rms = sqrt(1/2), mean cos = (1 + 1)/2 = 1.
+    expected = 20 + math.e - 20 * math.exp(-0.2 * math.sqrt(0.5)) - math.e
+    assert ackley(np.array([[1.0, 0.0]]))[0] == pytest.approx(expected, rel=1e-12)
+    # x = (0.5, 0.5, 0.5): rms = 0.5, mean cos = −1.
+    expected = 20 + math.e - 20 * math.exp(-0.1) - math.exp(-1)
+    assert ackley(np.full((1, 3), 0.5))[0] == pytest.approx(expected, rel=1e-12)
+
+
+def test_rastrigin_matches_eq_38_at_hand_computed_points() -> None:
+    assert rastrigin(np.zeros((1, 3)))[0] == pytest.approx(0.0, abs=1e-12)
+    # Σx² = 0.5, Σcos(π) = −2 → 0.5 + 10·(2 + 2).
+    assert rastrigin(np.array([[0.5, 0.5]]))[0] == pytest.approx(40.5, rel=1e-12)
+    # Integer points: cos 2πx = 1, so only Σx² remains.
+    assert rastrigin(np.array([[1.0, -1.0, 0.0]]))[0] == pytest.approx(2.0, abs=1e-9)
+
+
+def test_regular_grid_has_s_to_the_n_vertices_covering_the_box() -> None:
+    grid = regular_grid(5, 3, -1.0, 1.0)
+    assert grid.shape == (125, 3)
+    assert len({tuple(row) for row in grid}) == 125
+    assert grid.min() == -1.0 and grid.max() == 1.0
+    assert set(np.round(grid[:, 2], 6)) == {-1.0, -0.5, 0.0, 0.5, 1.0}
+
+
+@pytest.mark.parametrize("hurst", [0.1, 0.25, 0.5, 0.75])
+def test_fbm_variogram_recovers_the_hurst_exponent(hurst: float) -> None:
+    estimates = []
+    for seed in range(4):
+        path = fbm_path(4001, hurst, np.random.default_rng(seed))
+        lags = np.arange(1, 33)
+        variogram = [np.mean((path[lag:] - path[:-lag]) ** 2) for lag in lags]
+        # E|B(t+h) − B(t)|² = h^{2H}: the log-log slope is 2H.
+        slope = np.polyfit(np.log(lags / 4000), np.log(variogram), 1)[0]
+        estimates.append(slope / 2)
+    assert np.mean(estimates) == pytest.approx(hurst, abs=0.04)
+
+
+def test_fbm_has_unit_variance_at_one_and_starts_at_zero() -> None:
+    ends = np.array([fbm_path(65, 0.3, np.random.default_rng(s))[-1] for s in range(3000)])
+    assert fbm_path(65, 0.3, np.random.default_rng(0))[0] == 0.0
+    assert np.var(ends) == pytest.approx(1.0, rel=0.1)
+
+
+def test_fbm_is_seedable() -> None:
+    a = fbm_path(100, 0.25, np.random.default_rng(7))
+    b = fbm_path(100, 0.25, np.random.default_rng(7))
+    np.testing.assert_array_equal(a, b)
+
+
+def test_synthetic_dataset_targets_follow_their_formula_and_split_80_20() -> None:
+    data = make_dataset("rastrigin3d", grid_size=6, seed=3)
+    assert data.x_train.shape == (173, 3) and data.x_test.shape == (43, 3)
+    np.testing.assert_allclose(data.y_train[:, 0], rastrigin(data.x_train), rtol=1e-5, atol=1e-4)
+    both = np.concatenate([data.x_train, data.x_test])
+    assert len({tuple(r) for r in both}) == 216
+    holder = make_dataset("holder1d", grid_size=500)
+    assert holder.x_train.min() >= 0.0 and holder.x_train.max() <= 1.0
+    assert holder.output_dim == 1 and holder.task == "regression"
+
+
+def test_digits_is_a_ten_class_problem_scaled_to_unit_interval() -> None:
+    data = make_dataset("digits")
+    assert data.task == "classification" and data.num_classes == 10
+    assert data.input_dim == 64 and data.x_train.max() <= 1.0
+    assert len(data.x_train) + len(data.x_test) == 1797
+
+
+def test_unknown_dataset_is_refused() -> None:
+    with pytest.raises(DataError, match="unknown dataset"):
+        make_dataset("mnist")
+
+
+def test_npz_file_loads_and_bad_files_are_refused(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    good = tmp_path / "good.npz"
+    np.savez(good, X=rng.normal(size=(50, 3)), y=rng.normal(size=50))
+    data = load_data_file(good)
+    assert data.task == "regression" and data.input_dim == 3 and len(data.x_train) == 40
+
+    labels = tmp_path / "labels.npz"
+    np.savez(labels, X=rng.normal(size=(30, 2)), y=np.array([3, 7] * 15))
+    cls = load_data_file(labels)
+    assert cls.task == "classification" and cls.classes == ["3", "7"]
+
+    nan = tmp_path / "nan.npz"
+    x = rng.normal(size=(20, 2))
+    x[5, 1] = np.nan
+    np.savez(nan, X=x, y=np.zeros(20))
+    with pytest.raises(DataError, match="NaN"):
+        load_data_file(nan)
+
+    shapes = tmp_path / "shapes.npz"
+    np.savez(shapes, X=rng.normal(size=(20, 2)), y=np.zeros(19))
+    with pytest.raises(DataError, match="one row per row"):
+        load_data_file(shapes)
+
+    missing = tmp_path / "missing.npz"
+    np.savez(missing, inputs=np.zeros((3, 2)))
+    with pytest.raises(DataError, match="lacks"):
+        load_data_file(missing)
+
+    objects = tmp_path / "objects.npz"
+    np.savez(objects, X=np.array([{"a": 1}] * 4, dtype=object), y=np.zeros(4))
+    with pytest.raises(DataError):
+        load_data_file(objects)
+
+    unknown = tmp_path / "data.json"
+    unknown.write_text("{}")
+    with pytest.raises(DataError, match="unknown data file type"):
+        load_data_file(unknown)
+
+
+def test_csv_needs_a_target_column_and_numeric_inputs(tmp_path: Path) -> None:
+    table = tmp_path / "t.csv"
+    table.write_text("a,b,label\n" + "".join(f"{i},{i * 2},{'cat' if i % 2 else 'dog'}\n"
+                                            for i in range(20)))
+    with pytest.raises(DataError, match="--target"):
+        load_data_file(table)
+    with pytest.raises(DataError, match="no column"):
+        load_data_file(table, target="nope")
+    data = load_data_file(table, target="label")
+    assert data.task == "classification" and data.classes == ["cat", "dog"]
+    assert data.input_dim == 2
+    # Features and label stay paired through the split: odd a ⇔ cat.
+    for row, label in zip(data.x_train, data.y_train, strict=True):
+        assert (int(row[0]) % 2 == 1) == (label == 0)

@@ -1,0 +1,71 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from trainer import class_weights, make_loss, predict, train_network
+
+pytestmark = pytest.mark.unit
+
+
+def test_training_fits_a_linear_map_and_leaves_eval_mode() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(256, 3, generator=gen)
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5]]) + 0.3
+    model = nn.Linear(3, 1)
+    before = float(nn.functional.mse_loss(predict(model, x), y))
+    result = train_network(
+        model, x, y, loss_fn=make_loss("mse", y), epochs=60, lr=0.05, batch_size=32,
+        generator=gen,
+    )
+    after = float(nn.functional.mse_loss(predict(model, x), y))
+    assert after < 1e-3 < before
+    assert result.steps == 60 * 8 and result.epochs == 60
+    assert not model.training
+
+
+def test_on_epoch_sees_every_epoch_loss() -> None:
+    seen: list[tuple[int, float]] = []
+    x = torch.rand(10, 2)
+    train_network(
+        nn.Linear(2, 1), x, x[:, :1], loss_fn=make_loss("mse", x), epochs=3, lr=1e-2,
+        batch_size=4, on_epoch=lambda e, loss: seen.append((e, loss)),
+    )
+    assert [e for e, _ in seen] == [0, 1, 2]
+
+
+def test_empty_cell_trains_nothing() -> None:
+    result = train_network(
+        nn.Linear(2, 1), torch.zeros(0, 2), torch.zeros(0, 1),
+        loss_fn=make_loss("mse", torch.zeros(0)), epochs=5, lr=1e-2, batch_size=4,
+    )
+    assert result.steps == 0
+
+
+def test_batchnorm_skips_single_row_batches() -> None:
+    model = nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    x = torch.rand(5, 2)
+    labels = torch.tensor([0, 1, 0, 1, 1])
+    # 5 rows in batches of 2: the last batch has one row and would raise in BatchNorm.
+    result = train_network(
+        model, x, labels, loss_fn=make_loss("ce", labels, 2), epochs=2, lr=1e-2, batch_size=2,
+    )
+    assert result.steps == 4
+
+
+def test_class_weights_are_inverse_frequencies_of_the_cell() -> None:
+    labels = torch.tensor([0, 0, 0, 2])
+    weights = class_weights(labels, 3)
+    # n / (classes present · count): 4/(2·3) and 4/(2·1); absent class keeps 1.
+    torch.testing.assert_close(weights, torch.tensor([4 / 6, 1.0, 2.0]))
+
+
+def test_weighted_ce_equals_torch_weighted_cross_entropy() -> None:
+    labels = torch.tensor([0, 0, 0, 2])
+    logits = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
+    loss = make_loss("weighted-ce", labels, 3)(logits, labels)
+    logp = torch.log_softmax(logits, dim=1)
+    w = torch.tensor([4 / 6, 1.0, 2.0])[labels]
+    expected = -(w * logp[torch.arange(4), labels]).sum() / w.sum()
+    torch.testing.assert_close(loss, expected)

@@ -1,0 +1,341 @@
+"""`build_store`: data → prototypes → tree → one Ray task per expert → evaluate → publish.
+
+The driver holds the data, the prototypes and (with learned prototypes) the small networks
+of the joint phase; the deepened experts exist only inside their tasks and in their files.
+A build that cannot finish leaves no published store: StoreWriter discards its staging
+directory when the `with` block exits with an exception.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ._baseline import baseline_arch
+from ._config import BuildConfig, ResolvedTraining
+from ._datasets import Dataset, load_data_file, make_dataset
+from ._evaluate import ExpertFileRef, evaluate_mixture
+from ._exceptions import BuildFailed, DataError
+from ._prototypes import kmeans_prototypes, learned_prototypes
+from ._tasks import ExpertJob, StateArrays, TrainSpec, baseline_job, expert_job
+from ._train import make_loss
+
+if TYPE_CHECKING:
+    from experts_store import ExpertArch, Manifest, StoreWriter
+
+__all__ = ["build_store", "load_config_dataset"]
+
+logger = logging.getLogger(__name__)
+
+
+def load_config_dataset(config: BuildConfig) -> Dataset:
+    """The dataset a config names, split and validated (DataError before any training)."""
+    if config.dataset is not None:
+        dataset = make_dataset(
+            config.dataset,
+            seed=config.seed,
+            grid_size=config.grid_size,
+            hurst=config.hurst,
+            test_fraction=config.test_fraction,
+        )
+    else:
+        assert config.data is not None
+        dataset = load_data_file(
+            config.data,
+            target=config.target,
+            task=config.task,
+            seed=config.seed,
+            test_fraction=config.test_fraction,
+        )
+    rows = dataset.x_train.shape[0]
+    if rows < config.experts:
+        raise DataError(
+            f"{rows} training rows are fewer than the {config.experts} experts asked for",
+            source=dataset.name,
+        )
+    return dataset
+
+
+def build_store(config: BuildConfig, progress: bool = True) -> Manifest:
+    """Train a mixture on the config's data and publish it as a store at `config.out`."""
+    from experts_store import ExpertArch, StoreWriter
+    from router import PrototypeTree
+
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+    config.validate()
+    dataset = load_config_dataset(config)
+    training = config.resolve(dataset.task)
+    timings["data_s"] = time.perf_counter() - started
+    logger.info(
+        "%s: %s train / %s test rows, %s → %s, %s experts",
+        dataset.name, len(dataset.x_train), len(dataset.x_test),
+        dataset.input_dim, dataset.output_dim, config.experts,
+    )
+
+    mark = time.perf_counter()
+    small_arch = ExpertArch(
+        widths=(dataset.input_dim, *(config.width,) * config.initial_depth, dataset.output_dim),
+        batchnorm=training.batchnorm,
+    )
+    prototypes, small_states = _discover_prototypes(config, training, dataset, small_arch)
+    timings["prototypes_s"] = time.perf_counter() - mark
+
+    mark = time.perf_counter()
+    tree = PrototypeTree.build(
+        prototypes, branching=config.branching, seed=config.seed, temperature=config.temperature
+    )
+    # Training rows go to the expert the server's walk will reach: what is served was trained.
+    assignment = tree.route(torch.as_tensor(dataset.x_train), mode=config.routing).experts[:, 0]
+    assigned = assignment.numpy()
+    timings["tree_s"] = time.perf_counter() - mark
+
+    with StoreWriter(config.out) as writer, _ray_runtime(config):
+        tree.save(writer.router_path)
+        mark = time.perf_counter()
+        results, baseline = _train_on_ray(
+            config, training, dataset, small_arch, small_states, assigned, writer, progress
+        )
+        timings["train_s"] = time.perf_counter() - mark
+        entries = {i: writer.register_expert_file(i) for i in range(config.experts)}
+        mark = time.perf_counter()
+        score = evaluate_mixture(
+            writer.router_path,
+            config.routing,
+            {i: ExpertFileRef(writer.expert_path(i), e.sha256) for i, e in entries.items()},
+            dataset.x_test,
+            dataset.y_test,
+            dataset.task,
+            dataset.output_dim,
+        )
+        timings["evaluate_s"] = time.perf_counter() - mark
+        timings["total_s"] = time.perf_counter() - started
+        params = [entries[i].params for i in range(config.experts)]
+        report: dict[str, Any] = {
+            "dataset": dataset.name,
+            "task": dataset.task,
+            "input_dim": dataset.input_dim,
+            "output_dim": dataset.output_dim,
+            "train_rows": int(dataset.x_train.shape[0]),
+            "test_rows": int(dataset.x_test.shape[0]),
+            "num_experts": config.experts,
+            "branching": config.branching,
+            "routing": config.routing,
+            "prototypes": config.prototypes,
+            "depth": training.depth,
+            "width": config.width,
+            "loss": training.loss,
+            "mixture": {"metric": score.metric, "value": score.value, "eval_s": score.seconds},
+            "baseline": baseline,
+            "experts": [
+                {
+                    "id": i,
+                    "train_samples": results[i]["train_samples"],
+                    "test_samples": score.test_samples[i],
+                    "params": entries[i].params,
+                    "bytes": entries[i].bytes,
+                    "final_loss": _finite_or_none(results[i]["final_loss"]),
+                    "train_s": results[i]["train_seconds"],
+                    **({"retried_after_crash": results[i]["retried_after_crash"]}
+                       if config.crash_once_expert == i else {}),
+                }
+                for i in range(config.experts)
+            ],
+            "params_per_expert": {
+                "min": min(params), "max": max(params), "mean": sum(params) / len(params)
+            },
+            "total_params": sum(params),
+            "timings": timings,
+            "config": config.to_json_dict(),
+        }
+        writer.write_report(report)
+        extra: dict[str, Any] = {"dataset": dataset.name, "prototypes": config.prototypes}
+        if dataset.task == "classification":
+            extra["classes"] = dataset.classes
+        manifest = writer.publish(
+            task=dataset.task,
+            input_dim=dataset.input_dim,
+            output_dim=dataset.output_dim,
+            routing=config.routing,
+            branching=config.branching,
+            temperature=config.temperature,
+            extra=extra,
+        )
+    logger.info(
+        "published %s: mixture %s %.6g, baseline %s",
+        config.out, score.metric, score.value,
+        "skipped" if baseline is None else f"{baseline['value']:.6g}",
+    )
+    return manifest
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _discover_prototypes(
+    config: BuildConfig, training: ResolvedTraining, dataset: Dataset, small_arch: ExpertArch
+) -> tuple[torch.Tensor, list[StateArrays] | None]:
+    """Prototypes [K, n], and the small networks trained with them (learned mode only)."""
+    from experts_store import ExpertMLP
+
+    if config.prototypes == "kmeans":
+        return kmeans_prototypes(dataset.x_train, config.experts, seed=config.seed), None
+    generator = torch.Generator().manual_seed(config.seed)
+    networks = [ExpertMLP(small_arch, generator=generator) for _ in range(config.experts)]
+    x = torch.as_tensor(dataset.x_train)
+    y = torch.as_tensor(dataset.y_train)
+    prototypes = learned_prototypes(
+        x,
+        y,
+        networks,
+        loss_fn=make_loss(training.loss, y, dataset.num_classes),
+        epochs=config.prototype_epochs,
+        lr=training.lr,
+        prototype_lr=config.prototype_lr,
+        batch_size=config.batch_size,
+        optimizer=training.optimizer,
+        generator=generator,
+    )
+    states = [
+        {name: t.detach().cpu().numpy().copy() for name, t in net.state_dict().items()}
+        for net in networks
+    ]
+    return prototypes, states
+
+
+@contextmanager
+def _ray_runtime(config: BuildConfig) -> Iterator[None]:
+    """Use a running Ray, or start one (embedded, or joining --ray-address); stop only ours."""
+    import ray
+
+    started = False
+    if not ray.is_initialized():
+        if config.ray_address is not None:
+            ray.init(address=config.ray_address, log_to_driver=False, configure_logging=False)
+        else:
+            ray.init(
+                num_cpus=config.num_cpus,
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+            )
+        started = True
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _train_on_ray(
+    config: BuildConfig,
+    training: ResolvedTraining,
+    dataset: Dataset,
+    small_arch: ExpertArch,
+    small_states: list[StateArrays] | None,
+    assigned: np.ndarray[Any, np.dtype[np.int64]],
+    writer: StoreWriter,
+    progress: bool,
+) -> tuple[dict[int, dict[str, Any]], dict[str, Any] | None]:
+    import ray
+    from tqdm import tqdm
+
+    use_gpu = ray.cluster_resources().get("GPU", 0) > 0  # type: ignore[no-untyped-call]
+    resources: dict[str, Any] = {"num_gpus": 1} if use_gpu else {"num_cpus": 1}
+    remote_opts: dict[str, Any] = {
+        "max_retries": config.max_retries,
+        "retry_exceptions": True,
+        **resources,
+    }
+    expert_remote = ray.remote(expert_job).options(**remote_opts)
+    spec = TrainSpec(
+        task=dataset.task,
+        loss=training.loss,
+        num_classes=dataset.num_classes,
+        epochs=config.epochs,
+        lr=training.lr,
+        batch_size=config.batch_size,
+        optimizer=training.optimizer,
+        seed=config.seed,
+        torch_threads=config.torch_threads,
+    )
+    pending: dict[Any, int | None] = {}
+    if config.baseline:
+        arch = baseline_arch(
+            dataset.input_dim,
+            dataset.output_dim,
+            width=config.width,
+            depth=training.depth,
+            num_experts=config.experts,
+            batchnorm=training.batchnorm,
+        )
+        baseline_spec = TrainSpec(**{**spec.__dict__, "epochs": training.baseline_epochs})
+        # Submitted first: it is the longest task, so it should not start last.
+        ref = ray.remote(baseline_job).options(**remote_opts).remote(
+            arch.to_json(), baseline_spec,
+            dataset.x_train, dataset.y_train, dataset.x_test, dataset.y_test,
+        )
+        pending[ref] = None
+    for expert_id in range(config.experts):
+        rows = np.flatnonzero(assigned == expert_id)
+        if rows.size == 0:
+            logger.warning("expert %s has no training rows; it keeps its first weights", expert_id)
+        marker = None
+        if config.crash_once_expert == expert_id:
+            marker = str(writer.expert_path(expert_id)) + ".crash-marker"
+        job = ExpertJob(
+            expert_id=expert_id,
+            out_path=str(writer.expert_path(expert_id)),
+            small_arch=small_arch.to_json(),
+            extra_layers=training.depth - config.initial_depth,
+            warmup_epochs=config.warmup_epochs,
+            noise_std=config.noise_std,
+            spec=spec,
+            initial_state=None if small_states is None else small_states[expert_id],
+            crash_marker=marker,
+        )
+        # One object per cell: the task's node fetches only its own rows.
+        x_ref = ray.put(np.ascontiguousarray(dataset.x_train[rows]))
+        y_ref = ray.put(np.ascontiguousarray(dataset.y_train[rows]))
+        pending[expert_remote.remote(job, x_ref, y_ref)] = expert_id
+
+    results: dict[int, dict[str, Any]] = {}
+    baseline: dict[str, Any] | None = None
+    bar = tqdm(
+        total=len(pending), desc="experts", unit="task", file=sys.stderr, disable=not progress
+    )
+    try:
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            owner = pending.pop(ready[0])
+            try:
+                result: dict[str, Any] = ray.get(ready[0])
+            except Exception as exc:  # a RayTaskError wraps the task's own exception
+                for ref in pending:
+                    ray.cancel(ref, force=True)
+                raise BuildFailed(expert_id=owner, reason=str(exc).splitlines()[0]) from exc
+            if owner is None:
+                baseline = result
+                bar.set_postfix(baseline=f"{result['value']:.4g}")
+            else:
+                results[owner] = result
+                losses = [
+                    r["final_loss"] for r in results.values() if math.isfinite(r["final_loss"])
+                ]
+                bar.set_postfix(
+                    last=f"{result['final_loss']:.4g}",
+                    mean=f"{(sum(losses) / len(losses)) if losses else float('nan'):.4g}",
+                )
+            bar.update(1)
+    finally:
+        bar.close()
+    return results, baseline

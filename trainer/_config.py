@@ -1,0 +1,178 @@
+"""`BuildConfig`: every option of `momlp build`, with the paper's defaults and a quick preset."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from ._datasets import DATASET_NAMES, DEFAULT_HURST, Task
+from ._exceptions import ConfigError
+from ._train import LossName
+
+__all__ = [
+    "QUICK_DEMO",
+    "BuildConfig",
+    "ResolvedTraining",
+    "quick_demo_config",
+    "quick_overrides",
+]
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """Options of one build. None means "the paper's choice for this task" (see `resolve`)."""
+
+    out: Path
+    dataset: str | None = None  # one of DATASET_NAMES, or None with `data`
+    data: Path | None = None  # .npz (X, y) / .csv / .parquet
+    target: str | None = None  # target column of a table
+    task: Literal["auto", "regression", "classification"] = "auto"
+    experts: int = 16
+    branching: int = 4
+    routing: Literal["tree", "exact"] = "tree"
+    temperature: float = 1.0  # τ of the top-k gate softmax(−d²/τ), recorded for the server
+    prototypes: Literal["kmeans", "learned"] = "learned"
+    width: int = 1000  # D.3.1
+    depth: int | None = None  # hidden layers: 3 (regression) / 4 (classification), D.3.1
+    initial_depth: int = 1  # hidden layers of the small networks before deepening
+    prototype_epochs: int = 20  # epochs of the joint phase of eq. (39)
+    warmup_epochs: int = 5  # small-network epochs per cell when prototypes come from k-means
+    epochs: int = 100  # per-expert epochs after deepening
+    baseline_epochs: int | None = None  # default: epochs
+    lr: float | None = None  # Adam 1e-4 (regression) / AdamW 1e-3 (classification)
+    prototype_lr: float = 1e-2
+    batch_size: int = 128
+    loss: Literal["auto", "mse", "ce", "weighted-ce"] = "auto"
+    noise_std: float = 1e-3  # of the near-identity layers added by deepening
+    baseline: bool = True
+    seed: int = 0
+    grid_size: int | None = None  # points per axis of the synthetic grids (paper's s if None)
+    hurst: float = DEFAULT_HURST  # α of the holder1d fBm path
+    test_fraction: float = 0.2
+    ray_address: str | None = None
+    num_cpus: int | None = None  # of an embedded Ray started by the build
+    max_retries: int = 3
+    torch_threads: int = 1
+    quick: bool = False  # recorded in the report; set by the quick preset
+    crash_once_expert: int | None = None  # test hook: kill the first attempt of this expert
+
+    def validate(self) -> None:
+        """ConfigError naming the first option that cannot work."""
+        if (self.dataset is None) == (self.data is None):
+            raise ConfigError("give exactly one of --dataset NAME or --data FILE", option="dataset")
+        if self.dataset is not None and self.dataset not in DATASET_NAMES:
+            raise ConfigError(
+                f"unknown dataset {self.dataset!r}; choose one of {', '.join(DATASET_NAMES)}",
+                option="dataset",
+            )
+        positive = {
+            "experts": self.experts,
+            "width": self.width,
+            "batch_size": self.batch_size,
+            "initial_depth": self.initial_depth,
+            "torch_threads": self.torch_threads,
+        }
+        for option, value in positive.items():
+            if value < 1:
+                raise ConfigError(f"must be at least 1, got {value}", option=option)
+        if self.branching < 2:
+            raise ConfigError(f"must be at least 2, got {self.branching}", option="branching")
+        if self.depth is not None and self.depth < self.initial_depth:
+            raise ConfigError(
+                f"must be at least --initial-depth ({self.initial_depth}), got {self.depth}",
+                option="depth",
+            )
+        for option in ("prototype_epochs", "warmup_epochs", "epochs", "max_retries"):
+            if getattr(self, option) < 0:
+                raise ConfigError("must not be negative", option=option)
+        for option in ("lr", "prototype_lr", "temperature"):
+            value = getattr(self, option)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"must be a positive number, got {value}", option=option)
+        if not 0.0 < self.test_fraction < 1.0:
+            raise ConfigError("must lie in (0, 1)", option="test_fraction")
+        if not 0.0 < self.hurst < 1.0:
+            raise ConfigError("must lie in (0, 1)", option="hurst")
+        if self.noise_std < 0:
+            raise ConfigError("must not be negative", option="noise_std")
+        if self.crash_once_expert is not None and not 0 <= self.crash_once_expert < self.experts:
+            raise ConfigError("must name an expert id", option="crash_once_expert")
+
+    def resolve(self, task: Task) -> ResolvedTraining:
+        """The task-dependent choices of D.3.1 where the config leaves them open."""
+        classification = task == "classification"
+        if classification and self.loss == "mse":
+            raise ConfigError("classification trains with ce or weighted-ce", option="loss")
+        if not classification and self.loss in ("ce", "weighted-ce"):
+            raise ConfigError("regression trains with mse", option="loss")
+        loss: LossName = ("ce" if classification else "mse") if self.loss == "auto" else self.loss
+        depth = self.depth if self.depth is not None else (4 if classification else 3)
+        if depth < self.initial_depth:
+            raise ConfigError(
+                f"depth {depth} is below --initial-depth {self.initial_depth}", option="depth"
+            )
+        return ResolvedTraining(
+            task=task,
+            loss=loss,
+            depth=depth,
+            lr=self.lr if self.lr is not None else (1e-3 if classification else 1e-4),
+            optimizer="adamw" if classification else "adam",
+            batchnorm=classification,
+            baseline_epochs=(
+                self.baseline_epochs if self.baseline_epochs is not None else self.epochs
+            ),
+        )
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """The options as JSON-safe values (recorded in report.json)."""
+        return {
+            f.name: (str(v) if isinstance(v, Path) else v)
+            for f in dataclasses.fields(self)
+            for v in [getattr(self, f.name)]
+        }
+
+
+@dataclass(frozen=True)
+class ResolvedTraining:
+    task: Task
+    loss: LossName
+    depth: int
+    lr: float
+    optimizer: Literal["adam", "adamw"]
+    batchnorm: bool
+    baseline_epochs: int
+
+
+# Grid points per axis for quick runs: ~2,000 samples whatever the dimension.
+_QUICK_GRID = {
+    "holder1d": 2000, "ackley2d": 40, "rastrigin2d": 40, "ackley3d": 12, "rastrigin3d": 12
+}
+
+
+def quick_overrides(dataset: str | None) -> dict[str, Any]:
+    """The `--quick` preset: narrow experts, few epochs, a subsampled grid (≲ 1 min on 2 cores)."""
+    preset: dict[str, Any] = {
+        "width": 64,
+        "prototype_epochs": 10,
+        "warmup_epochs": 5,
+        "epochs": 40,
+        "batch_size": 64,
+        "lr": 3e-3,
+        "quick": True,
+    }
+    if dataset in _QUICK_GRID:
+        preset["grid_size"] = _QUICK_GRID[dataset]
+    return preset
+
+
+def quick_demo_config(out: Path) -> BuildConfig:
+    """The demo store of `momlp demo`: 2-D Ackley, 16 experts, ν = 4, quick preset."""
+    return BuildConfig(
+        out=Path(out), dataset="ackley2d", experts=16, branching=4, **quick_overrides("ackley2d")
+    )
+
+
+QUICK_DEMO = quick_demo_config(Path("demo-store"))

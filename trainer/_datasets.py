@@ -1,0 +1,320 @@
+"""The paper's datasets (Section 6.1, Appendix C and D.1), sklearn digits, and user files.
+
+Every dataset comes back as a `Dataset` already split 80/20 at random (seeded) and
+validated: finite numbers, 2-D inputs, one target row per input row.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from ._exceptions import DataError
+
+__all__ = [
+    "DATASET_NAMES",
+    "Dataset",
+    "Task",
+    "ackley",
+    "fbm_path",
+    "load_data_file",
+    "make_dataset",
+    "rastrigin",
+    "regular_grid",
+]
+
+logger = logging.getLogger(__name__)
+
+Task = Literal["regression", "classification"]
+FloatArray = npt.NDArray[np.float64]
+
+DATASET_NAMES = ("holder1d", "ackley2d", "ackley3d", "rastrigin2d", "rastrigin3d", "digits")
+
+# Section 6.1: s^n grid vertices, s = 10,000 (n=1), 150 (n=2), 30 (n=3).
+_PAPER_GRID_SIZE = {1: 10_000, 2: 150, 3: 30}
+DEFAULT_HURST = 0.25
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A train/test split; classification targets are int64 class indices [N]."""
+
+    name: str
+    task: Task
+    x_train: npt.NDArray[np.float32]
+    y_train: npt.NDArray[np.float32] | npt.NDArray[np.int64]
+    x_test: npt.NDArray[np.float32]
+    y_test: npt.NDArray[np.float32] | npt.NDArray[np.int64]
+    num_classes: int = 0
+    classes: list[str] = field(default_factory=list)
+
+    @property
+    def input_dim(self) -> int:
+        return int(self.x_train.shape[1])
+
+    @property
+    def output_dim(self) -> int:
+        if self.task == "classification":
+            return self.num_classes
+        return int(self.y_train.shape[1])
+
+    @property
+    def lower(self) -> npt.NDArray[np.float32]:
+        return np.asarray(self.x_train.min(axis=0), dtype=np.float32)
+
+    @property
+    def upper(self) -> npt.NDArray[np.float32]:
+        return np.asarray(self.x_train.max(axis=0), dtype=np.float32)
+
+
+def ackley(x: npt.ArrayLike, a: float = 20.0, b: float = 0.2) -> FloatArray:
+    """Eq. (37): 20 + e − a·exp(−b·sqrt(mean x²)) − exp(mean cos 2πx), over the last axis."""
+    x = np.asarray(x, dtype=np.float64)
+    root_mean_square = np.sqrt(np.mean(x**2, axis=-1))
+    mean_cos = np.mean(np.cos(2.0 * math.pi * x), axis=-1)
+    return np.asarray(
+        20.0 + math.e - a * np.exp(-b * root_mean_square) - np.exp(mean_cos), dtype=np.float64
+    )
+
+
+def rastrigin(x: npt.ArrayLike) -> FloatArray:
+    """Eq. (38): Σ x² + 10 (n − Σ cos 2πx), over the last axis."""
+    x = np.asarray(x, dtype=np.float64)
+    n = x.shape[-1]
+    return np.asarray(
+        np.sum(x**2, axis=-1) + 10.0 * (n - np.sum(np.cos(2.0 * math.pi * x), axis=-1)),
+        dtype=np.float64,
+    )
+
+
+def regular_grid(points_per_axis: int, dim: int, low: float, high: float) -> FloatArray:
+    """The s^n vertices of the regular grid on [low, high]^n, as rows [s^n, n]."""
+    axis = np.linspace(low, high, points_per_axis)
+    mesh = np.meshgrid(*([axis] * dim), indexing="ij")
+    return np.stack([m.reshape(-1) for m in mesh], axis=1)
+
+
+def fbm_path(num_points: int, hurst: float, rng: np.random.Generator) -> FloatArray:
+    """Fractional Brownian motion B_H on the grid t_k = k/(num_points−1) of [0, 1], B_H(0) = 0.
+
+    Exact in distribution (Davies-Harte circulant embedding of fractional Gaussian noise):
+    Cov(B_H(t), B_H(u)) = (t^{2H} + u^{2H} − |t−u|^{2H}) / 2.
+    """
+    if not 0.0 < hurst < 1.0:
+        raise ValueError(f"hurst must lie in (0, 1), got {hurst}")
+    if num_points < 2:
+        raise ValueError("an fBm path needs at least 2 points")
+    steps = num_points - 1
+    k = np.arange(steps + 1, dtype=np.float64)
+    two_h = 2.0 * hurst
+    autocov = 0.5 * (np.abs(k + 1) ** two_h - 2.0 * k**two_h + np.abs(k - 1) ** two_h)
+    # First row of the 2m-circulant matrix embedding the Toeplitz covariance of m increments.
+    row = np.concatenate([autocov, autocov[-2:0:-1]])
+    eigenvalues = np.fft.fft(row).real
+    # fGn's embedding is non-negative definite for every H; clip only round-off.
+    eigenvalues = np.clip(eigenvalues, 0.0, None)
+    size = row.shape[0]
+    noise = rng.standard_normal(size) + 1j * rng.standard_normal(size)
+    increments = np.fft.fft(np.sqrt(eigenvalues / size) * noise).real[:steps]
+    # Unit-step fGn scaled to step 1/steps (self-similarity).
+    increments *= steps ** (-hurst)
+    return np.concatenate([[0.0], np.cumsum(increments)])
+
+
+def make_dataset(
+    name: str,
+    *,
+    seed: int = 0,
+    grid_size: int | None = None,
+    hurst: float = DEFAULT_HURST,
+    test_fraction: float = 0.2,
+) -> Dataset:
+    """One of DATASET_NAMES; grid_size overrides the paper's s (per axis) for small runs."""
+    rng = np.random.default_rng(seed)
+    if name == "digits":
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        # Pixel intensities are 0..16; scale to [0, 1] so distances to prototypes are tame.
+        x = np.asarray(digits.data, dtype=np.float64) / 16.0
+        labels = np.asarray(digits.target, dtype=np.int64)
+        classes = [str(c) for c in range(10)]
+        return _split_classification(name, x, labels, classes, rng, test_fraction)
+    if name not in DATASET_NAMES:
+        raise DataError(
+            f"unknown dataset; choose one of {', '.join(DATASET_NAMES)}", source=name
+        )
+    dim = int(name[-2])
+    s = grid_size if grid_size is not None else _PAPER_GRID_SIZE[dim]
+    if s < 2:
+        raise DataError(f"grid size must be at least 2, got {s}", source=name)
+    if name == "holder1d":
+        x = regular_grid(s, 1, 0.0, 1.0)
+        y = fbm_path(s, hurst, rng)
+    else:
+        x = regular_grid(s, dim, -1.0, 1.0)
+        y = ackley(x) if name.startswith("ackley") else rastrigin(x)
+    return _split_regression(name, x, y.reshape(-1, 1), rng, test_fraction)
+
+
+def load_data_file(
+    path: Path,
+    *,
+    target: str | None = None,
+    task: Task | Literal["auto"] = "auto",
+    seed: int = 0,
+    test_fraction: float = 0.2,
+) -> Dataset:
+    """A user's .npz (arrays X, y) or .csv/.parquet (all columns but `target` are inputs)."""
+    source = str(path)
+    if not path.is_file():
+        raise DataError("no such file", source=source)
+    suffix = path.suffix.lower()
+    if suffix == ".npz":
+        try:
+            with np.load(path, allow_pickle=False) as archive:
+                missing = {"X", "y"} - set(archive.files)
+                if missing:
+                    raise DataError(
+                        f"the archive lacks {sorted(missing)} (has {archive.files})", source=source
+                    )
+                x_raw, y_raw = archive["X"], archive["y"]
+        except (ValueError, OSError) as exc:
+            raise DataError(f"cannot read the archive: {exc}", source=source) from exc
+    elif suffix in (".csv", ".parquet"):
+        x_raw, y_raw = _read_table(path, target, source)
+    else:
+        raise DataError(
+            f"unknown data file type {suffix!r}; use .npz, .csv or .parquet", source=source
+        )
+    if x_raw.ndim != 2:
+        raise DataError(f"X must be 2-D [rows, features], got shape {x_raw.shape}", source=source)
+    if y_raw.ndim not in (1, 2) or y_raw.shape[0] != x_raw.shape[0]:
+        raise DataError(
+            f"y must have one row per row of X ({x_raw.shape[0]}), got shape {y_raw.shape}",
+            source=source,
+        )
+    try:
+        x = np.asarray(x_raw, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise DataError(f"X is not numeric: {exc}", source=source) from exc
+    rng = np.random.default_rng(seed)
+    if task == "auto":
+        task = "classification" if y_raw.dtype.kind in "iubUSO" else "regression"
+    if task == "classification":
+        if y_raw.ndim != 1:
+            raise DataError("classification targets must be 1-D labels", source=source)
+        if y_raw.dtype.kind == "f" and not np.all(np.isfinite(y_raw)):
+            raise DataError("y holds NaN or infinite labels", source=source)
+        classes, labels = np.unique(y_raw, return_inverse=True)
+        return _split_classification(
+            source, x, labels.astype(np.int64), [str(c) for c in classes], rng, test_fraction
+        )
+    try:
+        y = np.asarray(y_raw, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise DataError(f"regression targets are not numeric: {exc}", source=source) from exc
+    return _split_regression(source, x, y.reshape(len(y), -1), rng, test_fraction)
+
+
+def _read_table(
+    path: Path, target: str | None, source: str
+) -> tuple[npt.NDArray[np.generic], npt.NDArray[np.generic]]:
+    import pandas as pd
+
+    if target is None:
+        raise DataError("a table needs --target COLUMN naming the target column", source=source)
+    try:
+        frame = pd.read_csv(path) if path.suffix.lower() == ".csv" else pd.read_parquet(path)
+    except (ValueError, OSError, ImportError) as exc:
+        raise DataError(f"cannot read the table: {exc}", source=source) from exc
+    if target not in frame.columns:
+        raise DataError(
+            f"no column {target!r}; columns are {list(frame.columns)}", source=source
+        )
+    inputs = frame.drop(columns=[target])
+    non_numeric = [str(c) for c in inputs.columns if not pd.api.types.is_numeric_dtype(inputs[c])]
+    if non_numeric:
+        raise DataError(f"non-numeric input columns {non_numeric}", source=source)
+    if inputs.shape[1] == 0:
+        raise DataError("the table has no input columns besides the target", source=source)
+    column = frame[target]
+    numeric = pd.api.types.is_numeric_dtype(column)
+    y = column.to_numpy() if numeric else column.astype(str).to_numpy()
+    return inputs.to_numpy(dtype=np.float64), y
+
+
+def _split_indices(
+    rows: int, rng: np.random.Generator, test_fraction: float, source: str
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    if not 0.0 < test_fraction < 1.0:
+        raise DataError(f"test fraction must lie in (0, 1), got {test_fraction}", source=source)
+    num_test = int(round(rows * test_fraction))
+    if rows < 2 or num_test < 1 or num_test >= rows:
+        raise DataError(f"{rows} rows are too few to split into train and test", source=source)
+    order = rng.permutation(rows)
+    return order[num_test:], order[:num_test]
+
+
+def _check_inputs(x: FloatArray, source: str) -> None:
+    if x.ndim != 2 or x.shape[1] == 0:
+        raise DataError(f"inputs must be 2-D [rows, features], got {x.shape}", source=source)
+    bad = ~np.isfinite(x)
+    if bad.any():
+        rows = np.flatnonzero(bad.any(axis=1))
+        raise DataError(
+            f"inputs hold NaN or infinite values in {rows.size} rows (first: row {rows[0]})",
+            source=source,
+        )
+
+
+def _split_regression(
+    source: str, x: FloatArray, y: FloatArray, rng: np.random.Generator, test_fraction: float
+) -> Dataset:
+    _check_inputs(x, source)
+    bad = ~np.isfinite(y)
+    if bad.any():
+        rows = np.flatnonzero(bad.any(axis=1))
+        raise DataError(
+            f"targets hold NaN or infinite values in {rows.size} rows (first: row {rows[0]})",
+            source=source,
+        )
+    train, test = _split_indices(x.shape[0], rng, test_fraction, source)
+    return Dataset(
+        name=source,
+        task="regression",
+        x_train=x[train].astype(np.float32),
+        y_train=y[train].astype(np.float32),
+        x_test=x[test].astype(np.float32),
+        y_test=y[test].astype(np.float32),
+    )
+
+
+def _split_classification(
+    source: str,
+    x: FloatArray,
+    labels: npt.NDArray[np.int64],
+    classes: list[str],
+    rng: np.random.Generator,
+    test_fraction: float,
+) -> Dataset:
+    _check_inputs(x, source)
+    if len(classes) < 2:
+        raise DataError(f"classification needs at least 2 classes, got {classes}", source=source)
+    train, test = _split_indices(x.shape[0], rng, test_fraction, source)
+    return Dataset(
+        name=source,
+        task="classification",
+        x_train=x[train].astype(np.float32),
+        y_train=labels[train],
+        x_test=x[test].astype(np.float32),
+        y_test=labels[test],
+        num_classes=len(classes),
+        classes=classes,
+    )

@@ -1,0 +1,89 @@
+"""Score the mixture exactly as the server will serve it: the saved router, the saved files.
+
+Nothing trained in memory is used: the router is read back from its safetensors file, each
+test row is routed with the store's routing mode (top-1), and each expert is loaded from its
+file (checksum verified) one at a time, so the figure in report.json is the served model's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from torch import Tensor
+
+from ._datasets import Task
+from ._tasks import score_outputs
+from ._train import predict
+
+__all__ = ["ExpertFileRef", "MixtureScore", "evaluate_mixture", "mixture_outputs"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ExpertFileRef:
+    path: Path
+    sha256: str
+
+
+@dataclass(frozen=True)
+class MixtureScore:
+    metric: str  # "mse" | "accuracy"
+    value: float
+    test_samples: list[int]  # test rows routed to each expert
+    seconds: float
+
+
+def mixture_outputs(
+    router_path: Path,
+    routing: str,
+    experts: Mapping[int, ExpertFileRef],
+    x: npt.NDArray[np.float32],
+    output_dim: int,
+) -> tuple[Tensor, Tensor]:
+    """(outputs [B, out], expert ids [B]) of the mixture read back from files."""
+    from experts_store import load_expert
+    from router import PrototypeTree
+
+    tree = PrototypeTree.load(router_path)
+    xt = torch.as_tensor(np.asarray(x), dtype=torch.float32)
+    chosen = tree.route(xt, mode="exact" if routing == "exact" else "tree", top_k=1).experts[:, 0]
+    outputs = torch.zeros(xt.shape[0], output_dim, dtype=torch.float32)
+    for expert_id in torch.unique(chosen).tolist():
+        rows = torch.nonzero(chosen == expert_id).squeeze(1)
+        ref = experts[int(expert_id)]
+        # One expert resident at a time, as a server with a one-expert budget would do.
+        expert = load_expert(ref.path, expected_sha256=ref.sha256, expert_id=int(expert_id))
+        outputs[rows] = predict(expert, xt[rows])
+        del expert
+    return outputs, chosen
+
+
+def evaluate_mixture(
+    router_path: Path,
+    routing: str,
+    experts: Mapping[int, ExpertFileRef],
+    x_test: npt.NDArray[np.float32],
+    y_test: npt.NDArray[np.generic],
+    task: Task,
+    output_dim: int,
+) -> MixtureScore:
+    start = time.perf_counter()
+    outputs, chosen = mixture_outputs(router_path, routing, experts, x_test, output_dim)
+    dtype = torch.int64 if task == "classification" else torch.float32
+    targets = torch.as_tensor(np.asarray(y_test), dtype=dtype)
+    value = score_outputs(task, outputs, targets)
+    counts = torch.bincount(chosen, minlength=len(experts)).tolist()
+    return MixtureScore(
+        metric="accuracy" if task == "classification" else "mse",
+        value=value,
+        test_samples=[int(c) for c in counts],
+        seconds=time.perf_counter() - start,
+    )

@@ -1,0 +1,48 @@
+"""Errors of `momlp build`; each names what went wrong in keyword fields.
+
+    TrainerError
+     ├── DataError            a dataset or data file that cannot be trained on (NaN, shapes, ...)
+     ├── ConfigError          build options that contradict each other or are out of range
+     └── BuildFailed          an expert's task (or the baseline's) failed after its retries
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["BuildFailed", "ConfigError", "DataError", "TrainerError"]
+
+
+class TrainerError(Exception):
+    """Base of every error the trainer raises on purpose."""
+
+    def __init__(self, message: str, **fields: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fields = fields
+        for key, value in fields.items():
+            setattr(self, key, value)
+
+
+class DataError(TrainerError):
+    """The data are refused before any training starts."""
+
+    def __init__(self, message: str, *, source: str) -> None:
+        super().__init__(f"{source}: {message}", source=source)
+        self.source = source
+
+
+class ConfigError(TrainerError):
+    def __init__(self, message: str, *, option: str) -> None:
+        super().__init__(f"--{option.replace('_', '-')}: {message}", option=option)
+        self.option = option
+
+
+class BuildFailed(TrainerError):
+    """A training task failed for good; no store was published."""
+
+    def __init__(self, *, expert_id: int | None, reason: str) -> None:
+        what = "the baseline" if expert_id is None else f"expert {expert_id}"
+        super().__init__(f"training {what} failed: {reason}", expert_id=expert_id, reason=reason)
+        self.expert_id = expert_id
+        self.reason = reason

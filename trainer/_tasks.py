@@ -1,0 +1,186 @@
+"""What one Ray task does: train one expert on its cell (Algorithm 2, stages 2-3) or the baseline.
+
+The functions here are plain Python; the build wraps them with `ray.remote`. A task gets its
+data as arrays (from `ray.put`), writes its expert with `save_expert` straight into the
+store's staging directory and returns only a small metrics dict, so the driver never holds
+the trained experts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from torch import Tensor
+
+from ._datasets import Task
+from ._train import LossName, TrainResult, make_loss, predict, train_network
+
+__all__ = ["ExpertJob", "TrainSpec", "baseline_job", "expert_job", "pick_device", "score_outputs"]
+
+logger = logging.getLogger(__name__)
+
+StateArrays = dict[str, npt.NDArray[np.generic]]
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """How a network is trained; shared by the experts and the baseline."""
+
+    task: Task
+    loss: LossName
+    num_classes: int
+    epochs: int
+    lr: float
+    batch_size: int
+    optimizer: Literal["adam", "adamw"]
+    seed: int
+    torch_threads: int = 1
+
+
+@dataclass(frozen=True)
+class ExpertJob:
+    """One expert's task: start from `initial_state` (the small network trained with the
+    prototypes) or from a fresh small network warmed up on the cell, deepen, train, save."""
+
+    expert_id: int
+    out_path: str
+    small_arch: str  # ExpertArch JSON of the small network
+    extra_layers: int
+    warmup_epochs: int
+    noise_std: float
+    spec: TrainSpec
+    initial_state: StateArrays | None = None
+    # Test hook: the first attempt creates this file and kills its worker (os._exit), so the
+    # retry path of the build is exercised; later attempts see the file and train normally.
+    crash_marker: str | None = None
+
+
+def pick_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _tensors(
+    x: npt.NDArray[np.float32], y: npt.NDArray[np.generic], task: Task, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    # torch.tensor copies: Ray hands out read-only zero-copy views of the object store.
+    xt = torch.tensor(np.asarray(x), dtype=torch.float32, device=device)
+    if task == "classification":
+        return xt, torch.tensor(np.asarray(y), dtype=torch.int64, device=device)
+    return xt, torch.tensor(np.asarray(y), dtype=torch.float32, device=device)
+
+
+def expert_job(
+    job: ExpertJob, x: npt.NDArray[np.float32], y: npt.NDArray[np.generic]
+) -> dict[str, Any]:
+    """Train expert `job.expert_id` on its cell (x, y), save it to `job.out_path`."""
+    from experts_store import ExpertArch, ExpertMLP, save_expert
+
+    retried_after_crash = False
+    if job.crash_marker is not None:
+        if not Path(job.crash_marker).exists():
+            Path(job.crash_marker).touch()
+            logger.warning("test hook: killing the worker training expert %s", job.expert_id)
+            os._exit(1)
+        retried_after_crash = True
+    start = time.perf_counter()
+    spec = job.spec
+    torch.set_num_threads(spec.torch_threads)
+    device = pick_device()
+    generator = torch.Generator().manual_seed(spec.seed * 100_003 + job.expert_id)
+    small = ExpertMLP(ExpertArch.from_json(job.small_arch), generator=generator)
+    if job.initial_state is not None:
+        state = {name: torch.tensor(np.asarray(a)) for name, a in job.initial_state.items()}
+        small.load_state_dict(state, strict=True)
+    small = small.to(device)
+    xt, yt = _tensors(x, y, spec.task, device)
+    loss_fn = make_loss(spec.loss, yt.cpu(), spec.num_classes)
+
+    def train(model: ExpertMLP, epochs: int) -> TrainResult:
+        return train_network(
+            model, xt, yt, loss_fn=loss_fn, epochs=epochs, lr=spec.lr,
+            batch_size=spec.batch_size, optimizer=spec.optimizer, generator=generator,
+        )
+
+    warmup_loss = float("nan")
+    if job.initial_state is None and job.warmup_epochs > 0:
+        warmup_loss = train(small, job.warmup_epochs).final_loss
+    expert = small.deepen(job.extra_layers, noise_std=job.noise_std, generator=generator)
+    result = train(expert.to(device), spec.epochs)
+    expert = expert.cpu()
+    written = save_expert(
+        expert, Path(job.out_path), metadata={"expert_id": str(job.expert_id)}
+    )
+    if job.crash_marker is not None:
+        Path(job.crash_marker).unlink(missing_ok=True)
+    return {
+        "expert_id": job.expert_id,
+        "train_samples": int(xt.shape[0]),
+        "warmup_loss": warmup_loss,
+        "final_loss": result.final_loss,
+        "steps": result.steps,
+        "params": written.params,
+        "bytes": written.bytes,
+        "sha256": written.sha256,
+        "device": str(device),
+        "train_seconds": time.perf_counter() - start,
+        "retried_after_crash": retried_after_crash,
+    }
+
+
+def baseline_job(
+    arch_json: str,
+    spec: TrainSpec,
+    x_train: npt.NDArray[np.float32],
+    y_train: npt.NDArray[np.generic],
+    x_test: npt.NDArray[np.float32],
+    y_test: npt.NDArray[np.generic],
+) -> dict[str, Any]:
+    """Train the single wide MLP of D.3.2 on all data; return its test metric, not its weights."""
+    from experts_store import ExpertArch, ExpertMLP
+
+    start = time.perf_counter()
+    torch.set_num_threads(spec.torch_threads)
+    device = pick_device()
+    generator = torch.Generator().manual_seed(spec.seed * 100_003 + 99_991)
+    model = ExpertMLP(ExpertArch.from_json(arch_json), generator=generator).to(device)
+    xt, yt = _tensors(x_train, y_train, spec.task, device)
+    loss_fn = make_loss(spec.loss, yt.cpu(), spec.num_classes)
+    result = train_network(
+        model,
+        xt,
+        yt,
+        loss_fn=loss_fn,
+        epochs=spec.epochs,
+        lr=spec.lr,
+        batch_size=spec.batch_size,
+        optimizer=spec.optimizer,
+        generator=generator,
+    )
+    xs, ys = _tensors(x_test, y_test, spec.task, device)
+    outputs = predict(model, xs)
+    return {
+        "metric": "accuracy" if spec.task == "classification" else "mse",
+        "value": score_outputs(spec.task, outputs.cpu(), ys.cpu()),
+        "params": model.num_parameters(),
+        "bytes": model.nbytes(),
+        "final_loss": result.final_loss,
+        "device": str(device),
+        "train_seconds": time.perf_counter() - start,
+    }
+
+
+def score_outputs(task: Task, outputs: Tensor, targets: Tensor) -> float:
+    """Mean squared error over all output entries, or top-1 accuracy."""
+    if targets.shape[0] == 0:
+        return float("nan")
+    if task == "classification":
+        return float((outputs.argmax(dim=1) == targets).to(torch.float64).mean())
+    return float(((outputs.to(torch.float64) - targets.to(torch.float64)) ** 2).mean())

@@ -1,0 +1,119 @@
+"""The per-network training loop (plain torch, no Ray): minibatch Adam/AdamW on one cell's data.
+
+Appendix D.3: regression uses Adam (lr 1e-4) on the squared error; classification uses
+AdamW (lr 1e-3) on cross-entropy, optionally weighted inversely to the class frequencies
+of the expert's own Voronoi cell (Section 6.2, "weighted").
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["LossName", "TrainResult", "class_weights", "make_loss", "predict", "train_network"]
+
+logger = logging.getLogger(__name__)
+
+LossName = Literal["mse", "ce", "weighted-ce"]
+LossFn = Callable[[Tensor, Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    final_loss: float  # mean training loss over the last epoch (nan when nothing was trained)
+    epochs: int
+    steps: int
+    seconds: float
+
+
+def class_weights(labels: Tensor, num_classes: int) -> Tensor:
+    """Weights ∝ 1/frequency of each class present in `labels`, averaging 1 over the samples."""
+    counts = torch.bincount(labels, minlength=num_classes).to(torch.float32)
+    present = counts > 0
+    weights = torch.ones(num_classes, dtype=torch.float32)
+    weights[present] = labels.numel() / (present.sum() * counts[present])
+    return weights
+
+
+def make_loss(loss: LossName, targets: Tensor, num_classes: int = 0) -> LossFn:
+    """The loss ℓ of eq. (40) for one cell; weighted-ce derives its weights from `targets`."""
+    if loss == "mse":
+        return nn.functional.mse_loss
+    if loss == "ce":
+        return nn.functional.cross_entropy
+    weight = class_weights(targets, num_classes)
+
+    def weighted_ce(logits: Tensor, labels: Tensor) -> Tensor:
+        return nn.functional.cross_entropy(logits, labels, weight=weight.to(logits.device))
+
+    return weighted_ce
+
+
+def _has_batchnorm(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def train_network(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    *,
+    loss_fn: LossFn,
+    epochs: int,
+    lr: float,
+    batch_size: int,
+    optimizer: Literal["adam", "adamw"] = "adam",
+    generator: torch.Generator | None = None,
+    on_epoch: Callable[[int, float], None] | None = None,
+) -> TrainResult:
+    """Train `model` in place on (x, y) for `epochs` shuffled passes; leaves it in eval mode.
+
+    x, y live on the model's device. on_epoch(epoch, mean_loss) is called after each pass.
+    """
+    start = time.perf_counter()
+    rows = int(x.shape[0])
+    skip_singletons = _has_batchnorm(model)
+    if rows == 0 or epochs <= 0 or (skip_singletons and rows < 2):
+        model.eval()
+        return TrainResult(float("nan"), 0, 0, time.perf_counter() - start)
+    opt_cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.Adam
+    opt = opt_cls(model.parameters(), lr=lr)
+    model.train()
+    steps = 0
+    mean_loss = float("nan")
+    for epoch in range(epochs):
+        order = torch.randperm(rows, generator=generator).to(x.device)
+        total, seen = 0.0, 0
+        for begin in range(0, rows, batch_size):
+            idx = order[begin : begin + batch_size]
+            # BatchNorm cannot normalise a batch of one row in training mode.
+            if skip_singletons and idx.numel() < 2:
+                continue
+            opt.zero_grad(set_to_none=True)
+            batch_loss = loss_fn(model(x[idx]), y[idx])
+            batch_loss.backward()  # type: ignore[no-untyped-call]
+            opt.step()
+            steps += 1
+            total += float(batch_loss.detach()) * idx.numel()
+            seen += idx.numel()
+        mean_loss = total / max(seen, 1)
+        if on_epoch is not None:
+            on_epoch(epoch, mean_loss)
+    model.eval()
+    return TrainResult(mean_loss, epochs, steps, time.perf_counter() - start)
+
+
+@torch.no_grad()
+def predict(model: nn.Module, x: Tensor, batch_size: int = 8192) -> Tensor:
+    """model(x) in eval mode, in blocks so the activation peak stays bounded."""
+    model.eval()
+    if x.shape[0] == 0:
+        probe: Tensor = model(torch.zeros(1, x.shape[1], dtype=x.dtype, device=x.device))
+        return probe[:0]
+    return torch.cat([model(x[i : i + batch_size]) for i in range(0, x.shape[0], batch_size)])
