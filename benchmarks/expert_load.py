@@ -10,13 +10,15 @@ For float32 experts whose files are about 1, 16 and 128 MiB, measures on the bes
 - ``load_fresh_ms``: the same without the pool (every load gets fresh memory);
 - ``load_verified_ms``: the same with sha256 verification (what a Store's first read costs);
 - ``sha256_ms``: hashing the file's bytes alone;
+- ``read_ms``: one ``readv`` of the file into a preallocated buffer: the floor of any loader
+  that copies the file out of the page cache (load_ms minus read_ms is the loader's own cost);
 - ``copy_ms``: copying the same number of bytes from a host tensor into a preallocated
   tensor on the device (the bandwidth limit);
 
 and prints one JSON line per size with medians and ``ratio`` = copy_ms / load_ms (the
 fraction of copy bandwidth a load reaches). Goal: ratio >= 0.8 for experts >= 16 MiB on CPU.
-Measurements are interleaved (copy, load, verified load, hash in each repeat) so that
-drift on a shared machine hits all of them alike.
+Measurements are interleaved (every step once per repeat, in a shuffled order) so that
+drift on a shared machine and cache effects between steps hit all of them alike.
 
     python benchmarks/expert_load.py [--quick] [--repeats N] [--device cpu|cuda]
 """
@@ -29,6 +31,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -73,19 +76,35 @@ def measure(path: Path, device: torch.device, repeats: int) -> dict[str, float]:
     dst.fill_(0)
     host = src.numpy()
     pool = HostBufferPool(2 * nbytes)
+    landing = torch.empty(nbytes, dtype=torch.uint8)
+    landing.fill_(0)
+
+    def read_into_preallocated() -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.readv(fd, [memoryview(landing.numpy())])  # type: ignore[arg-type]
+        finally:
+            os.close(fd)
+
     steps: dict[str, Callable[[], object]] = {
         "copy": lambda: dst.copy_(src, non_blocking=is_cuda),
         "load": lambda: load_expert(path, device, host_pool=pool),
         "load_fresh": lambda: load_expert(path, device),
+        "read": read_into_preallocated,
         "load_verified": lambda: load_expert(path, device, expected_sha256=sha, host_pool=pool),
         "sha256": lambda: hashlib.sha256(memoryview(host)).digest(),  # type: ignore[arg-type]
     }
     samples: dict[str, list[float]] = {name: [] for name in steps}
     for step in steps.values():
         timed(step, sync)  # warm-up: page cache, allocator, lazy CUDA init
+    rng = random.Random(0)
+    order = list(steps)
     for _ in range(repeats):
-        for name, step in steps.items():
-            samples[name].append(timed(step, sync))
+        # A step runs faster right after one that warmed the same bytes into the CPU cache
+        # (or slower after one that flushed it): shuffle so no step owns a position.
+        rng.shuffle(order)
+        for name in order:
+            samples[name].append(timed(steps[name], sync))
     return {f"{name}_ms": statistics.median(v) * 1e3 for name, v in samples.items()}
 
 

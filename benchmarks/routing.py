@@ -62,7 +62,7 @@ def torch_brute_force(p: np.ndarray) -> Callable[[np.ndarray], torch.Tensor]:
     pt = torch.from_numpy(p)
     p_t = pt.t().contiguous()
     norm2 = (pt * pt).sum(dim=1)
-    rows = max(1, (1 << 22) // len(p))
+    rows = max(1, (1 << 20) // len(p))
 
     def run(x: np.ndarray) -> torch.Tensor:
         xt = torch.from_numpy(x.astype(np.float32))

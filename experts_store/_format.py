@@ -26,6 +26,7 @@ from experts_store._exceptions import (
     ExpertChecksumError,
     ExpertFileMissing,
     ExpertFormatError,
+    ExpertLoadError,
 )
 from experts_store._hostbuf import HostBufferPool, fresh_host_buffer
 from experts_store._model import ExpertMLP
@@ -51,9 +52,10 @@ _RESERVED_METADATA = ("format_version", "arch")
 # A header larger than this is not one of ours; refuse before allocating for it.
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 # glibc serves requests below its largest mmap threshold (32 MiB on 64-bit) from the heap,
-# where a freed expert's pages are reused without faults; larger ones always get a fresh
-# mapping, so those are the ones worth huge pages.
-_HUGE_PAGE_MIN_BYTES = 33554432
+# where a freed expert's pages are reused without faults (in benchmarks/expert_load.py a
+# pool was no faster there); larger ones always get a fresh mapping from glibc, so those
+# are the ones worth huge pages and recycling.
+_HUGE_PAGE_MIN_BYTES = 32 * 1024 * 1024
 _DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -211,14 +213,18 @@ def read_expert_bytes(
 ) -> Tensor:
     """The whole file as one uint8 CPU tensor, read with a single unbuffered read loop.
 
-    Buffers of 32 MiB and more come from ``host_pool`` when given, else from a fresh
-    huge-page mapping; smaller ones from the heap, where glibc reuses freed experts' pages.
+    Buffers under 32 MiB come from the heap, where glibc reuses a freed expert's pages;
+    larger ones from ``host_pool`` when given, else from a fresh huge-page mapping.
     """
     path = Path(path)
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError as exc:
         raise ExpertFileMissing(expert_id=expert_id, path=path) from exc
+    except OSError as exc:
+        raise ExpertLoadError(
+            expert_id=expert_id, message=f"expert {expert_id}: cannot open {path}: {exc}"
+        ) from exc
     try:
         size = os.fstat(fd).st_size
         if pin_memory or size < _HUGE_PAGE_MIN_BYTES:
@@ -234,6 +240,10 @@ def read_expert_bytes(
             if not n:
                 raise ExpertFormatError(expert_id=expert_id, reason="file shrank while read")
             done += n
+    except OSError as exc:
+        raise ExpertLoadError(
+            expert_id=expert_id, message=f"expert {expert_id}: cannot read {path}: {exc}"
+        ) from exc
     finally:
         os.close(fd)
     return buf

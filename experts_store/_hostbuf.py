@@ -81,7 +81,9 @@ class HostBufferPool:
             mapping = _mapping(rounded)
         view = memoryview(mapping)
         # The memoryview is what the tensor's storage holds; it dies with the last view.
-        weakref.finalize(view, self._give_back, mapping)
+        finalizer = weakref.finalize(view, self._give_back, mapping)
+        # At interpreter exit the process unmaps everything anyway.
+        finalizer.atexit = False
         return torch.frombuffer(view, dtype=torch.uint8)[:size]
 
     def clear(self) -> None:
@@ -99,4 +101,8 @@ class HostBufferPool:
                 self._free.setdefault(size, []).append(mapping)
                 self._free_bytes += size
                 return
-        mapping.close()
+        try:
+            mapping.close()
+        except BufferError:
+            # Still exported somewhere; the mapping is unmapped when that view goes.
+            logger.debug("host buffer still exported; leaving it to the garbage collector")

@@ -16,8 +16,8 @@ from ._routing import Mode, Routing, check_mode, check_top_k, gate_weights, to_i
 
 __all__ = ["BlockedSearch", "BruteForceRouter", "sq_dist_rows"]
 
-# Scores per block: a [rows, K] block near 16 MB stays cache-friendly.
-_BLOCK_ELEMENTS = 1 << 22
+# Scores per block: a [rows, K] block near 4 MB stays cache-friendly.
+_BLOCK_ELEMENTS = 1 << 20
 
 
 def sq_dist_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

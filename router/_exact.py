@@ -22,25 +22,32 @@ from dataclasses import dataclass
 
 import torch
 
-from ._bruteforce import BlockedSearch
+from ._bruteforce import BlockedSearch, sq_dist_rows
 
-__all__ = ["ExactIndex", "exact_nearest"]
+__all__ = ["MIN_TREE_SEARCH", "ExactIndex", "exact_nearest"]
 
 _SLACK = 1e-10
 # Pairs per chunk so that a gathered [pairs, branching, n] float64 block stays near 32 MB.
 _CHUNK_ELEMENTS = 1 << 22
-# A query leaves the tree search once its evaluations would pass K / _SWITCH_FRACTION;
-# below this many prototypes a scan is always cheaper than the search's fixed costs.
-_SWITCH_FRACTION = 48
-_MIN_TREE_SEARCH = 2048
+# One tree evaluation (a random row gather plus bound arithmetic) costs about as much as
+# scanning this many prototypes (measured on the 2-core development VM, n = 16 and 128).
+_EVAL_COST = 64
+# A query leaves the tree search once its evaluations would pass K / _SWITCH_FRACTION,
+# so a query that gives up has wasted at most half a scan.
+_SWITCH_FRACTION = 2 * _EVAL_COST
+# Below this many prototypes a scan is always cheaper than the search's fixed costs.
+MIN_TREE_SEARCH = 2048
+# Queries searched before the batch commits to the tree search or to the scan.
+_PILOT = 256
 
 
 @dataclass(frozen=True)
 class ExactIndex:
     nodes64: torch.Tensor  # [num_internal + K, n] float64
+    nodes64_t: torch.Tensor  # [n, num_internal + K] float64, the same points dimension-major
     radius: torch.Tensor  # [num_internal + K] float64, 0 for leaves
     children: torch.Tensor  # [num_internal, branching] int64, -1 padded
-    sibling: torch.Tensor  # [num_internal, branching, branching] float64 |c_i - c_j|
+    sibling_flat: torch.Tensor  # [num_internal * branching^2] float64 |c_i - c_j|, flattened
     num_internal: int
 
     @classmethod
@@ -57,7 +64,10 @@ class ExactIndex:
             c = nodes64[children[lo : lo + step].clamp(min=0)]
             diff = c[:, :, None, :] - c[:, None, :, :]
             sibling[lo : lo + step] = (diff * diff).sum(dim=3).sqrt()
-        return cls(nodes64, radius_all, children, sibling, num_internal)
+        return cls(
+            nodes64, nodes64.t().contiguous(), radius_all, children, sibling.flatten(),
+            num_internal,
+        )
 
 
 def exact_nearest(
@@ -68,14 +78,16 @@ def exact_nearest(
     index: ExactIndex,
     search: BlockedSearch,
     *,
-    min_tree_search: int = _MIN_TREE_SEARCH,
+    min_tree_search: int = MIN_TREE_SEARCH,
     switch_fraction: float = _SWITCH_FRACTION,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Nearest prototype of float64 x [B, n], seeded by a known prototype and its distance.
 
     Returns (prototype index [B], float64 squared distance [B], evaluations [B]). Below
     min_tree_search prototypes every query is scanned; a query leaves the tree search once
-    its evaluations would pass K / switch_fraction (0 never switches).
+    its evaluations would pass K / switch_fraction (0 never switches). A pilot of the
+    first queries decides for the batch: if searching them cost more than scanning them
+    would have, the rest are scanned straight away.
     """
     b = x.shape[0]
     k_total = index.nodes64.shape[0] - index.num_internal
@@ -89,7 +101,22 @@ def exact_nearest(
         to_scan[:] = True
     else:
         budget = k_total / switch_fraction if switch_fraction > 0 else float("inf")
-        _branch_and_bound(x, best_idx, best_d2, evals, to_scan, index, budget)
+        pilot = min(b, _PILOT)
+        before = evals[:pilot].clone()
+        _branch_and_bound(
+            x[:pilot], best_idx[:pilot], best_d2[:pilot], evals[:pilot], to_scan[:pilot],
+            index, budget,
+        )
+        # Tree evaluations in scan units, plus a full scan for each query that gave up.
+        spent = float((evals[:pilot] - before).sum()) * _EVAL_COST
+        spent += float(to_scan[:pilot].sum()) * k_total
+        if switch_fraction > 0 and spent > pilot * k_total:
+            to_scan[pilot:] = True
+        elif pilot < b:
+            _branch_and_bound(
+                x[pilot:], best_idx[pilot:], best_d2[pilot:], evals[pilot:], to_scan[pilot:],
+                index, budget,
+            )
     if bool(to_scan.any()):
         rows = torch.nonzero(to_scan).flatten()
         idx, d2 = search.knn(x[rows], 1)
@@ -108,11 +135,13 @@ def _branch_and_bound(
     index: ExactIndex,
     budget: float,
 ) -> None:
-    """Update best_idx / best_d2 / evals in place; mark in to_scan the queries given up."""
+    """Update best_idx / best_d2 / evals / to_scan (views of the caller's rows) in place."""
     b = x.shape[0]
     nu = index.children.shape[1]
     n = x.shape[1]
     m = index.num_internal
+    x_t = x.t().contiguous()
+    slots = torch.arange(nu)
     ub = best_d2.sqrt()
     fq = torch.arange(b)
     fnode = torch.zeros(b, dtype=torch.long)
@@ -123,35 +152,34 @@ def _branch_and_bound(
         for lo in range(0, fq.numel(), step):
             q = fq[lo : lo + step]
             node = fnode[lo : lo + step]
-            ch = index.children[node]
+            p = q.numel()
+            ch = index.children.index_select(0, node)
             valid = ch >= 0
-            chc = ch.clamp(min=0)
-            diff = x[q, None, :] - index.nodes64[chc]
-            d2 = (diff * diff).sum(dim=2)
+            flat = ch.clamp(min=0).flatten()
+            # Dimension-major [n, pairs] blocks keep every loop long and contiguous.
+            diff = index.nodes64_t.index_select(1, flat)
+            diff -= x_t.index_select(1, q.repeat_interleave(nu))
+            diff *= diff
+            d2 = diff.sum(dim=0).view(p, nu)
             d2.masked_fill_(~valid, float("inf"))
             evals.index_add_(0, q, valid.sum(dim=1))
-            is_leaf = valid & (ch >= m)
-            _update_best(best_idx, best_d2, q, ch, d2, is_leaf, m)
+            _update_best(x, index, best_idx, best_d2, q, ch, d2, valid & (ch >= m))
             d = d2.sqrt()
-            r = index.radius[chc]
+            r = index.radius.index_select(0, flat).view(p, nu)
             inner = valid & (ch < m)
             # Any subtree holds a prototype within d + r: a valid upper bound right away.
-            reach = torch.where(inner, d + r, torch.full_like(d, float("inf"))).min(dim=1).values
+            reach = torch.where(inner, d + r, torch.full_like(d, float("inf"))).amin(dim=1)
             ub.scatter_reduce_(0, q, reach, reduce="amin")
             ub = torch.minimum(ub, best_d2.sqrt())
-            uq = ub[q][:, None]
-            ball_lb = d - r
-            keep = inner & (ball_lb <= uq + _SLACK * (d + r + uq))
+            uq = ub.index_select(0, q)[:, None]
+            keep = inner & (d - r <= uq + _SLACK * (d + r + uq))
             j = d2.argmin(dim=1)
-            s = index.sibling[node].gather(
-                2, j[:, None, None].expand(-1, nu, 1)
-            ).squeeze(2)
+            pick = ((node[:, None] * nu + slots) * nu + j[:, None]).flatten()
+            s = index.sibling_flat.index_select(0, pick).view(p, nu)
             d2j = d2.gather(1, j[:, None])
-            gap = d2 - d2j
             slack = _SLACK * (d2 + d2j + (r + s) ** 2)
             # A sibling at distance 0 (duplicate points) gives no bisector: skip it.
-            bis_prune = (s > 0) & (gap > 2.0 * s * uq + slack)
-            keep &= ~bis_prune
+            keep &= ~((s > 0) & (d2 - d2j > 2.0 * s * uq + slack))
             kq, kslot = torch.nonzero(keep, as_tuple=True)
             next_q.append(q[kq])
             next_node.append(ch[kq, kslot])
@@ -168,21 +196,28 @@ def _branch_and_bound(
 
 
 def _update_best(
+    x: torch.Tensor,
+    index: ExactIndex,
     best_idx: torch.Tensor,
     best_d2: torch.Tensor,
     q: torch.Tensor,
     ch: torch.Tensor,
     d2: torch.Tensor,
     is_leaf: torch.Tensor,
-    num_internal: int,
 ) -> None:
-    """Fold the leaf candidates into the best so far: smaller distance, then lower index."""
-    lq, lslot = torch.nonzero(is_leaf, as_tuple=True)
+    """Fold leaf candidates into the best so far: smaller distance, then lower index.
+
+    Leaves that may win or tie are re-measured with sq_dist_rows, the reference metric,
+    so a near tie is decided by the same float64 sums as the brute-force scan.
+    """
+    near = is_leaf & (d2 <= best_d2.index_select(0, q)[:, None] * (1.0 + _SLACK))
+    lq, lslot = torch.nonzero(near, as_tuple=True)
     if lq.numel() == 0:
         return
     cq = q[lq]
-    cd2 = d2[lq, lslot]
-    cidx = ch[lq, lslot] - num_internal
+    cnode = ch[lq, lslot]
+    cidx = cnode - index.num_internal
+    cd2 = sq_dist_rows(x[cq], index.nodes64[cnode])
     new_min = best_d2.clone()
     new_min.scatter_reduce_(0, cq, cd2, reduce="amin")
     big = torch.iinfo(torch.long).max

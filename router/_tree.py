@@ -11,7 +11,7 @@ import torch
 
 from ._bruteforce import BlockedSearch, sq_dist_rows
 from ._build import TreeArrays, build_tree_arrays
-from ._exact import ExactIndex, exact_nearest
+from ._exact import MIN_TREE_SEARCH, ExactIndex, exact_nearest
 from ._exceptions import RouterBuildError
 from ._io import read_router, write_router
 from ._routing import Mode, Routing, check_mode, check_top_k, gate_weights, to_inputs
@@ -111,12 +111,17 @@ class PrototypeTree:
                 distances=d2.sqrt().to(torch.float32),
                 distance_evals=evals,
             )
-        leaf, sq32, evals = greedy_walk(
-            xs.to(torch.float32), self._nodes, self._arrays.children, self._num_internal
-        )
-        if mode == "tree":
-            dist = sq32.sqrt()
+        if mode == "exact" and 1 < self.num_prototypes <= MIN_TREE_SEARCH:
+            # A scan of this few prototypes costs less than the walk that would seed a search.
+            idx, d2 = self._blocked_search().knn(xs, 1)
+            leaf, dist = idx[:, 0], d2[:, 0].sqrt().to(torch.float32)
+            evals = torch.full((xs.shape[0],), self.num_prototypes, dtype=torch.long)
         else:
+            leaf, sq32, evals = greedy_walk(
+                xs.to(torch.float32), self._nodes, self._arrays.children, self._num_internal
+            )
+            dist = sq32.sqrt()
+        if mode == "exact" and self.num_prototypes > MIN_TREE_SEARCH:
             best = sq_dist_rows(xs, self.prototypes[leaf].to(torch.float64))
             leaf, best, evals = exact_nearest(
                 xs, leaf, best, evals, self._exact_index(), self._blocked_search()

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from server._app import create_app
+    from server._batcher import Batcher
     from server._exceptions import (
         ActorFailed,
         ExpertUnavailable,
@@ -21,18 +22,37 @@ if TYPE_CHECKING:
         RequestTimeout,
         ServerError,
     )
+    from server._fake_pool import FakeExpertPool
     from server._metrics import Metrics
+    from server._pool import RayExpertPool
     from server._runner import run_server
+    from server._runtime_types import (
+        ActorInfo,
+        BatchAnswer,
+        ExpertPool,
+        ExpertStat,
+        Group,
+        GroupResult,
+    )
     from server._settings import Settings
 
 __all__ = [
     "ActorFailed",
+    "ActorInfo",
+    "BatchAnswer",
+    "Batcher",
+    "ExpertPool",
+    "ExpertStat",
     "ExpertUnavailable",
+    "FakeExpertPool",
+    "Group",
+    "GroupResult",
     "InvalidRequest",
     "Metrics",
     "NotReady",
     "PoolClosed",
     "PoolSaturated",
+    "RayExpertPool",
     "RequestTimeout",
     "ServerError",
     "Settings",
@@ -42,6 +62,13 @@ __all__ = [
 
 _HOMES = {
     "create_app": "server._app",
+    "Batcher": "server._batcher",
+    "FakeExpertPool": "server._fake_pool",
+    "RayExpertPool": "server._pool",
+    **{
+        name: "server._runtime_types"
+        for name in ("ActorInfo", "BatchAnswer", "ExpertPool", "ExpertStat", "Group", "GroupResult")
+    },
     "Metrics": "server._metrics",
     "run_server": "server._runner",
     "Settings": "server._settings",

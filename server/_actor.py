@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -61,40 +62,6 @@ def activation_peak_bytes(widths: Sequence[int], rows: int, element_size: int = 
     return rows * element_size * max(linear, hidden)
 
 
-@dataclass
-class _Resident:
-    """What the cache holds for one expert: the module and its activation meter."""
-
-    module: ExpertMLP
-    meter: _ActivationMeter
-
-
-class _ActivationMeter:
-    """Records the largest input+output activation bytes of any leaf module during a forward."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.peak = 0
-        self.fired = False
-        for sub in module.modules():
-            if next(sub.children(), None) is None:
-                sub.register_forward_hook(self._hook)
-
-    def reset(self) -> None:
-        self.peak = 0
-        self.fired = False
-
-    def _hook(self, _module: torch.nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
-        nbytes = sum(_tensor_bytes(t) for t in inputs) + _tensor_bytes(output)
-        self.fired = True
-        self.peak = max(self.peak, nbytes)
-
-
-def _tensor_bytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.nelement() * value.element_size()
-    return 0
-
-
 class _DeviceLoader:
     """`ExpertLoader` that reads an expert file straight onto this actor's device."""
 
@@ -111,23 +78,19 @@ class _DeviceLoader:
     def nbytes(self, expert_id: int) -> int:
         return self._store.expert_nbytes(expert_id)
 
-    def load(self, expert_id: int) -> _Resident:
+    def load(self, expert_id: int) -> ExpertMLP:
         if self._cuda:
             module = self._load_cuda(expert_id)
         else:
             module = self._store.load_expert(expert_id, device=self._device)
-        module.eval()
-        return _Resident(module=module, meter=_ActivationMeter(module))
+        return module.eval()
 
     def _load_cuda(self, expert_id: int) -> ExpertMLP:
-        module = self._store.load_expert(expert_id, device="cpu")
+        # load_expert reads the file into pinned memory and copies it non-blocking on the
+        # current stream, then waits for that stream: here the side stream, so only this
+        # loader thread waits while the default stream keeps computing.
         with torch.cuda.stream(self._copy_stream):
-            for tensor in list(module.parameters()) + list(module.buffers()):
-                staged = tensor.data.pin_memory()
-                tensor.data = staged.to(self._device, non_blocking=True)
-        # Blocks only this loader thread; the compute stream keeps running.
-        self._copy_stream.synchronize()
-        return module
+            return self._store.load_expert(expert_id, device=self._device)
 
 
 class ActorCore:
@@ -154,14 +117,17 @@ class ActorCore:
         self._store = store
         self._clock: Clock = clock if clock is not None else MonotonicClock()
         self._lease_timeout_s = lease_timeout_s
-        self._cache: ExpertCache[_Resident] = ExpertCache(
+        self._cache: ExpertCache[ExpertMLP] = ExpertCache(
             budget_bytes, _DeviceLoader(store, self.device), clock=self._clock
         )
         self._compute_lock = threading.Lock()
+        # Experts of run calls that arrived and have not finished: a prefetch never evicts them.
+        self._wanted: Counter[int] = Counter()
+        self._wanted_lock = threading.Lock()
         self._lookahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-lease")
 
     @property
-    def cache(self) -> ExpertCache[_Resident]:
+    def cache(self) -> ExpertCache[ExpertMLP]:
         return self._cache
 
     def close(self) -> None:
@@ -169,13 +135,22 @@ class ActorCore:
 
     def run(self, groups: Sequence[tuple[int, np.ndarray]]) -> ActorReply:
         """Forward each (expert_id, rows [m, n] float32) group; one outcome per group, in order."""
-        with self._compute_lock:
-            outcomes = self._run_locked(groups)
+        wanted = [expert_id for expert_id, _ in groups]
+        with self._wanted_lock:
+            self._wanted.update(wanted)
+        try:
+            with self._compute_lock:
+                outcomes = self._run_locked(groups)
+        finally:
+            with self._wanted_lock:
+                self._wanted.subtract(wanted)
+                self._wanted += Counter()  # drops the zero counts
         return ActorReply(
             actor=self.name,
             results=outcomes,
             device_bytes=self._cache.resident_bytes,
             resident=self._cache.resident(),
+            evictions=self._cache.stats.evictions,
         )
 
     def _run_locked(self, groups: Sequence[tuple[int, np.ndarray]]) -> list[GroupOutcome]:
@@ -218,9 +193,9 @@ class ActorCore:
                 expert_id=expert_id, outputs=None, error=leased.error, error_kind=leased.error_kind
             )
         try:
-            resident: _Resident = leased.lease.value
+            module: ExpertMLP = leased.lease.value
             start = self._clock.now()
-            outputs, activation = self._forward(resident, rows)
+            outputs, activation = self._forward(module, rows)
             compute_ms = (self._clock.now() - start) * 1000.0
             return GroupOutcome(
                 expert_id=expert_id,
@@ -239,52 +214,64 @@ class ActorCore:
         finally:
             leased.release()
 
-    def _forward(self, resident: _Resident, rows: np.ndarray) -> tuple[np.ndarray, int]:
+    def _forward(self, module: ExpertMLP, rows: np.ndarray) -> tuple[np.ndarray, int]:
         if not rows.flags.writeable:
             # Arrays from Ray's object store are read-only; torch wants to own writable memory.
             rows = np.array(rows)
         x = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
-        cuda = self.device.startswith("cuda")
-        resident.meter.reset()
         with torch.inference_mode():
-            if cuda:
+            if self.device.startswith("cuda"):
                 torch.cuda.reset_peak_memory_stats(self.device)
                 base = torch.cuda.memory_allocated(self.device)
-                y = resident.module(x.to(self.device, non_blocking=True))
+                y = module(x.to(self.device, non_blocking=True))
                 activation = int(torch.cuda.max_memory_allocated(self.device) - base)
             else:
-                y = resident.module(x)
-                activation = resident.meter.peak
+                y = module(x)
+                # The layers' tensor sizes (no forward hooks: they cost more than a small
+                # expert's whole forward).
+                activation = activation_peak_bytes(
+                    module.arch.widths, int(x.shape[0]), y.element_size()
+                )
             out = y.to("cpu").numpy()
-        if not cuda and not resident.meter.fired:
-            # No leaf modules to hook (a purely functional forward): fall back to the arch.
-            activation = activation_peak_bytes(
-                resident.module.arch.widths, int(x.shape[0]), x.element_size()
-            )
         return out, activation
 
     def prefetch(self, expert_ids: Sequence[int]) -> dict[int, int]:
-        """Warm the cache with these experts where free room allows; returns what is resident.
+        """Start loading these experts so a later run finds them; returns what is resident.
 
-        Only free room is used, so a prefetch never evicts an expert that queued work is about
-        to need (the cache itself also never evicts a leased one).
+        Room is made by evicting least recently used experts that no arrived run call needs
+        and that are not in this prefetch; a leased expert is never evicted (the cache refuses).
+        An expert that does not fit that way is skipped: the run will load it on demand.
         """
+        keep = set(expert_ids)
         for expert_id in expert_ids:
             try:
                 if expert_id in self._cache.resident():
                     continue
-                free = (
-                    self._cache.budget_bytes
-                    - self._cache.resident_bytes
-                    - self._cache.reserved_bytes
-                )
-                if self._store.expert_nbytes(expert_id) > free:
+                if not self._make_room(self._store.expert_nbytes(expert_id), keep):
                     continue
                 self._cache.prefetch(expert_id)
             except (StoreError, CacheError) as exc:
                 # The failure is reported by the run that needs the expert.
                 logger.info("actor %s: prefetch of %s failed: %s", self.name, expert_id, exc)
         return self._cache.resident()
+
+    def _make_room(self, nbytes: int, keep: set[int]) -> bool:
+        cache = self._cache
+        with self._wanted_lock:
+            protected = keep | set(self._wanted)
+        free = cache.budget_bytes - cache.resident_bytes - cache.reserved_bytes
+        victims: list[int] = []
+        for victim, size in cache.resident().items():  # least recently used first
+            if free >= nbytes:
+                break
+            if victim not in protected:
+                victims.append(victim)
+                free += size
+        if free < nbytes:
+            return False
+        for victim in victims:
+            cache.evict(victim)  # False if it got leased meanwhile: the cache then says no room
+        return True
 
     def info(self) -> ActorInfo:
         resident = self._cache.resident()
@@ -295,6 +282,7 @@ class ActorCore:
             budget_bytes=self._cache.budget_bytes,
             resident=sorted(resident),
             alive=True,
+            evictions=self._cache.stats.evictions,
         )
 
 

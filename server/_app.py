@@ -167,7 +167,8 @@ async def _inputs(
             f"top_k={k} exceeds the {gen.manifest.num_experts} experts of this model",
             detail={"top_k": k, "num_experts": gen.manifest.num_experts},
         )
-    return _Inputs(parsed.x, k, parsed.mode or gen.default_mode, parsed.return_stats)
+    mode = parsed.mode or settings.default_mode or gen.default_mode
+    return _Inputs(parsed.x, k, mode, parsed.return_stats)
 
 
 def _add_routes(app: FastAPI) -> None:  # noqa: C901 - one place lists the whole API

@@ -160,9 +160,24 @@ class Batcher:
 
     def _start(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._collector is None:
-            self._wakeup = asyncio.Event()
-            self._slots = asyncio.Semaphore(self._max_inflight)
+            if self._wakeup is None or self._slots is None:
+                self._wakeup = asyncio.Event()
+                self._slots = asyncio.Semaphore(self._max_inflight)
             self._collector = loop.create_task(self._collect())
+            self._collector.add_done_callback(self._collector_done)
+
+    def _collector_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        # A bug in batching must not leave callers waiting forever: fail what is queued and
+        # let the next submit start a fresh collector.
+        logger.error("the batch collector failed", exc_info=task.exception())
+        error = task.exception()
+        self._collector = None
+        while self._queue:
+            item = self._queue.popleft()
+            if not item.future.done():
+                item.future.set_exception(error if error is not None else PoolClosed())
 
     async def _collect(self) -> None:
         assert self._wakeup is not None and self._slots is not None

@@ -175,6 +175,8 @@ class ServingState:
         self._watcher: asyncio.Task[None] | None = None
         self._swap_lock = asyncio.Lock()
         self.evictions = EvictionCounter()
+        # Replaceable so that tests drive the store watcher without waiting.
+        self.sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
 
     async def start(self) -> None:
         self.stopping = False
@@ -284,7 +286,7 @@ class ServingState:
     async def _watch(self) -> None:
         interval = self.settings.watch_interval_s
         while True:
-            await asyncio.sleep(interval)
+            await self.sleep(interval)
             gen = self.generation
             if gen is None:
                 continue

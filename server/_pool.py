@@ -81,6 +81,7 @@ class DispatchingPool(ABC):
         self._failures: dict[int, tuple[str, float]] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._reviving: dict[str, asyncio.Task[Any]] = {}
+        self._evictions: dict[str, int] = {}
         self._closed = False
 
     @property
@@ -129,23 +130,36 @@ class DispatchingPool(ABC):
         retry: bool,
         exclude: frozenset[str],
     ) -> None:
+        if not [a for a in self._dispatcher.live_actors() if a not in exclude]:
+            # Every actor is dead or the one that just failed: wait for Ray to restart one
+            # (a restarted actor is a fresh process, so the one that failed is fine again).
+            await self._await_revival()
+            exclude = frozenset()
         placement = self._dispatcher.place(
             [(groups[i].expert_id, int(groups[i].rows.shape[0])) for i in indices],
             exclude=exclude,
         )
         by_actor: dict[str, list[int]] = {}
+        unplaced = 0
         for index, actor in zip(indices, placement, strict=True):
             if actor is None:
-                # No other live actor: the retry goes to the one that died, once Ray restarts it.
-                actor = next(iter(exclude), None)
-                if actor is None:
-                    raise ActorFailed(actor="*", reason="no live actor in the pool")
-            by_actor.setdefault(actor, []).append(index)
+                unplaced += 1
+            else:
+                by_actor.setdefault(actor, []).append(index)
+        if unplaced:
+            for actor, idx in by_actor.items():
+                self._dispatcher.complete(actor, sum(int(groups[i].rows.shape[0]) for i in idx))
+            raise ActorFailed(actor="*", reason="no live actor in the pool")
         calls = [
-            self._run_on(actor, groups, idx, results, retry=retry, counted=actor not in exclude)
+            self._run_on(actor, groups, idx, results, retry=retry)
             for actor, idx in by_actor.items()
         ]
         await asyncio.gather(*calls)
+
+    async def _await_revival(self) -> None:
+        reviving = [task for task in self._reviving.values() if not task.done()]
+        if reviving:
+            await asyncio.wait(reviving, return_when=asyncio.FIRST_COMPLETED)
 
     async def _run_on(
         self,
@@ -155,7 +169,6 @@ class DispatchingPool(ABC):
         results: list[GroupResult | None],
         *,
         retry: bool,
-        counted: bool,
     ) -> None:
         rows = sum(int(groups[i].rows.shape[0]) for i in indices)
         payload = [
@@ -165,19 +178,21 @@ class DispatchingPool(ABC):
         try:
             reply = await self._call_run(actor, payload)
         except ActorDied:
+            died = True
+        else:
+            died = False
+        finally:
+            self._dispatcher.complete(actor, rows)
+        if died:
             self._dispatcher.mark_dead(actor)
             self._watch_revival(actor)
             if not retry:
-                raise ActorFailed(actor=actor, reason="died again during the retry") from None
+                raise ActorFailed(actor=actor, reason="died again during the retry")
             logger.warning("actor %s died mid-call; retrying %s groups", actor, len(indices))
             await self._dispatch(groups, indices, results, retry=False, exclude=frozenset({actor}))
             return
-        finally:
-            if counted:
-                self._dispatcher.complete(actor, rows)
-        if not self._dispatcher.alive(actor):
-            self._dispatcher.mark_alive(actor)
         self._dispatcher.update_residency(actor, reply.resident)
+        self._evictions[actor] = reply.evictions
         now = self._clock.now()
         for index, outcome in zip(indices, reply.results, strict=True):
             if outcome.error_kind == ERROR_LOAD and outcome.error is not None:
@@ -237,9 +252,11 @@ class DispatchingPool(ABC):
         if self._closed:
             return
         residency = self._dispatcher.residency()
+        now = self._clock.now()
         by_actor: dict[str, list[int]] = {}
         for expert_id in dict.fromkeys(expert_ids):
-            if expert_id in residency or expert_id in self._failures:
+            failed = self._failures.get(expert_id)
+            if expert_id in residency or (failed is not None and failed[1] > now):
                 continue
             home = self._dispatcher.home(expert_id)
             if home is not None:
@@ -269,6 +286,7 @@ class DispatchingPool(ABC):
                     budget_bytes=self._budget_bytes,
                     resident=sorted(resident),
                     alive=self._dispatcher.alive(name),
+                    evictions=self._evictions.get(name, 0),
                 )
             )
         return infos

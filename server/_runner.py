@@ -10,6 +10,7 @@ import logging
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -49,7 +50,9 @@ def shutdown_ray() -> None:
     import ray
 
     if ray.is_initialized():
+        started = time.monotonic()
         ray.shutdown()
+        logger.info("Ray shut down in %.1f s", time.monotonic() - started)
 
 
 def _bound_url(server: Any, settings: Settings) -> str:

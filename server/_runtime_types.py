@@ -79,6 +79,7 @@ class ActorReply:
     results: list[GroupOutcome]
     device_bytes: int
     resident: dict[int, int]
+    evictions: int = 0  # experts this actor's cache evicted since it (re)started
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class ActorInfo:
     budget_bytes: int
     resident: list[int] = field(default_factory=list)
     alive: bool = True
+    evictions: int = 0  # since the actor (re)started, as of its latest reply
 
 
 @dataclass(frozen=True)

@@ -114,14 +114,17 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         raise CliError(f"invalid settings: {problems}") from exc
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from server._runner import run_server
-
+def _settings_or_none(args: argparse.Namespace) -> Any:
     try:
-        settings = settings_from_args(args)
+        return settings_from_args(args)
     except CliError as exc:
         logger.error("%s", exc)
-        return 2
+        return None
+
+
+def _run(settings: Any) -> int:
+    from server._runner import run_server
+
     if not (Path(settings.store) / "manifest.json").is_file():
         logger.error(
             "no store at %s (manifest.json missing): build one with `momlp build` or run "
@@ -132,18 +135,34 @@ def _serve(args: argparse.Namespace) -> int:
     return run_server(settings)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    settings = _settings_or_none(args)
+    return 2 if settings is None else _run(settings)
+
+
 def _demo(args: argparse.Namespace) -> int:
+    from server._runner import ensure_ray, shutdown_ray
+
     if args.store is None:
         args.store = DEMO_STORE
-    store = Path(args.store)
-    if args.rebuild or not (store / "manifest.json").is_file():
-        from trainer import build_store, quick_demo_config
+    settings = _settings_or_none(args)
+    if settings is None:
+        return 2
+    store = Path(settings.store)
+    if not args.rebuild and (store / "manifest.json").is_file():
+        logger.info("using the demo store already in %s", store)
+        return _run(settings)
+    from trainer import build_store, quick_demo_config
 
+    # One Ray for the build and the server: starting a second one costs tens of seconds here.
+    started_ray = ensure_ray(settings)
+    try:
         logger.info("building the demo store (2-D Ackley, 16 experts) into %s", store)
         build_store(quick_demo_config(store))
-    else:
-        logger.info("using the demo store already in %s", store)
-    return _serve(args)
+        return _run(settings)
+    finally:
+        if started_ray:
+            shutdown_ray()
 
 
 def register(subparsers: Any) -> None:

@@ -26,7 +26,7 @@ from ._evaluate import ExpertFileRef, evaluate_mixture
 from ._exceptions import BuildFailed, DataError
 from ._prototypes import kmeans_prototypes, learned_prototypes
 from ._tasks import ExpertJob, StateArrays, TrainSpec, baseline_job, expert_job
-from ._train import make_loss
+from ._train import make_loss, rescale_output, target_scaling
 
 if TYPE_CHECKING:
     from experts_store import ExpertArch, Manifest, StoreWriter
@@ -193,6 +193,10 @@ def _discover_prototypes(
     networks = [ExpertMLP(small_arch, generator=generator) for _ in range(config.experts)]
     x = torch.as_tensor(dataset.x_train)
     y = torch.as_tensor(dataset.y_train)
+    if dataset.task == "regression":
+        # Trained on standardised targets like the experts (see TrainSpec), handed on raw.
+        mean, std = target_scaling(y)
+        y = (y - mean) / std
     prototypes = learned_prototypes(
         x,
         y,
@@ -200,11 +204,14 @@ def _discover_prototypes(
         loss_fn=make_loss(training.loss, y, dataset.num_classes),
         epochs=config.prototype_epochs,
         lr=training.lr,
-        prototype_lr=config.prototype_lr,
+        prototype_lr=training.prototype_lr,
         batch_size=config.batch_size,
         optimizer=training.optimizer,
         generator=generator,
     )
+    if dataset.task == "regression":
+        for net in networks:
+            rescale_output(net, std, mean)
     states = [
         {name: t.detach().cpu().numpy().copy() for name, t in net.state_dict().items()}
         for net in networks

@@ -41,9 +41,11 @@ class BuildConfig:
     prototype_epochs: int = 20  # epochs of the joint phase of eq. (39)
     warmup_epochs: int = 5  # small-network epochs per cell when prototypes come from k-means
     epochs: int = 100  # per-expert epochs after deepening
-    baseline_epochs: int | None = None  # default: epochs
+    # Default: epochs / K, rounded up, which gives the baseline the mixture's training FLOPs
+    # (a step of the w·√K-wide baseline costs K steps of a width-w expert).
+    baseline_epochs: int | None = None
     lr: float | None = None  # Adam 1e-4 (regression) / AdamW 1e-3 (classification)
-    prototype_lr: float = 1e-2
+    prototype_lr: float | None = None  # default: lr (one Adam over networks and prototypes)
     batch_size: int = 128
     loss: Literal["auto", "mse", "ce", "weighted-ce"] = "auto"
     noise_std: float = 1e-3  # of the near-identity layers added by deepening
@@ -114,16 +116,20 @@ class BuildConfig:
             raise ConfigError(
                 f"depth {depth} is below --initial-depth {self.initial_depth}", option="depth"
             )
+        lr = self.lr if self.lr is not None else (1e-3 if classification else 1e-4)
         return ResolvedTraining(
             task=task,
             loss=loss,
             depth=depth,
-            lr=self.lr if self.lr is not None else (1e-3 if classification else 1e-4),
+            lr=lr,
             optimizer="adamw" if classification else "adam",
             batchnorm=classification,
             baseline_epochs=(
-                self.baseline_epochs if self.baseline_epochs is not None else self.epochs
+                self.baseline_epochs
+                if self.baseline_epochs is not None
+                else math.ceil(self.epochs / self.experts)
             ),
+            prototype_lr=self.prototype_lr if self.prototype_lr is not None else lr,
         )
 
     def to_json_dict(self) -> dict[str, Any]:
@@ -144,6 +150,7 @@ class ResolvedTraining:
     optimizer: Literal["adam", "adamw"]
     batchnorm: bool
     baseline_epochs: int
+    prototype_lr: float
 
 
 # Grid points per axis for quick runs: ~2,000 samples whatever the dimension.

@@ -80,7 +80,8 @@ def learned_prototypes(
 ) -> Tensor:
     """Train `networks` (in place) and K prototypes under eq. (39); returns prototypes [K, n].
 
-    Prototypes start uniformly at random within the bounding box of x (Appendix D.2).
+    Prototypes start uniformly at random within the bounding box of x (Appendix D.2) and are
+    projected back into it after every step.
     """
     num_experts = len(networks)
     low = x.min(dim=0).values
@@ -108,6 +109,10 @@ def learned_prototypes(
             loss = loss_fn(mixture(x[idx]), y[idx])
             loss.backward()  # type: ignore[no-untyped-call]
             opt.step()
+            # Keep prototypes within the data's bounding box: one that drifts outside wins
+            # no training points and its expert would be wasted.
+            with torch.no_grad():
+                mixture.prototypes.clamp_(min=low, max=high)
             total += float(loss.detach()) * idx.numel()
         logger.debug("prototype epoch %s: loss %.6g", epoch, total / max(rows, 1))
     mixture.eval()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -18,10 +19,18 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ._datasets import Task
-from ._train import LossName, TrainResult, make_loss, predict, train_network
+from ._train import (
+    LossName,
+    TrainResult,
+    make_loss,
+    predict,
+    rescale_output,
+    target_scaling,
+    train_network,
+)
 
 __all__ = ["ExpertJob", "TrainSpec", "baseline_job", "expert_job", "pick_device", "score_outputs"]
 
@@ -43,6 +52,10 @@ class TrainSpec:
     optimizer: Literal["adam", "adamw"]
     seed: int
     torch_threads: int = 1
+    # Regression: train on the network's own standardised targets (Adam moves each weight by
+    # ~lr per step, so raw targets of scale 10-100 would need far more steps), then fold the
+    # scale back into the last layer so the saved file serves raw values.
+    standardize_targets: bool = True
 
 
 @dataclass(frozen=True)
@@ -102,6 +115,7 @@ def expert_job(
     small = small.to(device)
     xt, yt = _tensors(x, y, spec.task, device)
     loss_fn = make_loss(spec.loss, yt.cpu(), spec.num_classes)
+    yt, unscale = _standardize(small, yt, spec)
 
     def train(model: ExpertMLP, epochs: int) -> TrainResult:
         return train_network(
@@ -114,6 +128,7 @@ def expert_job(
         warmup_loss = train(small, job.warmup_epochs).final_loss
     expert = small.deepen(job.extra_layers, noise_std=job.noise_std, generator=generator)
     result = train(expert.to(device), spec.epochs)
+    unscale(expert)
     expert = expert.cpu()
     written = save_expert(
         expert, Path(job.out_path), metadata={"expert_id": str(job.expert_id)}
@@ -153,6 +168,7 @@ def baseline_job(
     model = ExpertMLP(ExpertArch.from_json(arch_json), generator=generator).to(device)
     xt, yt = _tensors(x_train, y_train, spec.task, device)
     loss_fn = make_loss(spec.loss, yt.cpu(), spec.num_classes)
+    yt, unscale = _standardize(model, yt, spec)
     result = train_network(
         model,
         xt,
@@ -164,6 +180,7 @@ def baseline_job(
         optimizer=spec.optimizer,
         generator=generator,
     )
+    unscale(model)
     xs, ys = _tensors(x_test, y_test, spec.task, device)
     outputs = predict(model, xs)
     return {
@@ -175,6 +192,21 @@ def baseline_job(
         "device": str(device),
         "train_seconds": time.perf_counter() - start,
     }
+
+
+def _standardize(
+    model: nn.Module, y: Tensor, spec: TrainSpec
+) -> tuple[Tensor, Callable[[nn.Module], None]]:
+    """Standardised targets, with `model` rescaled to match; the returned function undoes it."""
+    if spec.task != "regression" or not spec.standardize_targets:
+        return y, lambda _: None
+    mean, std = target_scaling(y)
+    rescale_output(model, 1.0 / std, -mean / std)
+
+    def unscale(trained: nn.Module) -> None:
+        rescale_output(trained, std, mean)
+
+    return (y - mean) / std, unscale
 
 
 def score_outputs(task: Task, outputs: Tensor, targets: Tensor) -> float:

@@ -16,7 +16,16 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-__all__ = ["LossName", "TrainResult", "class_weights", "make_loss", "predict", "train_network"]
+__all__ = [
+    "LossName",
+    "TrainResult",
+    "class_weights",
+    "make_loss",
+    "predict",
+    "rescale_output",
+    "target_scaling",
+    "train_network",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -117,3 +126,24 @@ def predict(model: nn.Module, x: Tensor, batch_size: int = 8192) -> Tensor:
         probe: Tensor = model(torch.zeros(1, x.shape[1], dtype=x.dtype, device=x.device))
         return probe[:0]
     return torch.cat([model(x[i : i + batch_size]) for i in range(0, x.shape[0], batch_size)])
+
+
+def target_scaling(y: Tensor) -> tuple[Tensor, Tensor]:
+    """(mean, std) per output column of regression targets; std 1 where it is ~0."""
+    if y.shape[0] == 0:
+        return torch.zeros(y.shape[1:], device=y.device), torch.ones(y.shape[1:], device=y.device)
+    mean = y.mean(dim=0)
+    std = y.std(dim=0, correction=0)
+    return mean, torch.where(std > 1e-8, std, torch.ones_like(std))
+
+
+@torch.no_grad()
+def rescale_output(model: nn.Module, scale: Tensor, shift: Tensor) -> None:
+    """Make the model compute scale·f(x) + shift by editing its last Linear layer in place.
+
+    Lets a network train on standardised targets and still be served on the raw scale, with
+    nothing extra in its file.
+    """
+    last = [m for m in model.modules() if isinstance(m, nn.Linear)][-1]
+    last.weight.mul_(scale[:, None].to(last.weight))
+    last.bias.mul_(scale.to(last.bias)).add_(shift.to(last.bias))

@@ -13,6 +13,7 @@ from experts_store import (
     ExpertChecksumError,
     ExpertFileMissing,
     ExpertFormatError,
+    ExpertLoadError,
     load_expert,
     save_expert,
 )
@@ -154,3 +155,9 @@ def test_data_offsets_outside_the_file_are_refused(tmp_path: Path) -> None:
     path.write_bytes(raw[:-4])
     with pytest.raises(ExpertFormatError, match="offsets"):
         load_expert(path, expert_id=0)
+
+
+def test_unreadable_path_is_a_load_error_naming_the_expert(tmp_path: Path) -> None:
+    with pytest.raises(ExpertLoadError) as info:
+        load_expert(tmp_path, expert_id=5)
+    assert info.value.expert_id == 5

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -16,7 +17,7 @@ from fastapi import FastAPI
 from experts_store import ExpertArch, ExpertMLP, Store, StoreWriter, load_expert
 from server import Settings, create_app
 from server._fake_pool import FakeExpertPool
-from server._runtime_types import ExpertPool
+from server._runtime_types import ActorInfo, ExpertPool, Group, GroupResult
 
 
 def app_settings(store: Path, **overrides: Any) -> Settings:
@@ -102,3 +103,30 @@ def error_of(response: httpx.Response) -> dict[str, Any]:
     assert isinstance(error["code"], str) and isinstance(error["message"], str)
     assert "Traceback" not in response.text
     return error
+
+
+class BlockingPool:
+    """Delegates to a real pool, but `run` waits until the test opens the gate."""
+
+    def __init__(self, inner: ExpertPool) -> None:
+        self.inner = inner
+        self.gate = asyncio.Event()
+        self.entered = asyncio.Event()
+
+    async def run(self, groups: list[Group]) -> list[GroupResult]:
+        self.entered.set()
+        await self.gate.wait()
+        return await self.inner.run(groups)
+
+    async def prefetch(self, expert_ids: list[int]) -> None:
+        await self.inner.prefetch(expert_ids)
+
+    def residency(self) -> dict[int, list[str]]:
+        return self.inner.residency()
+
+    def actors(self) -> list[ActorInfo]:
+        return self.inner.actors()
+
+    async def close(self) -> None:
+        self.gate.set()
+        await self.inner.close()

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -117,17 +119,32 @@ def test_missing_file_is_a_load_error(make_store: MakeStore) -> None:
     core.close()
 
 
-def test_prefetch_uses_free_room_only(make_store: MakeStore) -> None:
-    store = Store.open(make_store(K=6, n=2, width=4, out=1))
+def test_prefetch_evicts_only_experts_no_arrived_call_needs(make_store: MakeStore) -> None:
+    store = Store.open(make_store(K=8, n=2, width=4, out=1))
     core = ActorCore(store, name="a0", budget_bytes=2 * store.expert_nbytes(0))
-    assert sorted(core.prefetch([4])) == [4]
     core.run([(0, rows_for(2, 1, seed=0))])
-    # The cache is full now (0 and 4): prefetching 5 would evict, so it does nothing.
-    assert sorted(core.prefetch([5])) == [0, 4]
-    [outcome] = core.run([(4, rows_for(2, 1, seed=1))]).results
+    core.run([(1, rows_for(2, 1, seed=1))])
+    assert sorted(core.prefetch([4])) == [1, 4]  # 0 was the least recently used
+    # A run for expert 1 arrives while the device is busy: 1 is now protected from prefetch.
+    with ThreadPoolExecutor(1) as pool:
+        with core._compute_lock:
+            waiting = pool.submit(core.run, [(1, rows_for(2, 1, seed=2))])
+            while not core._wanted:
+                time.sleep(0.001)  # wait for the other thread to register, not for time
+            assert sorted(core.prefetch([6])) == [1, 6]  # evicts 4, although 1 is older
+        [outcome] = waiting.result().results
     assert outcome.hit
     info = core.info()
-    assert info.resident == [0, 4] and info.budget_bytes == 2 * store.expert_nbytes(0)
+    assert info.resident == [1, 6] and info.budget_bytes == 2 * store.expert_nbytes(0)
+    core.close()
+
+
+def test_prefetch_skips_what_cannot_fit_without_evicting_needed_experts(
+    make_store: MakeStore,
+) -> None:
+    store = Store.open(make_store(K=4, n=2, width=4, out=1))
+    core = ActorCore(store, name="a0", budget_bytes=2 * store.expert_nbytes(0))
+    assert sorted(core.prefetch([0, 1, 2])) == [0, 1]  # 2 would evict 0 or 1, both asked for
     core.close()
 
 

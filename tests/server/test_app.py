@@ -235,3 +235,13 @@ async def test_openapi_and_docs_are_served(store: Path) -> None:
     assert {"/v1/route", "/v1/model", "/v1/experts", "/healthz", "/readyz", "/metrics"} <= set(
         spec["paths"]
     )
+
+
+async def test_settings_defaults_apply_when_a_request_gives_no_top_k_or_mode(store: Path) -> None:
+    x = _inputs(30, seed=19)
+    nearest, _ = nearest_k(store, x, 2)
+    async with running(fake_app(store, default_top_k=2, default_mode="exact")) as client:
+        routed = (await client.post("/v1/route", json={"inputs": x.tolist()})).json()
+        one = (await client.post("/v1/route", json={"inputs": x.tolist(), "top_k": 1})).json()
+    assert routed["experts"] == nearest.tolist()
+    assert one["experts"] == nearest[:, :1].tolist()

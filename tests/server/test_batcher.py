@@ -347,3 +347,43 @@ async def test_numpy_inputs_and_a_dead_actor_mid_stream(setup: Setup) -> None:
         torch.testing.assert_close(answer.outputs, expected, rtol=1e-5, atol=1e-6)
     await batcher.close()
     await pool.close()
+
+
+async def test_a_request_the_router_refuses_does_not_fail_its_batch(
+    make_store: MakeStore,
+) -> None:
+    from router import PrototypeTree
+
+    store = Store.open(make_store(K=6, n=3, width=8, out=2))
+    settings = Settings(max_batch_wait_ms=0.0)
+    pool = FakeExpertPool(store, settings)
+    tree = PrototypeTree.load(store.router_path)
+    batcher = Batcher(tree, pool, settings)
+    good = inputs([0, 0], 3, seed=5)
+    huge = torch.full((1, 3), 1e20)  # finite, but beyond what the router accepts
+    a, b = await asyncio.gather(batcher.submit(good), batcher.submit(huge), return_exceptions=True)
+    assert isinstance(b, InvalidRequest)
+    assert not isinstance(a, BaseException)
+    routed = tree.route(good).experts
+    assert torch.equal(a.experts, routed)
+    torch.testing.assert_close(a.outputs, reference(store, routed, a.weights, good))
+    await batcher.close()
+    await pool.close()
+
+
+async def test_a_failing_collector_fails_its_requests_and_restarts(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, batcher, pool, _router, _clock = setup(max_batch_wait_ms=0.0)
+
+    def broken() -> list[object]:
+        raise RuntimeError("bug in batching")
+
+    monkeypatch.setattr(batcher, "_take_batch", broken)
+    with pytest.raises(RuntimeError, match="bug in batching"):
+        await batcher.submit(inputs([0], 3))
+    monkeypatch.undo()
+    answer = await batcher.submit(inputs([1], 3))
+    assert answer.experts.tolist() == [[1]]
+    await batcher.close()
+    await pool.close()

@@ -129,3 +129,29 @@ async def test_a_closed_pool_refuses_work(make_store: MakeStore) -> None:
     await pool.close()
     with pytest.raises(PoolClosed):
         await pool.run(groups_for([0], 3))
+
+
+async def test_actors_report_residency_and_evictions(make_store: MakeStore) -> None:
+    store = Store.open(make_store(K=6, n=3, width=6, out=2))
+    nbytes = store.expert_nbytes(0)
+    pool = FakeExpertPool(store, Settings(actors=1, cache_bytes=2 * nbytes))
+    await pool.run(groups_for([0, 1, 2, 3], 3))
+    [info] = pool.actors()
+    assert (info.name, info.device, info.alive) == ("actor-0", "cpu", True)
+    assert info.resident == [2, 3] and info.resident_bytes == 2 * nbytes
+    assert info.evictions == 2
+    assert pool.residency() == {2: ["actor-0"], 3: ["actor-0"]}
+    await pool.close()
+
+
+async def test_a_single_actor_that_dies_is_retried_once_restarted(make_store: MakeStore) -> None:
+    store = Store.open(make_store(K=4, n=3, width=6, out=2))
+    pool = FakeExpertPool(store, Settings(actors=1, cache_bytes=10**6))
+    groups = groups_for([0, 1, 2, 3], 3)
+    pool.kill("actor-0")
+    results = await pool.run(groups)
+    for group, result in zip(groups, results, strict=True):
+        torch.testing.assert_close(result.outputs, expected(store, group))
+    assert [ids for _, ids in pool.calls] == [[0, 1, 2, 3], [0, 1, 2, 3]]
+    assert pool.dispatcher.alive("actor-0")
+    await pool.close()

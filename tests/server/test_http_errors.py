@@ -12,12 +12,20 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from app_support import app_settings, error_of, fake_app, fake_pool, manifest, running
+from app_support import (
+    BlockingPool,
+    app_settings,
+    error_of,
+    fake_app,
+    fake_pool,
+    manifest,
+    running,
+)
 from fastapi import FastAPI
 
 from experts_store import Store
 from server import create_app
-from server._runtime_types import ActorInfo, ExpertPool, Group, GroupResult
+from server._runtime_types import ExpertPool
 from server._settings import Settings
 
 pytestmark = pytest.mark.unit
@@ -190,38 +198,11 @@ async def test_api_key_is_required_except_on_healthz(
     assert key not in caplog.text
 
 
-class _BlockingPool:
-    """Delegates to a real pool, but `run` waits until the test opens the gate."""
-
-    def __init__(self, inner: ExpertPool) -> None:
-        self.inner = inner
-        self.gate = asyncio.Event()
-        self.entered = asyncio.Event()
-
-    async def run(self, groups: list[Group]) -> list[GroupResult]:
-        self.entered.set()
-        await self.gate.wait()
-        return await self.inner.run(groups)
-
-    async def prefetch(self, expert_ids: list[int]) -> None:
-        await self.inner.prefetch(expert_ids)
-
-    def residency(self) -> dict[int, list[str]]:
-        return self.inner.residency()
-
-    def actors(self) -> list[ActorInfo]:
-        return self.inner.actors()
-
-    async def close(self) -> None:
-        self.gate.set()
-        await self.inner.close()
-
-
-def _blocking_app(store: Path, **overrides: Any) -> tuple[FastAPI, list[_BlockingPool]]:
-    pools: list[_BlockingPool] = []
+def _blocking_app(store: Path, **overrides: Any) -> tuple[FastAPI, list[BlockingPool]]:
+    pools: list[BlockingPool] = []
 
     def factory(settings: Settings, opened: Store) -> ExpertPool:
-        pools.append(_BlockingPool(fake_pool(settings, opened)))
+        pools.append(BlockingPool(fake_pool(settings, opened)))
         return pools[-1]
 
     return create_app(app_settings(store, **overrides), pool_factory=factory), pools

@@ -92,6 +92,8 @@ def _record_runs(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
         return 0
 
     monkeypatch.setattr(server._runner, "run_server", fake_run)
+    # The demo shares one Ray between build and serve; these tests build and serve nothing real.
+    monkeypatch.setattr(server._runner, "ensure_ray", lambda settings: False)
     return runs
 
 
