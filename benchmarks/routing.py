@@ -41,20 +41,22 @@ def make_data(kind: str, k: int, n: int, queries: int, seed: int) -> tuple[np.nd
     return p.astype(np.float32), x
 
 
-def timed(fn: Callable[[], Any], repeats: int, budget_s: float) -> tuple[float, Any]:
-    """Median wall time over up to `repeats` runs (fewer once budget_s is spent)."""
-    times: list[float] = []
-    out: Any = None
-    spent = 0.0
+def interleaved(
+    fns: dict[str, Callable[[], Any]], repeats: int, budget_s: float
+) -> dict[str, tuple[float, Any]]:
+    """Median wall time of each function, run in rounds (one call of each per round) so
+    that load from other work on the machine hits every method alike. A method stops
+    repeating once it has used budget_s."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    outs: dict[str, Any] = {}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        dt = time.perf_counter() - t0
-        times.append(dt)
-        spent += dt
-        if spent > budget_s:
-            break
-    return statistics.median(times), out
+        for name, fn in fns.items():
+            if times[name] and sum(times[name]) > budget_s:
+                continue
+            t0 = time.perf_counter()
+            outs[name] = fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: (statistics.median(times[name]), outs[name]) for name in fns}
 
 
 def torch_brute_force(p: np.ndarray) -> Callable[[np.ndarray], torch.Tensor]:
@@ -94,32 +96,13 @@ def bench_config(
         PrototypeTree.load(path)
         row["load_s"] = round(time.perf_counter() - t0, 4)
 
-    truth_s, truth = timed(lambda: BruteForceRouter(p).route(x).experts[:, 0].numpy(), 1, 0)
-    row["truth_float64_s"] = round(truth_s, 3)
-
-    def record(name: str, seconds: float, experts: np.ndarray, evals: float | None) -> None:
-        row[name] = {
-            "qps": round(queries / seconds, 1),
-            "evals_per_query": None if evals is None else round(evals, 1),
-            "agreement": round(float((experts == truth).mean()), 6),
-        }
-
-    budget = 30.0
-    for mode in ("tree", "exact"):
-        tree.route(x[:64], mode=mode)  # warm the lazily built search state
-        secs, r = timed(lambda mode=mode: tree.route(x, mode=mode), repeats, budget)
-        record(mode, secs, r.experts[:, 0].numpy(), float(r.distance_evals.double().mean()))
-
-    brute = torch_brute_force(p)
-    secs, out = timed(lambda: brute(x), repeats, budget)
-    record("brute_torch", secs, out.numpy(), float(k))
+    t0 = time.perf_counter()
+    truth = BruteForceRouter(p).route(x).experts[:, 0].numpy()
+    row["truth_float64_s"] = round(time.perf_counter() - t0, 3)
 
     index = faiss.IndexFlatL2(n)
     index.add(p)
     xq = np.ascontiguousarray(x, dtype=np.float32)
-    secs, (_, ids) = timed(lambda: index.search(xq, 1), repeats, budget)
-    record("faiss_flat", secs, ids[:, 0], float(k))
-
     t0 = time.perf_counter()
     hnsw = hnswlib.Index(space="l2", dim=n)
     hnsw.init_index(max_elements=k, M=16, ef_construction=100, random_seed=0)
@@ -127,8 +110,33 @@ def bench_config(
     hnsw.add_items(p, np.arange(k))
     hnsw.set_ef(32)
     row["hnsw_build_s"] = round(time.perf_counter() - t0, 3)
-    secs, (labels, _) = timed(lambda: hnsw.knn_query(xq, k=1), repeats, budget)
-    record("hnswlib_ef32", secs, labels[:, 0].astype(np.int64), None)
+    brute = torch_brute_force(p)
+    for mode in ("tree", "exact"):
+        tree.route(x[:64], mode=mode)  # warm the lazily built search state
+
+    results = interleaved(
+        {
+            "tree": lambda: tree.route(x, mode="tree"),
+            "exact": lambda: tree.route(x, mode="exact"),
+            "brute_torch": lambda: brute(x),
+            "faiss_flat": lambda: index.search(xq, 1)[1][:, 0],
+            "hnswlib_ef32": lambda: hnsw.knn_query(xq, k=1)[0][:, 0].astype(np.int64),
+        },
+        repeats,
+        budget_s=30.0,
+    )
+    for name, (secs, out) in results.items():
+        if name in ("tree", "exact"):
+            experts = out.experts[:, 0].numpy()
+            evals: float | None = float(out.distance_evals.double().mean())
+        else:
+            experts = out.numpy() if isinstance(out, torch.Tensor) else out
+            evals = None if name == "hnswlib_ef32" else float(k)
+        row[name] = {
+            "qps": round(queries / secs, 1),
+            "evals_per_query": None if evals is None else round(evals, 1),
+            "agreement": round(float((experts == truth).mean()), 6),
+        }
 
     row["tree_vs_faiss_flat"] = round(row["tree"]["qps"] / row["faiss_flat"]["qps"], 2)
     row["exact_vs_faiss_flat"] = round(row["exact"]["qps"] / row["faiss_flat"]["qps"], 2)

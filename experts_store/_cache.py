@@ -123,6 +123,12 @@ class ExpertCache(Generic[T]):
             return self._reserved
 
     @property
+    def used_bytes(self) -> int:
+        """resident_bytes + reserved_bytes, read atomically (never above budget_bytes)."""
+        with self._cond:
+            return self._resident + self._reserved
+
+    @property
     def stats(self) -> CacheStats:
         with self._cond:
             return dataclasses.replace(self._stats)

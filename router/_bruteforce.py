@@ -64,17 +64,41 @@ class BlockedSearch:
         xnorm2 = (xc * xc).sum(dim=1)
         # ‖x‖² is the same for a whole row: rank by ‖p‖² − 2x·p and skip a full-matrix add.
         scores = torch.addmm(self.norm2[None, :], xc.to(self.dtype), self.centred_t, alpha=-2.0)
-        if k == 1:
-            kth = scores.amin(dim=1)
-        else:
-            kth = scores.topk(k, dim=1, largest=False, sorted=True).values[:, -1]
         margin = 2.0 * self.error_factor * (xnorm2.sqrt() + self.max_norm) ** 2
-        limit = (kth.to(torch.float64) + margin).to(self.dtype)
-        # Rounding the limit into dtype may lose up to half an ulp: step one ulp outwards.
-        limit = torch.nextafter(limit, torch.full_like(limit, float("inf")))
+        if k == 1:
+            return self._nearest_block(x, scores, margin)
+        kth = scores.topk(k, dim=1, largest=False, sorted=True).values[:, -1]
+        limit = self._limit(kth, margin)
         row, col = torch.nonzero(scores <= limit[:, None], as_tuple=True)
         d2 = sq_dist_rows(x[row], self.prototypes64[col])
         return select_k(row, col, d2, x.shape[0], k)
+
+    def _limit(self, best: torch.Tensor, margin: torch.Tensor) -> torch.Tensor:
+        limit = (best.to(torch.float64) + margin).to(self.dtype)
+        # Rounding the limit into dtype may lose up to half an ulp: step one ulp outwards.
+        return torch.nextafter(limit, torch.full_like(limit, float("inf")))
+
+    def _nearest_block(
+        self, x: torch.Tensor, scores: torch.Tensor, margin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Most rows have one clear winner: the runner-up (one cheap amin after masking the
+        # winner) lies beyond the margin. Only the other rows need a full candidate list.
+        j = scores.argmin(dim=1, keepdim=True)
+        limit = self._limit(scores.gather(1, j).squeeze(1), margin)
+        scores.scatter_(1, j, float("inf"))
+        close = torch.nonzero(scores.amin(dim=1) <= limit).flatten()
+        idx = j.squeeze(1).clone()
+        d2 = sq_dist_rows(x, self.prototypes64[idx])
+        if close.numel() > 0:
+            sub = scores[close]
+            sub.scatter_(1, j[close], float("-inf"))  # the winner is a candidate too
+            r, col = torch.nonzero(sub <= limit[close, None], as_tuple=True)
+            row = close[r]
+            cd2 = sq_dist_rows(x[row], self.prototypes64[col])
+            best_idx, best_d2 = select_k(row, col, cd2, x.shape[0], 1)
+            idx[close] = best_idx[close, 0]
+            d2[close] = best_d2[close, 0]
+        return idx[:, None], d2[:, None]
 
 
 def select_k(

@@ -24,7 +24,7 @@ import torch
 
 from ._bruteforce import BlockedSearch, sq_dist_rows
 
-__all__ = ["MIN_TREE_SEARCH", "ExactIndex", "exact_nearest"]
+__all__ = ["ExactIndex", "exact_nearest", "search_pays"]
 
 _SLACK = 1e-10
 # Pairs per chunk so that a gathered [pairs, branching, n] float64 block stays near 32 MB.
@@ -37,14 +37,27 @@ _EVAL_COST = 64
 _SWITCH_FRACTION = 2 * _EVAL_COST
 # Below this many prototypes a scan is always cheaper than the search's fixed costs.
 MIN_TREE_SEARCH = 2048
-# Queries searched before the batch commits to the tree search or to the scan.
-_PILOT = 256
+# Queries searched before the batch commits to the tree search or to the scan: a small
+# share of the batch, so that a wrong guess costs little.
+_PILOT_MIN = 16
+_PILOT_SHARE = 32
+
+
+def search_pays(num_prototypes: int, branching: int, depth: int) -> bool:
+    """Whether a tree search can beat a scan at all: K is large enough that the allowed
+    evaluations (K / switch fraction) leave room beyond a few root-to-leaf walks."""
+    if num_prototypes <= MIN_TREE_SEARCH:
+        return False
+    return num_prototypes / _SWITCH_FRACTION >= 4 * branching * depth
 
 
 @dataclass(frozen=True)
 class ExactIndex:
-    nodes64: torch.Tensor  # [num_internal + K, n] float64
-    nodes64_t: torch.Tensor  # [n, num_internal + K] float64, the same points dimension-major
+    """The tree rearranged for search: leaves renumbered in breadth-first order, so the
+    children of a node sit in consecutive rows and a level's gathers stay cache-friendly."""
+
+    nodes64: torch.Tensor  # [num_internal + K, n] float64, internal points then leaves
+    leaf_proto: torch.Tensor  # [K] int64, prototype index of leaf row num_internal + i
     radius: torch.Tensor  # [num_internal + K] float64, 0 for leaves
     children: torch.Tensor  # [num_internal, branching] int64, -1 padded
     sibling_flat: torch.Tensor  # [num_internal * branching^2] float64 |c_i - c_j|, flattened
@@ -54,20 +67,22 @@ class ExactIndex:
     def from_tree(
         cls, nodes: torch.Tensor, radius: torch.Tensor, children: torch.Tensor, num_internal: int
     ) -> ExactIndex:
-        nodes64 = nodes.to(torch.float64).contiguous()
-        k = nodes.shape[0] - num_internal
+        m = num_internal
+        k = nodes.shape[0] - m
+        is_leaf = children >= m
+        leaf_proto = children[is_leaf] - m
+        children = children.clone()
+        children[is_leaf] = m + torch.arange(leaf_proto.numel())
+        nodes64 = torch.cat([nodes[:m], nodes[m + leaf_proto]]).to(torch.float64).contiguous()
         radius_all = torch.cat([radius.to(torch.float64), torch.zeros(k, dtype=torch.float64)])
         nu = children.shape[1]
-        sibling = torch.empty((num_internal, nu, nu), dtype=torch.float64)
+        sibling = torch.empty((m, nu, nu), dtype=torch.float64)
         step = max(1, _CHUNK_ELEMENTS // max(1, nu * nu * nodes.shape[1]))
-        for lo in range(0, num_internal, step):
+        for lo in range(0, m, step):
             c = nodes64[children[lo : lo + step].clamp(min=0)]
             diff = c[:, :, None, :] - c[:, None, :, :]
             sibling[lo : lo + step] = (diff * diff).sum(dim=3).sqrt()
-        return cls(
-            nodes64, nodes64.t().contiguous(), radius_all, children, sibling.flatten(),
-            num_internal,
-        )
+        return cls(nodes64, leaf_proto, radius_all, children, sibling.flatten(), m)
 
 
 def exact_nearest(
@@ -101,7 +116,7 @@ def exact_nearest(
         to_scan[:] = True
     else:
         budget = k_total / switch_fraction if switch_fraction > 0 else float("inf")
-        pilot = min(b, _PILOT)
+        pilot = min(b, max(_PILOT_MIN, b // _PILOT_SHARE))
         before = evals[:pilot].clone()
         _branch_and_bound(
             x[:pilot], best_idx[:pilot], best_d2[:pilot], evals[:pilot], to_scan[:pilot],
@@ -140,7 +155,6 @@ def _branch_and_bound(
     nu = index.children.shape[1]
     n = x.shape[1]
     m = index.num_internal
-    x_t = x.t().contiguous()
     slots = torch.arange(nu)
     ub = best_d2.sqrt()
     fq = torch.arange(b)
@@ -156,11 +170,10 @@ def _branch_and_bound(
             ch = index.children.index_select(0, node)
             valid = ch >= 0
             flat = ch.clamp(min=0).flatten()
-            # Dimension-major [n, pairs] blocks keep every loop long and contiguous.
-            diff = index.nodes64_t.index_select(1, flat)
-            diff -= x_t.index_select(1, q.repeat_interleave(nu))
+            diff = index.nodes64.index_select(0, flat).view(p, nu, n)
+            diff -= x.index_select(0, q)[:, None, :]
             diff *= diff
-            d2 = diff.sum(dim=0).view(p, nu)
+            d2 = diff.sum(dim=2)
             d2.masked_fill_(~valid, float("inf"))
             evals.index_add_(0, q, valid.sum(dim=1))
             _update_best(x, index, best_idx, best_d2, q, ch, d2, valid & (ch >= m))
@@ -187,6 +200,9 @@ def _branch_and_bound(
         fnode = torch.cat(next_node)
         if fq.numel() == 0:
             break
+        # Pairs in node order: neighbouring pairs read neighbouring rows of the tree.
+        order = torch.argsort(fnode)
+        fq, fnode = fq[order], fnode[order]
         pending = torch.bincount(fq, minlength=b)
         over = (evals + pending * nu > budget) & (pending > 0)
         if bool(over.any()):
@@ -216,7 +232,7 @@ def _update_best(
         return
     cq = q[lq]
     cnode = ch[lq, lslot]
-    cidx = cnode - index.num_internal
+    cidx = index.leaf_proto[cnode - index.num_internal]
     cd2 = sq_dist_rows(x[cq], index.nodes64[cnode])
     new_min = best_d2.clone()
     new_min.scatter_reduce_(0, cq, cd2, reduce="amin")

@@ -11,7 +11,7 @@ import torch
 
 from ._bruteforce import BlockedSearch, sq_dist_rows
 from ._build import TreeArrays, build_tree_arrays
-from ._exact import MIN_TREE_SEARCH, ExactIndex, exact_nearest
+from ._exact import ExactIndex, exact_nearest, search_pays
 from ._exceptions import RouterBuildError
 from ._io import read_router, write_router
 from ._routing import Mode, Routing, check_mode, check_top_k, gate_weights, to_inputs
@@ -111,8 +111,11 @@ class PrototypeTree:
                 distances=d2.sqrt().to(torch.float32),
                 distance_evals=evals,
             )
-        if mode == "exact" and 1 < self.num_prototypes <= MIN_TREE_SEARCH:
-            # A scan of this few prototypes costs less than the walk that would seed a search.
+        search = self.num_internal_nodes > 0 and search_pays(
+            self.num_prototypes, self.branching, self.depth
+        )
+        if mode == "exact" and self.num_internal_nodes > 0 and not search:
+            # Too few prototypes for the search to pay: scan them all, skipping the walk.
             idx, d2 = self._blocked_search().knn(xs, 1)
             leaf, dist = idx[:, 0], d2[:, 0].sqrt().to(torch.float32)
             evals = torch.full((xs.shape[0],), self.num_prototypes, dtype=torch.long)
@@ -121,12 +124,12 @@ class PrototypeTree:
                 xs.to(torch.float32), self._nodes, self._arrays.children, self._num_internal
             )
             dist = sq32.sqrt()
-        if mode == "exact" and self.num_prototypes > MIN_TREE_SEARCH:
-            best = sq_dist_rows(xs, self.prototypes[leaf].to(torch.float64))
-            leaf, best, evals = exact_nearest(
-                xs, leaf, best, evals, self._exact_index(), self._blocked_search()
-            )
-            dist = best.sqrt().to(torch.float32)
+            if mode == "exact" and search:
+                best = sq_dist_rows(xs, self.prototypes[leaf].to(torch.float64))
+                leaf, best, evals = exact_nearest(
+                    xs, leaf, best, evals, self._exact_index(), self._blocked_search()
+                )
+                dist = best.sqrt().to(torch.float32)
         b = xs.shape[0]
         return Routing(
             experts=leaf[:, None],

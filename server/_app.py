@@ -171,7 +171,7 @@ async def _inputs(
     return _Inputs(parsed.x, k, mode, parsed.return_stats)
 
 
-def _add_routes(app: FastAPI) -> None:  # noqa: C901 - one place lists the whole API
+def _add_routes(app: FastAPI) -> None:
     @app.post(
         "/v1/predict",
         response_model=PredictResponse,

@@ -2,9 +2,14 @@
 
 Requests with the same (top_k, mode) that arrive within `max_batch_wait_ms` of the first one
 are merged up to `max_batch_rows` rows. A batch is routed off the event loop, its rows are
-grouped by expert (each (row, k) pair is one row for expert k), the home actors are asked to
-prefetch, and the pool runs all groups; each request then gets its own rows back in order,
-with per-expert stats.
+grouped by expert (each (row, k) pair is one row for expert k), and the pool runs all groups;
+each request then gets its own rows back in order, with per-expert stats.
+
+Prefetch: while every batch slot is busy, the requests waiting at the head of the queue are
+routed ahead of time and their experts' home actors start loading them, so the loads overlap
+the earlier batches' compute. A routing made that way is kept and reused when the request's
+batch runs (routing is row by row, so it is the same answer). The batch about to run is never
+prefetched for itself: its own call loads what it misses, and its stats then say "miss".
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class _Pending:
     submitted: float
     future: asyncio.Future[BatchAnswer]
     rows: int = field(init=False)
+    routing: Any = None  # set when the request was routed ahead of its batch (prefetch)
 
     def __post_init__(self) -> None:
         self.rows = int(self.x.shape[0])
@@ -91,6 +97,7 @@ class Batcher:
         self._inflight: set[asyncio.Task[None]] = set()
         self._rows_per_s: float | None = None
         self._on_batch = on_batch
+        self._prefetching: asyncio.Task[None] | None = None
         self._closed = False
         self.batches = 0  # batches dispatched so far (for tests and metrics)
 
@@ -187,6 +194,8 @@ class Batcher:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            if self._settings.prefetch and self._slots.locked():
+                self._start_prefetch()
             await self._slots.acquire()
             try:
                 await self._wait_for_window()
@@ -200,6 +209,39 @@ class Batcher:
             task = asyncio.get_running_loop().create_task(self._process(batch))
             self._inflight.add(task)
             task.add_done_callback(self._batch_done)
+
+    def _start_prefetch(self) -> None:
+        """Route the queue's head ahead of its batch and warm its experts' home actors."""
+        if self._prefetching is not None and not self._prefetching.done():
+            return
+        head: list[_Pending] = []
+        rows = 0
+        for item in self._queue:
+            if item.routing is not None or item.future.done():
+                continue
+            full = rows + item.rows > self._settings.max_batch_rows
+            if head and (item.key != head[0].key or full):
+                break
+            head.append(item)
+            rows += item.rows
+        if head:
+            self._prefetching = asyncio.get_running_loop().create_task(self._prefetch(head))
+
+    async def _prefetch(self, items: list[_Pending]) -> None:
+        try:
+            x = items[0].x if len(items) == 1 else torch.cat([item.x for item in items])
+            top_k, mode = items[0].top_k, items[0].mode
+            routing = await asyncio.to_thread(self._router.route, x, mode=mode, top_k=top_k)
+            start = 0
+            for item in items:
+                stop = start + item.rows
+                item.routing = _slice_routing(routing, start, stop)
+                start = stop
+            experts = torch.unique(routing.experts.reshape(-1)).tolist()
+            await self._pool.prefetch([int(e) for e in experts])
+        except Exception:
+            # Prefetch is only a hint: the batch routes (and reports bad input) for itself.
+            logger.debug("prefetch of %s queued requests failed", len(items), exc_info=True)
 
     def _batch_done(self, task: asyncio.Task[None]) -> None:
         self._inflight.discard(task)
@@ -296,7 +338,11 @@ class Batcher:
     ) -> list[BatchAnswer | BaseException]:
         x = batch[0].x if len(batch) == 1 else torch.cat([item.x for item in batch])
         top_k, mode = batch[0].top_k, batch[0].mode
-        routing = await asyncio.to_thread(self._router.route, x, mode=mode, top_k=top_k)
+        routing: Any
+        if all(item.routing is not None for item in batch):
+            routing = _concat_routings([item.routing for item in batch])
+        else:
+            routing = await asyncio.to_thread(self._router.route, x, mode=mode, top_k=top_k)
         route_ms = (self._clock.now() - started) * 1000.0
         experts = routing.experts.to(torch.int64).reshape(x.shape[0], top_k)
         weights = routing.weights.to(torch.float32).reshape(x.shape[0], top_k)
@@ -309,8 +355,6 @@ class Batcher:
             Group(expert_id=int(e), rows=x[pair_rows[pairs]])
             for e, pairs in zip(unique.tolist(), group_pairs, strict=True)
         ]
-        if self._settings.prefetch:
-            await self._pool.prefetch([g.expert_id for g in groups])
         results = await self._pool.run(groups)
         by_expert = {r.expert_id: r for r in results}
         good = [r for r in results if r.error is None]
@@ -382,6 +426,8 @@ class Batcher:
         tasks: list[asyncio.Task[Any]] = list(self._inflight)
         if self._collector is not None:
             tasks.append(self._collector)
+        if self._prefetching is not None:
+            tasks.append(self._prefetching)
         for task in tasks:
             task.cancel()
         if tasks:
@@ -410,4 +456,25 @@ def _stat(result: GroupResult, rows: int, group_rows: int) -> ExpertStat:
         expert_bytes=result.expert_bytes,
         activation_bytes=result.activation_bytes,
         vram_bytes=result.expert_bytes + share,
+    )
+
+
+@dataclass(frozen=True)
+class _RoutingSlice:
+    experts: torch.Tensor
+    weights: torch.Tensor
+    distance_evals: torch.Tensor
+
+
+def _slice_routing(routing: Any, start: int, stop: int) -> _RoutingSlice:
+    return _RoutingSlice(
+        routing.experts[start:stop], routing.weights[start:stop],
+        routing.distance_evals[start:stop],
+    )
+
+
+def _concat_routings(parts: list[Any]) -> _RoutingSlice:
+    return _RoutingSlice(
+        torch.cat([p.experts for p in parts]), torch.cat([p.weights for p in parts]),
+        torch.cat([p.distance_evals for p in parts]),
     )

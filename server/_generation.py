@@ -183,7 +183,9 @@ class ServingState:
         if self.pool_factory is _default_pool:
             from server._runner import ensure_ray
 
-            self._started_ray = await asyncio.to_thread(ensure_ray, self.settings)
+            # On the loop's thread (the main one under uvicorn): ray.init may install signal
+            # handlers. Blocking here is fine, nothing is served before startup ends.
+            self._started_ray = ensure_ray(self.settings)
         self.generation = await self.build_generation()
         logger.info(
             "serving store %s version %s (%d experts)",

@@ -133,6 +133,11 @@ def build_store(config: BuildConfig, progress: bool = True) -> Manifest:
             "depth": training.depth,
             "width": config.width,
             "loss": training.loss,
+            "lr": training.lr,
+            "epochs": config.epochs,
+            "baseline_epochs": training.baseline_epochs if config.baseline else None,
+            # Regression experts train on their own cell's standardised targets (TrainSpec).
+            "final_loss_units": "standardised" if dataset.task == "regression" else "raw",
             "mixture": {"metric": score.metric, "value": score.value, "eval_s": score.seconds},
             "baseline": baseline,
             "experts": [

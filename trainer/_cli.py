@@ -53,7 +53,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--grid-size", type=int, default=None, help="grid points per axis")
     p.add_argument("--hurst", type=float, default=None, help="α of the holder1d path")
     p.add_argument("--test-fraction", type=float, default=None)
-    p.add_argument("--ray-address", default=None, help="join this Ray cluster")
+    p.add_argument(
+        "--ray-address", default=None,
+        help="join this Ray cluster (tasks write expert files under --out: use shared storage)",
+    )
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of an embedded Ray")
     p.add_argument("--max-retries", type=int, default=None)
     p.add_argument("--torch-threads", type=int, default=None)

@@ -72,3 +72,46 @@ def wait_until(condition: Any, timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} did not happen within {timeout} s")
         time.sleep(0.02)
+
+
+class GatedPool:
+    """Delegates to a real pool; `run` waits for `open_gate()`, and the order of answers and
+    closing is recorded, so a test can hold a request in flight across a shutdown."""
+
+    def __init__(self, inner: Any) -> None:
+        import asyncio
+        import threading
+
+        self.inner = inner
+        self.entered = threading.Event()
+        self.events: list[str] = []
+        self._gate = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def open_gate(self) -> None:
+        """Thread-safe: let the held `run` calls go on."""
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._gate.set)
+
+    async def run(self, groups: Any) -> Any:
+        import asyncio
+
+        self._loop = asyncio.get_running_loop()
+        self.entered.set()
+        await self._gate.wait()
+        results = await self.inner.run(groups)
+        self.events.append("answered")
+        return results
+
+    async def prefetch(self, expert_ids: list[int]) -> None:
+        await self.inner.prefetch(expert_ids)
+
+    def residency(self) -> Any:
+        return self.inner.residency()
+
+    def actors(self) -> Any:
+        return self.inner.actors()
+
+    async def close(self) -> None:
+        self.events.append("closed")
+        await self.inner.close()

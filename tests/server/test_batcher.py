@@ -246,10 +246,41 @@ async def test_full_queue_fails_fast_then_drains(setup: Setup) -> None:
     await pool.close()
 
 
-async def test_prefetch_is_asked_for_the_batch_experts(setup: Setup) -> None:
+async def _until(condition: Callable[[], bool]) -> None:
+    # Routing runs in a worker thread, so the loop has to yield real time (bounded) to it.
+    for _ in range(2000):
+        if condition():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError("condition never held")
+
+
+async def test_a_batch_is_not_prefetched_for_itself(setup: Setup) -> None:
     _, batcher, pool, _router, _clock = setup(max_batch_wait_ms=0.0)
     await batcher.submit(inputs([5, 1, 5], 3))
+    assert pool.prefetched == []
+    await batcher.close()
+    await pool.close()
+
+
+async def test_queued_work_is_prefetched_while_every_slot_is_busy(setup: Setup) -> None:
+    _, batcher, pool, router, _clock = setup(max_batch_wait_ms=0.0)
+    pool.gate.clear()
+    running = [
+        asyncio.create_task(batcher.submit(inputs([0], 3), top_k=1)),
+        asyncio.create_task(batcher.submit(inputs([2], 3), top_k=2)),
+    ]
+    await _until(lambda: len(pool.runs) == 2)
+    queued = asyncio.create_task(batcher.submit(inputs([5, 1, 5], 3)))
+    await _until(lambda: bool(pool.prefetched))
     assert pool.prefetched == [[1, 5]]
+    routed = len(router.calls)
+    pool.gate.set()
+    answer = await queued
+    await asyncio.gather(*running)
+    # The routing made for the prefetch is the one the batch used: no second router call.
+    assert len(router.calls) == routed
+    assert answer.experts[:, 0].tolist() == [5, 1, 5]
     await batcher.close()
     await pool.close()
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -154,4 +155,16 @@ async def test_a_single_actor_that_dies_is_retried_once_restarted(make_store: Ma
         torch.testing.assert_close(result.outputs, expected(store, group))
     assert [ids for _, ids in pool.calls] == [[0, 1, 2, 3], [0, 1, 2, 3]]
     assert pool.dispatcher.alive("actor-0")
+    await pool.close()
+
+
+async def test_prefetch_warms_each_expert_on_its_home_actor(make_store: MakeStore) -> None:
+    store = Store.open(make_store(K=8, n=3, width=6, out=2))
+    pool = FakeExpertPool(store, Settings(actors=2, cache_bytes=10**6))
+    await pool.prefetch([1, 6, 1])
+    await asyncio.gather(*pool._background)  # prefetch returns at once; let it finish
+    homes = {e: pool.dispatcher.home(e) for e in (1, 6)}
+    assert pool.residency() == {e: [actor] for e, actor in homes.items()}
+    results = await pool.run(groups_for([1, 6], 3))
+    assert all(r.hit and r.actor == homes[r.expert_id] for r in results)
     await pool.close()

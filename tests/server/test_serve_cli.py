@@ -126,3 +126,16 @@ def test_demo_builds_the_store_once_then_serves_it(
     assert [Path(s.store) for s in runs] == [Path("demo-store")] * 2
     assert main(["demo", "--port", "0", "--rebuild"]) == 0
     assert len(builds) == 2
+
+
+def test_registering_the_commands_imports_neither_torch_nor_ray() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, argparse, server._serve_cli as m; "
+        "m.register(argparse.ArgumentParser().add_subparsers()); "
+        "print(sorted(n for n in ('torch', 'ray', 'fastapi') if n in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -69,3 +69,19 @@ def test_weighted_ce_equals_torch_weighted_cross_entropy() -> None:
     w = torch.tensor([4 / 6, 1.0, 2.0])[labels]
     expected = -(w * logp[torch.arange(4), labels]).sum() / w.sum()
     torch.testing.assert_close(loss, expected)
+
+
+def test_rescaled_output_layer_serves_scale_times_f_plus_shift() -> None:
+    from trainer._train import rescale_output, target_scaling
+
+    model = nn.Sequential(nn.Linear(3, 5), nn.PReLU(), nn.Linear(5, 2))
+    x = torch.randn(7, 3, generator=torch.Generator().manual_seed(0))
+    before = predict(model, x)
+    scale, shift = torch.tensor([2.0, -0.5]), torch.tensor([10.0, 1.0])
+    rescale_output(model, scale, shift)
+    torch.testing.assert_close(predict(model, x), before * scale + shift)
+    y = torch.tensor([[1.0, 5.0], [3.0, 5.0]])
+    mean, std = target_scaling(y)
+    # A constant column keeps std 1 instead of dividing by zero.
+    torch.testing.assert_close(mean, torch.tensor([2.0, 5.0]))
+    torch.testing.assert_close(std, torch.tensor([1.0, 1.0]))

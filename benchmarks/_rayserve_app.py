@@ -1,0 +1,112 @@
+"""The baseline of vs_ray_serve.py: a momlp store served by Ray Serve model multiplexing.
+
+One deployment, `num_replicas` = momlp's actor count, one CPU and one torch thread each, like a
+momlp actor. Each replica holds the store's prototype tree and routes every request's rows
+itself (the same work as momlp's server); each expert is a multiplexed "model" loaded by
+`@serve.multiplexed` with `max_num_models_per_replica` = the experts that fit in momlp's
+per-actor byte budget, so both systems keep the same bytes resident. The client sends the
+expert id of its row in the `serve_multiplexed_model_id` header, which lets Ray Serve's router
+pick a replica that already holds that expert: the baseline gets its best case.
+
+Imported by Ray's workers by module name (vs_ray_serve.py puts benchmarks/ on PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from ray import serve
+from starlette.requests import Request
+
+from experts_store import ExpertMLP, Store
+from router import PrototypeTree
+
+__all__ = ["build_app"]
+
+
+class _Resident:
+    """A loaded expert; counts its bytes as resident until Ray Serve unloads it."""
+
+    def __init__(self, expert_id: int, module: ExpertMLP, nbytes: int, ledger: _Ledger) -> None:
+        self.expert_id = expert_id
+        self.module = module
+        self.nbytes = nbytes
+        self._ledger = ledger
+        self._released = False
+        ledger.live.add(expert_id)
+        ledger.resident += nbytes
+        ledger.peak = max(ledger.peak, ledger.resident)
+
+    def __del__(self) -> None:
+        # Ray Serve calls __del__ on an LRU unload, and Python calls it again at collection.
+        if not self._released:
+            self._released = True
+            self._ledger.live.discard(self.expert_id)
+            self._ledger.resident -= self.nbytes
+
+
+class _Ledger:
+    def __init__(self) -> None:
+        self.live: set[int] = set()
+        self.resident = 0
+        self.peak = 0
+
+
+class MultiplexedExperts:
+    """One replica: routes each request's rows, then runs each expert's rows through the
+    multiplexed loader's copy of that expert."""
+
+    def __init__(self, store_root: str, mode: str, models_per_replica: int) -> None:
+        torch.set_num_threads(1)
+        self.store = Store.open(Path(store_root))
+        self.tree = PrototypeTree.load(self.store.router_path)
+        self.mode = mode
+        self.ledger = _Ledger()
+        self.name = f"replica-{os.getpid()}"
+
+        async def load(model_id: str) -> _Resident:
+            expert_id = int(model_id)
+            module = self.store.load_expert(expert_id)
+            return _Resident(expert_id, module, self.store.expert_nbytes(expert_id), self.ledger)
+
+        # Wired per instance so that the cap (momlp's byte budget / expert bytes) is a
+        # run-time choice; Ray Serve detects multiplexing set up this way.
+        self.get_expert = serve.multiplexed(max_num_models_per_replica=models_per_replica)(load)
+
+    async def __call__(self, request: Request) -> dict[str, Any]:
+        body = await request.json()
+        x = np.asarray(body["inputs"], dtype=np.float32)
+        experts = self.tree.route(x, mode=self.mode).experts[:, 0].numpy()
+        outputs = np.zeros((x.shape[0], self.store.manifest.output_dim), dtype=np.float32)
+        hits = misses = 0
+        for expert_id in np.unique(experts):
+            hit = int(expert_id) in self.ledger.live
+            expert = await self.get_expert(str(int(expert_id)))
+            hits += int(hit)
+            misses += int(not hit)
+            rows = experts == expert_id
+            with torch.inference_mode():
+                outputs[rows] = expert.module(torch.from_numpy(x[rows])).numpy()
+        return {
+            "outputs": outputs.tolist(),
+            "experts": [[int(e)] for e in experts],
+            "hits": hits,
+            "misses": misses,
+            "replica": self.name,
+            "resident_bytes": self.ledger.resident,
+        }
+
+
+def build_app(store_root: Path, *, replicas: int, models_per_replica: int, mode: str) -> Any:
+    """The bound application, ready for `serve.run`."""
+    deployment = serve.deployment(
+        MultiplexedExperts,
+        name="momlp_multiplexed",
+        num_replicas=replicas,
+        ray_actor_options={"num_cpus": 1},
+    )
+    return deployment.bind(str(store_root), mode, models_per_replica)

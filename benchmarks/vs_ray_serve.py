@@ -1,0 +1,371 @@
+"""momlp vs Ray Serve model multiplexing: same store, same actors, same bytes, same load.
+
+Both systems serve one store of K random-weight PReLU experts (K >= 200; a serving benchmark
+needs realistic sizes, not trained weights) on `--actors` CPU actors / replicas (1 CPU, 1
+torch thread each) with room for `--experts-per-actor` experts each: momlp through
+`momlp serve --cache-bytes B` (a subprocess, its own embedded Ray), the baseline through one
+Ray Serve deployment whose replicas route the rows themselves and load experts through
+`@serve.multiplexed(max_num_models_per_replica = B // expert bytes)` (benchmarks/_rayserve_app.py).
+
+The same driver (httpx, closed loop, `--concurrency` requests in flight) sends both the same
+seeded sequence of one-row requests whose experts follow Zipf(1.0) over the experts ranked by a
+seeded permutation; each row is drawn near its expert's prototype and verified to route there.
+One row per request keeps the work equal: a Ray Serve HTTP request names one multiplexed model
+(header `serve_multiplexed_model_id`), so the driver sends each row's expert in that header and
+Ray Serve's router can prefer a replica that holds it — the baseline's best case. momlp ignores
+the header and routes on the server. Each round runs both systems one after the other (the
+order alternates), each from a cold start; the first `--warmup` requests are not measured.
+
+Prints one JSON line per system and round, one per system with the medians over rounds, and
+one with the ratios. Binds and sends only to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import torch
+
+from experts_store import ExpertArch, ExpertMLP, Store, StoreWriter
+from router import PrototypeTree
+
+HERE = Path(__file__).resolve().parent
+MACHINE = os.environ.get("MOMLP_BENCH_MACHINE", "2-core x86-64 VM, no GPU, shared with other work")
+
+
+def build_store(root: Path, *, experts: int, widths: tuple[int, ...], seed: int) -> Path:
+    generator = torch.Generator().manual_seed(seed)
+    arch = ExpertArch(widths=widths)
+    with StoreWriter(root) as writer:
+        for expert_id in range(experts):
+            writer.add_expert(expert_id, ExpertMLP(arch, generator=generator))
+        prototypes = torch.randn(experts, widths[0], generator=generator)
+        PrototypeTree.build(prototypes, branching=4, seed=seed).save(writer.router_path)
+        writer.publish(
+            task="regression",
+            input_dim=widths[0],
+            output_dim=widths[-1],
+            routing="tree",
+            branching=4,
+            extra={"note": "random-weight experts for the vs_ray_serve benchmark"},
+        )
+    return root
+
+
+def open_or_build(root: Path, *, experts: int, widths: tuple[int, ...], seed: int) -> Store:
+    if (root / "manifest.json").exists():
+        store = Store.open(root)
+        entry = store.manifest.experts[0]
+        if store.manifest.num_experts == experts and tuple(entry.arch["widths"]) == widths:
+            return store
+        raise SystemExit(f"{root} holds another store; pass a fresh --store")
+    return Store.open(build_store(root, experts=experts, widths=widths, seed=seed))
+
+
+def make_workload(store: Store, *, count: int, seed: int) -> list[tuple[int, list[float]]]:
+    """`count` (expert, row) pairs: Zipf(1.0) over a seeded ranking of the experts, each row
+    near the expert's prototype and verified (tree routing) to reach it."""
+    tree = PrototypeTree.load(store.router_path)
+    rng = np.random.default_rng(seed)
+    k = tree.num_prototypes
+    prototypes = tree.prototypes.numpy().astype(np.float32)
+    pools: dict[int, list[np.ndarray]] = {e: [] for e in range(k)}
+    for scale in (0.05, 0.01, 0.0):
+        missing = [e for e in range(k) if len(pools[e]) < 4]
+        if not missing:
+            break
+        base = np.repeat(prototypes[missing], 8, axis=0)
+        candidates = base + scale * rng.standard_normal(base.shape).astype(np.float32)
+        routed = tree.route(candidates, mode="tree").experts[:, 0].numpy()
+        for row, expert_id in zip(candidates, routed, strict=True):
+            pools[int(expert_id)].append(row)
+    servable = [e for e in range(k) if pools[e]]
+    ranking = rng.permutation(servable)
+    weights = 1.0 / np.arange(1, len(ranking) + 1)
+    draws = rng.choice(ranking, size=count, p=weights / weights.sum())
+    return [
+        (int(e), pools[int(e)][int(rng.integers(len(pools[int(e)])))].tolist()) for e in draws
+    ]
+
+
+@dataclass
+class Record:
+    latency_s: float
+    ok: bool
+    hits: int = 0
+    misses: int = 0
+    resident: dict[str, int] = field(default_factory=dict)
+    outputs: list[list[float]] | None = None
+
+
+def parse_momlp(body: dict[str, Any]) -> tuple[int, int, dict[str, int]]:
+    stats = body["stats"]
+    hits = sum(1 for s in stats["experts"] if s["cache"] == "hit")
+    return hits, len(stats["experts"]) - hits, dict(stats["device_bytes"])
+
+
+def parse_rayserve(body: dict[str, Any]) -> tuple[int, int, dict[str, int]]:
+    return int(body["hits"]), int(body["misses"]), {body["replica"]: int(body["resident_bytes"])}
+
+
+async def drive(
+    url: str, work: list[tuple[int, list[float]]], *, concurrency: int, system: str
+) -> list[Record]:
+    """Closed loop: `concurrency` workers take the next request until the list is done."""
+    parse = parse_momlp if system == "momlp" else parse_rayserve
+    records: list[Record | None] = [None] * len(work)
+    cursor = iter(range(len(work)))
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=60.0, limits=limits) as client:
+
+        async def worker() -> None:
+            for index in cursor:
+                expert_id, row = work[index]
+                start = time.perf_counter()
+                try:
+                    response = await client.post(
+                        url,
+                        json={"inputs": [row], "return_stats": True},
+                        headers={"serve_multiplexed_model_id": str(expert_id)},
+                    )
+                    ok = response.status_code == 200
+                    body = response.json() if ok else {}
+                except httpx.HTTPError:
+                    ok, body = False, {}
+                latency = time.perf_counter() - start
+                if not ok:
+                    records[index] = Record(latency, False)
+                    continue
+                hits, misses, resident = parse(body)
+                keep = body["outputs"] if index < 32 else None
+                records[index] = Record(latency, True, hits, misses, resident, keep)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return [r for r in records if r is not None]
+
+
+def summarize(
+    system: str, records: list[Record], warmup: int, seconds: float, round_: int
+) -> dict[str, Any]:
+    measured = records[warmup:]
+    ok = [r for r in measured if r.ok]
+    latencies = sorted(r.latency_s * 1000 for r in ok)
+    hits = sum(r.hits for r in ok)
+    misses = sum(r.misses for r in ok)
+    peak: dict[str, int] = {}
+    for record in records:
+        for actor, nbytes in record.resident.items():
+            peak[actor] = max(peak.get(actor, 0), nbytes)
+    return {
+        "benchmark": "vs_ray_serve",
+        "system": system,
+        "round": round_,
+        "requests": len(measured),
+        "errors": len(measured) - len(ok),
+        "rows_per_s": len(ok) / seconds if seconds > 0 else 0.0,
+        "p50_ms": float(np.percentile(latencies, 50)) if latencies else None,
+        "p99_ms": float(np.percentile(latencies, 99)) if latencies else None,
+        "hit_rate": hits / (hits + misses) if hits + misses else None,
+        # Sum over actors of each actor's largest resident figure seen in an answer.
+        "peak_resident_bytes": sum(peak.values()),
+    }
+
+
+def run_driver(
+    url: str, work: list[tuple[int, list[float]]], warmup: int, concurrency: int, system: str
+) -> tuple[list[Record], float]:
+    warm = asyncio.run(drive(url, work[:warmup], concurrency=concurrency, system=system))
+    start = time.perf_counter()
+    rest = asyncio.run(drive(url, work[warmup:], concurrency=concurrency, system=system))
+    return warm + rest, time.perf_counter() - start
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_ready(url: str, probe: dict[str, Any], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            response = httpx.post(url, json=probe, timeout=10.0)
+            if response.status_code == 200:
+                return
+            last = f"HTTP {response.status_code}"
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not ready within {timeout_s} s: {last}")
+
+
+def run_momlp(args: argparse.Namespace, store: Store, work: list[Any], round_: int) -> Any:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/v1/predict"
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", OMP_NUM_THREADS="1")
+    command = [
+        str(Path(sys.executable).parent / "momlp"),
+        "serve",
+        "--store", str(store.root),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--device", "cpu",
+        "--actors", str(args.actors),
+        "--cache-bytes", str(args.budget),
+        "--ray-num-cpus", str(args.ray_num_cpus),
+        "--no-watch-store",
+    ]  # fmt: skip
+    with tempfile.NamedTemporaryFile("w+", prefix="momlp-serve-", suffix=".log") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            wait_ready(url, {"inputs": [work[0][1]]}, 240.0)
+            records, seconds = run_driver(url, work, args.warmup, args.concurrency, "momlp")
+        except Exception:
+            log.seek(0)
+            sys.stderr.write(log.read()[-4000:])
+            raise
+        finally:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=30)
+    return records, seconds
+
+
+def run_rayserve(args: argparse.Namespace, store: Store, work: list[Any], round_: int) -> Any:
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    # Ray's workers import _rayserve_app by name.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p
+    )
+    import ray
+    from ray import serve
+
+    sys.path.insert(0, str(HERE))
+    from _rayserve_app import build_app
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/v1/predict"
+    ray.init(
+        address="local",
+        num_cpus=args.ray_num_cpus,
+        include_dashboard=False,
+        configure_logging=False,
+        log_to_driver=False,
+    )
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        app = build_app(
+            store.root,
+            replicas=args.actors,
+            models_per_replica=args.experts_per_actor,
+            mode=store.manifest.routing,
+        )
+        serve.run(app, name="momlp_multiplexed", route_prefix="/v1/predict")
+        wait_ready(url, {"inputs": [work[0][1]]}, 240.0)
+        records, seconds = run_driver(url, work, args.warmup, args.concurrency, "ray_serve")
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+    return records, seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--store", type=Path, default=Path(tempfile.gettempdir()) / "momlp-vs-rs")
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--widths", default="32,512,512,8", help="expert widths d0,...,dout")
+    parser.add_argument("--actors", type=int, default=2)
+    parser.add_argument("--experts-per-actor", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--warmup", type=int, default=300)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ray-num-cpus", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="1 round of 600 requests")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.requests, args.warmup = 1, 600, 100
+    torch.set_num_threads(1)
+    widths = tuple(int(w) for w in args.widths.split(","))
+    store = open_or_build(args.store, experts=args.experts, widths=widths, seed=args.seed)
+    expert_bytes = max(store.expert_nbytes(e) for e in range(store.manifest.num_experts))
+    args.budget = args.experts_per_actor * expert_bytes
+    work = make_workload(store, count=args.warmup + args.requests, seed=args.seed)
+    setup = {
+        "experts": store.manifest.num_experts,
+        "widths": list(widths),
+        "expert_bytes": expert_bytes,
+        "actors": args.actors,
+        "budget_bytes_per_actor": args.budget,
+        "experts_per_actor": args.experts_per_actor,
+        "requests": args.requests,
+        "warmup": args.warmup,
+        "concurrency": args.concurrency,
+        "batch": 1,
+        "distribution": "zipf:1.0",
+        "machine": MACHINE,
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    runners = {"momlp": run_momlp, "ray_serve": run_rayserve}
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in runners}
+    outputs: dict[str, list[Any]] = {}
+    for round_ in range(args.rounds):
+        order = list(runners) if round_ % 2 == 0 else list(reversed(runners))
+        for system in order:
+            records, seconds = runners[system](args, store, work, round_)
+            line = summarize(system, records, args.warmup, seconds, round_) | setup
+            results[system].append(line)
+            outputs.setdefault(system, [r.outputs for r in records[:32]])
+            print(json.dumps(line), flush=True)
+    medians: dict[str, dict[str, Any]] = {}
+    for system, lines in results.items():
+        keys = ("rows_per_s", "p50_ms", "p99_ms", "hit_rate", "peak_resident_bytes")
+        medians[system] = {
+            key: statistics.median(v for v in (line[key] for line in lines) if v is not None)
+            for key in keys
+        }
+        print(json.dumps({"benchmark": "vs_ray_serve", "system": system, "stat": "median",
+                          "rounds": args.rounds} | medians[system] | setup), flush=True)  # fmt: skip
+    same = all(
+        a is not None and b is not None and np.allclose(a, b, rtol=1e-4, atol=1e-5)
+        for a, b in zip(outputs["momlp"], outputs["ray_serve"], strict=True)
+    )
+    m, r = medians["momlp"], medians["ray_serve"]
+    comparison = {
+        "benchmark": "vs_ray_serve",
+        "stat": "ratio momlp / ray_serve (medians)",
+        "rows_per_s_ratio": m["rows_per_s"] / r["rows_per_s"],
+        "p99_ratio": m["p99_ms"] / r["p99_ms"],
+        "goal_rows_per_s_3x": m["rows_per_s"] >= 3 * r["rows_per_s"],
+        "goal_p99_half": m["p99_ms"] <= 0.5 * r["p99_ms"],
+        "same_outputs_first_32": same,
+    }
+    print(json.dumps(comparison | setup), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
