@@ -42,20 +42,26 @@ def make_data(kind: str, k: int, n: int, queries: int, seed: int) -> tuple[np.nd
 
 
 def interleaved(
-    fns: dict[str, Callable[[], Any]], repeats: int, budget_s: float
+    fns: dict[str, Callable[[], Any]], repeats: int, budget_s: float, min_s: float = 1.0
 ) -> dict[str, tuple[float, Any]]:
     """Median wall time of each function, run in rounds (one call of each per round) so
-    that load from other work on the machine hits every method alike. A method stops
-    repeating once it has used budget_s."""
+    that load from other work on the machine hits every method alike. Fast methods get
+    more rounds (until min_s of samples, at most 5x repeats); a method stops repeating
+    once it has used budget_s."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     outs: dict[str, Any] = {}
-    for _ in range(repeats):
+    for round_no in range(5 * repeats):
+        ran = False
         for name, fn in fns.items():
-            if times[name] and sum(times[name]) > budget_s:
+            spent = sum(times[name])
+            if times[name] and (spent > budget_s or (round_no >= repeats and spent >= min_s)):
                 continue
+            ran = True
             t0 = time.perf_counter()
             outs[name] = fn()
             times[name].append(time.perf_counter() - t0)
+        if not ran:
+            break
     return {name: (statistics.median(times[name]), outs[name]) for name in fns}
 
 

@@ -20,7 +20,7 @@ __all__ = ["TreeArrays", "build_tree_arrays", "leaf_encode"]
 
 logger = logging.getLogger(__name__)
 
-_LLOYD_STEPS = 20
+_LLOYD_STEPS = 12
 # Rows per chunk so that a gathered [rows, branching, n] float64 block stays near 32 MB.
 _CHUNK_ELEMENTS = 1 << 22
 
@@ -47,12 +47,15 @@ def _sq_dist_to_centres(x: torch.Tensor, centres: torch.Tensor, seg: torch.Tenso
     """[m, nu] float64 squared distances of each row to the centres of its own segment."""
     m, n = x.shape
     nu = centres.shape[1]
-    out = torch.empty((m, nu), dtype=torch.float64)
+    out = torch.empty((m, nu), dtype=x.dtype)
+    flat = centres.reshape(centres.shape[0], nu * n)
     step = max(1, _CHUNK_ELEMENTS // max(1, nu * n))
     for lo in range(0, m, step):
         hi = min(m, lo + step)
-        diff = x[lo:hi, None, :] - centres[seg[lo:hi]]
-        out[lo:hi] = (diff * diff).sum(dim=2)
+        diff = flat.index_select(0, seg[lo:hi]).view(hi - lo, nu, n)
+        diff -= x[lo:hi, None, :]
+        diff.mul_(diff)
+        out[lo:hi] = diff.sum(dim=2)
     return out
 
 
@@ -88,11 +91,13 @@ def _kmeans_pp(
 
 def _lloyd(
     x: torch.Tensor, seg: torch.Tensor, centres: torch.Tensor, steps: int
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lloyd steps; distances in float32 (only the final assignment must be exact)."""
     s_count, nu, n = centres.shape
+    x32 = x.to(torch.float32)
     labels = torch.full((x.shape[0],), -1, dtype=torch.long)
     for _ in range(steps):
-        new_labels = _sq_dist_to_centres(x, centres, seg).argmin(dim=1)
+        new_labels = _sq_dist_to_centres(x32, centres.to(torch.float32), seg).argmin(dim=1)
         if bool((new_labels == labels).all()):
             break
         labels = new_labels
@@ -104,11 +109,11 @@ def _lloyd(
         # An emptied cluster keeps its old centre; the final assignment drops it if still empty.
         flat[filled] = sums[filled] / counts[filled, None]
         centres = flat.reshape(s_count, nu, n)
-    return centres
+    return centres, labels
 
 
 def _order_by_lowest_member(
-    x: torch.Tensor, members: torch.Tensor, seg: torch.Tensor, centres: torch.Tensor
+    labels: torch.Tensor, members: torch.Tensor, seg: torch.Tensor, centres: torch.Tensor
 ) -> torch.Tensor:
     """Sort each segment's centres by the lowest prototype index in their cells.
 
@@ -116,7 +121,6 @@ def _order_by_lowest_member(
     leans towards the lower prototype indices, as the flat Voronoi partition does.
     """
     s_count, nu, _ = centres.shape
-    labels = _sq_dist_to_centres(x, centres, seg).argmin(dim=1)
     lowest = torch.full((s_count * nu,), torch.iinfo(torch.long).max, dtype=torch.long)
     lowest.scatter_reduce_(0, seg * nu + labels, members, reduce="amin")
     perm = torch.argsort(lowest.reshape(s_count, nu), dim=1, stable=True)
@@ -183,10 +187,10 @@ def build_tree_arrays(
         b_start = torch.cumsum(b_size, 0) - b_size
         xb = x_all[b_members]
         centres = _kmeans_pp(xb, b_seg, b_start, b_size, nu, gen)
-        centres = _lloyd(xb, b_seg, centres, _LLOYD_STEPS)
+        centres, lloyd_labels = _lloyd(xb, b_seg, centres, _LLOYD_STEPS)
         # Round the centres to what is stored, then assign exactly against the stored values.
         centres = centres.to(torch.float32).to(torch.float64)
-        centres = _order_by_lowest_member(xb, b_members, b_seg, centres)
+        centres = _order_by_lowest_member(lloyd_labels, b_members, b_seg, centres)
         d2 = _sq_dist_to_centres(xb, centres, b_seg)
         labels = d2.argmin(dim=1)
         slot = b_seg * nu + labels
@@ -201,7 +205,9 @@ def build_tree_arrays(
                 centres[s, : cen.shape[0]] = cen
             slot = b_seg * nu + labels
             counts = torch.bincount(slot, minlength=big.numel() * nu).reshape(-1, nu)
-        d2_own = _sq_dist_to_centres(xb, centres, b_seg).gather(1, labels[:, None]).squeeze(1)
+        if whole:
+            d2 = _sq_dist_to_centres(xb, centres, b_seg)
+        d2_own = d2.gather(1, labels[:, None]).squeeze(1)
         # Non-empty clusters take consecutive child slots in label order.
         filled = counts > 0
         child_slot = torch.cumsum(filled.long(), dim=1) - 1

@@ -45,10 +45,10 @@ _PILOT_SHARE = 32
 
 def search_pays(num_prototypes: int, branching: int, depth: int) -> bool:
     """Whether a tree search can beat a scan at all: K is large enough that the allowed
-    evaluations (K / switch fraction) leave room beyond a few root-to-leaf walks."""
+    evaluations (K / switch fraction) cover at least the seeding root-to-leaf walk."""
     if num_prototypes <= MIN_TREE_SEARCH:
         return False
-    return num_prototypes / _SWITCH_FRACTION >= 4 * branching * depth
+    return num_prototypes / _SWITCH_FRACTION >= branching * depth
 
 
 @dataclass(frozen=True)
@@ -116,22 +116,18 @@ def exact_nearest(
         to_scan[:] = True
     else:
         budget = k_total / switch_fraction if switch_fraction > 0 else float("inf")
-        pilot = min(b, max(_PILOT_MIN, b // _PILOT_SHARE))
-        before = evals[:pilot].clone()
-        _branch_and_bound(
-            x[:pilot], best_idx[:pilot], best_d2[:pilot], evals[:pilot], to_scan[:pilot],
-            index, budget,
-        )
-        # Tree evaluations in scan units, plus a full scan for each query that gave up.
-        spent = float((evals[:pilot] - before).sum()) * _EVAL_COST
-        spent += float(to_scan[:pilot].sum()) * k_total
-        if switch_fraction > 0 and spent > pilot * k_total:
-            to_scan[pilot:] = True
-        elif pilot < b:
-            _branch_and_bound(
-                x[pilot:], best_idx[pilot:], best_d2[pilot:], evals[pilot:], to_scan[pilot:],
-                index, budget,
-            )
+        # The pilot is spread over the batch: its first rows may not be typical.
+        pilot_count = min(b, max(_PILOT_MIN, b // _PILOT_SHARE))
+        in_pilot = torch.zeros(b, dtype=torch.bool)
+        in_pilot[torch.linspace(0, b - 1, pilot_count).round().long()] = True
+        pilot = torch.nonzero(in_pilot).flatten()
+        spent = _search_rows(x, pilot, best_idx, best_d2, evals, to_scan, index, budget)
+        spent += float(to_scan[pilot].sum()) * k_total
+        if switch_fraction > 0 and spent > pilot.numel() * k_total:
+            to_scan[~in_pilot] = True
+        elif pilot.numel() < b:
+            rest = torch.nonzero(~in_pilot).flatten()
+            _search_rows(x, rest, best_idx, best_d2, evals, to_scan, index, budget)
     if bool(to_scan.any()):
         rows = torch.nonzero(to_scan).flatten()
         idx, d2 = search.knn(x[rows], 1)
@@ -139,6 +135,27 @@ def exact_nearest(
         best_d2[rows] = d2[:, 0]
         evals[rows] += k_total
     return best_idx, best_d2, evals
+
+
+def _search_rows(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    best_idx: torch.Tensor,
+    best_d2: torch.Tensor,
+    evals: torch.Tensor,
+    to_scan: torch.Tensor,
+    index: ExactIndex,
+    budget: float,
+) -> float:
+    """Search the given rows, write their results back; return the cost in scan units."""
+    sub_idx, sub_d2, sub_evals = best_idx[rows], best_d2[rows], evals[rows]
+    sub_scan = to_scan[rows]
+    before = float(sub_evals.sum())
+    _branch_and_bound(x[rows], sub_idx, sub_d2, sub_evals, sub_scan, index, budget)
+    best_idx[rows], best_d2[rows], evals[rows], to_scan[rows] = (
+        sub_idx, sub_d2, sub_evals, sub_scan,
+    )
+    return (float(sub_evals.sum()) - before) * _EVAL_COST
 
 
 def _branch_and_bound(
@@ -150,7 +167,7 @@ def _branch_and_bound(
     index: ExactIndex,
     budget: float,
 ) -> None:
-    """Update best_idx / best_d2 / evals / to_scan (views of the caller's rows) in place."""
+    """Update best_idx / best_d2 / evals / to_scan in place."""
     b = x.shape[0]
     nu = index.children.shape[1]
     n = x.shape[1]

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from experts_store import Clock, MonotonicClock
+from server._admin import add_admin_routes
 from server._auth import ApiKeyMiddleware
 from server._exceptions import NotReady, RequestTimeout
 from server._generation import BatcherFactory, Generation, PoolFactory, ServingState
@@ -121,6 +122,7 @@ def create_app(
     serving.metrics.set_snapshot(serving.pool_snapshot)
     install_error_handlers(app)
     _add_routes(app)
+    add_admin_routes(app)
     # Starlette runs the last added middleware first: metrics see every answer, the catch-all
     # answers whatever escaped, and the key check runs before any route or body is touched.
     app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)

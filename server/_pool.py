@@ -375,6 +375,9 @@ class RayExpertPool(DispatchingPool):
         else:
             count = settings.actors
             resources = {"num_cpus": num_cpus_per_actor}
+        if settings.actor_resource:
+            # Each worker node offers one unit (local-cluster.sh, KubeRay): one actor a node.
+            resources["resources"] = {settings.actor_resource: 1}
         remote_cls = ray.remote(ExpertActor)
         handles: dict[str, Any] = {}
         for index in range(count):

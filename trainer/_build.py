@@ -8,6 +8,7 @@ directory when the `with` block exits with an exception.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import sys
@@ -290,7 +291,7 @@ def _train_on_ray(
             num_experts=config.experts,
             batchnorm=training.batchnorm,
         )
-        baseline_spec = TrainSpec(**{**spec.__dict__, "epochs": training.baseline_epochs})
+        baseline_spec = dataclasses.replace(spec, epochs=training.baseline_epochs)
         # Submitted first: it is the longest task, so it should not start last.
         ref = ray.remote(baseline_job).options(**remote_opts).remote(
             arch.to_json(), baseline_spec,
@@ -331,7 +332,7 @@ def _train_on_ray(
             owner = pending.pop(ready[0])
             try:
                 result: dict[str, Any] = ray.get(ready[0])
-            except Exception as exc:  # a RayTaskError wraps the task's own exception
+            except ray.exceptions.RayError as exc:  # task error or dead worker, after retries
                 for ref in pending:
                     ray.cancel(ref, force=True)
                 raise BuildFailed(expert_id=owner, reason=str(exc).splitlines()[0]) from exc

@@ -165,7 +165,7 @@ def quick_overrides(dataset: str | None) -> dict[str, Any]:
         "width": 64,
         "prototype_epochs": 10,
         "warmup_epochs": 5,
-        "epochs": 40,
+        "epochs": 100,
         "batch_size": 64,
         "lr": 3e-3,
         "quick": True,

@@ -161,3 +161,18 @@ def test_unreadable_path_is_a_load_error_naming_the_expert(tmp_path: Path) -> No
     with pytest.raises(ExpertLoadError) as info:
         load_expert(tmp_path, expert_id=5)
     assert info.value.expert_id == 5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("batchnorm", [False, True])
+def test_cuda_round_trip_through_pinned_memory(tmp_path: Path, batchnorm: bool) -> None:
+    expert = make_expert((5, 32, 16, 3), batchnorm=batchnorm, seed=8)
+    path = tmp_path / "e.safetensors"
+    written = save_expert(expert, path)
+    loaded = load_expert(path, "cuda", expected_sha256=written.sha256, expert_id=0)
+    assert all(t.device.type == "cuda" for t in loaded.state_dict().values())
+    for name, tensor in expert.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name].cpu(), tensor), name
+    x = torch.randn(10, 5)
+    torch.testing.assert_close(loaded(x.cuda()).cpu(), expert(x), rtol=1e-5, atol=1e-5)

@@ -110,3 +110,15 @@ def test_far_from_origin_data(kind: str) -> None:
     assert tree.route(x, mode="exact").experts[:, 0].tolist() == want
     idx, _, _ = _exact(tree, x, switch_fraction=0.0)
     assert idx.tolist() == want
+
+
+@pytest.mark.parametrize("kind", ["clustered", "lowdim"])
+def test_public_exact_mode_searches_the_tree_when_it_pays(kind: str) -> None:
+    rng = np.random.default_rng(3)
+    p = make_prototypes(kind, 30000, 2, rng)
+    tree = PrototypeTree.build(p, branching=4, seed=0)
+    x = p[rng.integers(0, len(p), 600)] + 0.01 * rng.standard_normal((600, 2))
+    r = tree.route(x, mode="exact")
+    assert r.experts[:, 0].tolist() == numpy_knn(x, p)[0][:, 0].tolist()
+    # Most queries were answered by the search, far below a scan of all K.
+    assert float(np.median(r.distance_evals.numpy())) < len(p) / 20

@@ -148,3 +148,17 @@ def test_csv_needs_a_target_column_and_numeric_inputs(tmp_path: Path) -> None:
     # Features and label stay paired through the split: odd a ⇔ cat.
     for row, label in zip(data.x_train, data.y_train, strict=True):
         assert (int(row[0]) % 2 == 1) == (label == 0)
+
+
+def test_parquet_regression_table(tmp_path: Path) -> None:
+    import pandas as pd
+
+    frame = pd.DataFrame({"u": np.linspace(0, 1, 25), "v": np.arange(25.0)})
+    frame["target"] = frame["u"] * 3 + frame["v"]
+    path = tmp_path / "t.parquet"
+    frame.to_parquet(path)
+    data = load_data_file(path, target="target")
+    assert data.task == "regression" and data.input_dim == 2 and data.output_dim == 1
+    np.testing.assert_allclose(
+        data.y_train[:, 0], data.x_train[:, 0] * 3 + data.x_train[:, 1], rtol=1e-5
+    )

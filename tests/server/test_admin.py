@@ -1,0 +1,131 @@
+"""POST /v1/admin/reload: the watcher's atomic swap on demand, guarded by the key or loopback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from app_support import (
+    app_settings,
+    build_small_store,
+    error_of,
+    expert_outputs,
+    fake_pool,
+    manifest,
+    running,
+)
+
+from server import create_app
+from server._admin import is_loopback
+
+pytestmark = pytest.mark.unit
+
+
+def _republish(root: Path, seed: int) -> str:
+    """Publish other experts (same shapes) into the same store root; the new version."""
+    import torch
+
+    from experts_store import ExpertArch, ExpertMLP, StoreWriter
+    from router import PrototypeTree
+
+    generator = torch.Generator().manual_seed(seed)
+    arch = ExpertArch(widths=(4, 16, 2))
+    with StoreWriter(root) as writer:
+        for expert_id in range(8):
+            writer.add_expert(expert_id, ExpertMLP(arch, generator=generator))
+        protos = torch.randn(8, 4, generator=generator)
+        PrototypeTree.build(protos, branching=4).save(writer.router_path)
+        published = writer.publish(
+            task="regression", input_dim=4, output_dim=2, routing="tree", branching=4
+        )
+    return published.store_version
+
+
+async def test_reload_returns_the_new_version_and_serves_it(tmp_path: Path) -> None:
+    store = build_small_store(tmp_path / "store")
+    old = manifest(store)["store_version"]
+    app = create_app(app_settings(store), pool_factory=fake_pool)
+    x = np.random.default_rng(1).normal(size=(16, 4)).astype(np.float32)
+    async with running(app) as client:
+        same = await client.post("/v1/admin/reload")
+        assert same.status_code == 200
+        assert same.json() == {"reloaded": False, "store_version": old, "previous_version": old}
+        new = _republish(store, seed=7)
+        answer = await client.post("/v1/admin/reload")
+        assert answer.status_code == 200
+        assert answer.json() == {"reloaded": True, "store_version": new, "previous_version": old}
+        predicted = (await client.post("/v1/predict", json={"inputs": x.tolist()})).json()
+        model = (await client.get("/v1/model")).json()
+    assert predicted["store_version"] == new and model["store_version"] == new
+    experts = np.asarray(predicted["experts"])[:, 0]
+    expected = np.stack(
+        [expert_outputs(store, int(e), x[i : i + 1])[0] for i, e in enumerate(experts)]
+    )
+    np.testing.assert_allclose(predicted["outputs"], expected, rtol=1e-5, atol=1e-6)
+
+
+async def test_with_a_key_the_key_is_what_counts(tmp_path: Path) -> None:
+    store = build_small_store(tmp_path / "store")
+    app = create_app(app_settings(store, api_key="k3y"), pool_factory=fake_pool)
+    async with running(app) as client:
+        refused = await client.post("/v1/admin/reload")
+        assert refused.status_code == 401
+        assert error_of(refused)["code"] == "unauthorized"
+    # A remote client with the key may reload.
+    import httpx
+
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, client=("198.51.100.7", 1234))
+        async with httpx.AsyncClient(transport=transport, base_url="http://momlp.test") as remote:
+            answer = await remote.post("/v1/admin/reload", headers={"Authorization": "Bearer k3y"})
+            assert answer.status_code == 200
+            anonymous = await remote.post("/v1/admin/reload")
+            assert anonymous.status_code == 401
+
+
+async def test_without_a_key_a_remote_client_is_refused(tmp_path: Path) -> None:
+    import httpx
+
+    store = build_small_store(tmp_path / "store")
+    app = create_app(app_settings(store), pool_factory=fake_pool)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, client=("198.51.100.7", 1234))
+        async with httpx.AsyncClient(transport=transport, base_url="http://momlp.test") as remote:
+            answer = await remote.post("/v1/admin/reload")
+    assert answer.status_code == 403
+    assert error_of(answer)["code"] == "forbidden"
+
+
+async def test_a_broken_new_store_keeps_the_old_version_serving(tmp_path: Path) -> None:
+    store = build_small_store(tmp_path / "store")
+    old = manifest(store)["store_version"]
+    app = create_app(app_settings(store), pool_factory=fake_pool)
+    async with running(app) as client:
+        (store / "manifest.json").write_text('{"store_version": "broken"')
+        answer = await client.post("/v1/admin/reload")
+        assert answer.status_code == 503
+        error = error_of(answer)
+        assert error["code"] == "reload_failed"
+        assert error["detail"]["store_version"] == old
+        still = await client.post("/v1/predict", json={"inputs": [[0.1, 0.2, 0.3, 0.4]]})
+    assert still.status_code == 200
+    assert still.json()["store_version"] == old
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.8.9.10", True),
+        ("::1", True),
+        ("::ffff:127.0.0.1", True),
+        ("10.0.0.1", False),
+        ("::ffff:10.0.0.1", False),
+        ("localhost", False),
+        ("", False),
+        (None, False),
+    ],
+)
+def test_is_loopback(host: str | None, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
