@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -60,7 +60,9 @@ class MultiplexedExperts:
     """One replica: routes each request's rows, then runs each expert's rows through the
     multiplexed loader's copy of that expert."""
 
-    def __init__(self, store_root: str, mode: str, models_per_replica: int) -> None:
+    def __init__(
+        self, store_root: str, mode: Literal["tree", "exact"], models_per_replica: int
+    ) -> None:
         torch.set_num_threads(1)
         self.store = Store.open(Path(store_root))
         self.tree = PrototypeTree.load(self.store.router_path)
@@ -101,9 +103,11 @@ class MultiplexedExperts:
         }
 
 
-def build_app(store_root: Path, *, replicas: int, models_per_replica: int, mode: str) -> Any:
+def build_app(
+    store_root: Path, *, replicas: int, models_per_replica: int, mode: Literal["tree", "exact"]
+) -> Any:
     """The bound application, ready for `serve.run`."""
-    deployment = serve.deployment(
+    deployment: Any = serve.deployment(
         MultiplexedExperts,
         name="momlp_multiplexed",
         num_replicas=replicas,

@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     try:
         with tempfile.TemporaryDirectory(prefix="table4-") as tmp:

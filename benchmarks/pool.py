@@ -382,7 +382,7 @@ async def main_async(args: argparse.Namespace) -> None:
         if args.pool == "ray" and ({"batching", "miss_latency"} & only):
             import ray
 
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
                      configure_logging=False)
         try:
             if "batching" in only:

@@ -52,18 +52,25 @@ class BlockedSearch:
         out_idx = torch.empty((b, k), dtype=torch.long)
         out_d2 = torch.empty((b, k), dtype=torch.float64)
         rows = max(1, min(b, _BLOCK_ELEMENTS // max(1, num)))
+        # One score buffer for all blocks: a fresh multi-MB tensor per block would pay
+        # page faults on every block, as much as the matmul itself.
+        buffer = torch.empty((rows, num), dtype=self.dtype)
         for lo in range(0, b, rows):
             hi = min(b, lo + rows)
-            idx, d2 = self._knn_block(x[lo:hi], k)
+            idx, d2 = self._knn_block(x[lo:hi], k, buffer[: hi - lo])
             out_idx[lo:hi] = idx
             out_d2[lo:hi] = d2
         return out_idx, out_d2
 
-    def _knn_block(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _knn_block(
+        self, x: torch.Tensor, k: int, scores: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         xc = x - self.centre
         xnorm2 = (xc * xc).sum(dim=1)
         # ‖x‖² is the same for a whole row: rank by ‖p‖² − 2x·p and skip a full-matrix add.
-        scores = torch.addmm(self.norm2[None, :], xc.to(self.dtype), self.centred_t, alpha=-2.0)
+        torch.addmm(
+            self.norm2[None, :], xc.to(self.dtype), self.centred_t, alpha=-2.0, out=scores
+        )
         margin = 2.0 * self.error_factor * (xnorm2.sqrt() + self.max_norm) ** 2
         if k == 1:
             return self._nearest_block(x, scores, margin)

@@ -205,7 +205,6 @@ def build_tree_arrays(
                 centres[s, : cen.shape[0]] = cen
             slot = b_seg * nu + labels
             counts = torch.bincount(slot, minlength=big.numel() * nu).reshape(-1, nu)
-        if whole:
             d2 = _sq_dist_to_centres(xb, centres, b_seg)
         d2_own = d2.gather(1, labels[:, None]).squeeze(1)
         # Non-empty clusters take consecutive child slots in label order.

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ._bruteforce import BlockedSearch, sq_dist_rows
+from ._walk import WalkIndex
 
 __all__ = ["ExactIndex", "exact_nearest", "search_pays"]
 
@@ -64,25 +65,21 @@ class ExactIndex:
     num_internal: int
 
     @classmethod
-    def from_tree(
-        cls, nodes: torch.Tensor, radius: torch.Tensor, children: torch.Tensor, num_internal: int
-    ) -> ExactIndex:
-        m = num_internal
-        k = nodes.shape[0] - m
-        is_leaf = children >= m
-        leaf_proto = children[is_leaf] - m
-        children = children.clone()
-        children[is_leaf] = m + torch.arange(leaf_proto.numel())
-        nodes64 = torch.cat([nodes[:m], nodes[m + leaf_proto]]).to(torch.float64).contiguous()
+    def from_walk(cls, walk: WalkIndex, radius: torch.Tensor) -> ExactIndex:
+        """Reuse the walk's layout (leaves in breadth-first order), in float64."""
+        m = walk.num_internal
+        nodes64 = walk.nodes.to(torch.float64)
+        k = nodes64.shape[0] - m
         radius_all = torch.cat([radius.to(torch.float64), torch.zeros(k, dtype=torch.float64)])
+        children = walk.children
         nu = children.shape[1]
         sibling = torch.empty((m, nu, nu), dtype=torch.float64)
-        step = max(1, _CHUNK_ELEMENTS // max(1, nu * nu * nodes.shape[1]))
+        step = max(1, _CHUNK_ELEMENTS // max(1, nu * nu * nodes64.shape[1]))
         for lo in range(0, m, step):
             c = nodes64[children[lo : lo + step].clamp(min=0)]
             diff = c[:, :, None, :] - c[:, None, :, :]
             sibling[lo : lo + step] = (diff * diff).sum(dim=3).sqrt()
-        return cls(nodes64, leaf_proto, radius_all, children, sibling.flatten(), m)
+        return cls(nodes64, walk.leaf_proto, radius_all, children, sibling.flatten(), m)
 
 
 def exact_nearest(

@@ -15,7 +15,7 @@ from ._exact import ExactIndex, exact_nearest, search_pays
 from ._exceptions import RouterBuildError
 from ._io import read_router, write_router
 from ._routing import Mode, Routing, check_mode, check_top_k, gate_weights, to_inputs
-from ._walk import greedy_walk
+from ._walk import WalkIndex, greedy_walk
 
 __all__ = ["PrototypeTree"]
 
@@ -42,8 +42,7 @@ class PrototypeTree:
         self.temperature = float(temperature)
         self._arrays = arrays
         self._num_internal = int(arrays.children.shape[0])
-        # Internal points then prototypes: node id num_internal + p is the leaf of p.
-        self._nodes = torch.cat([arrays.points, prototypes], dim=0).contiguous()
+        self._walk = WalkIndex.from_tree(arrays.points, prototypes, arrays.children)
         self.depth = _depth(arrays.children, self._num_internal)
         self._exact: ExactIndex | None = None
         self._search: BlockedSearch | None = None
@@ -120,9 +119,7 @@ class PrototypeTree:
             leaf, dist = idx[:, 0], d2[:, 0].sqrt().to(torch.float32)
             evals = torch.full((xs.shape[0],), self.num_prototypes, dtype=torch.long)
         else:
-            leaf, sq32, evals = greedy_walk(
-                xs.to(torch.float32), self._nodes, self._arrays.children, self._num_internal
-            )
+            leaf, sq32, evals = greedy_walk(xs.to(torch.float32), self._walk)
             dist = sq32.sqrt()
             if mode == "exact" and search:
                 best = sq_dist_rows(xs, self.prototypes[leaf].to(torch.float64))
@@ -155,10 +152,12 @@ class PrototypeTree:
 
     def _exact_index(self) -> ExactIndex:
         if self._exact is None:
-            self._exact = ExactIndex.from_tree(
-                self._nodes, self._arrays.radius, self._arrays.children, self._num_internal
-            )
+            self._exact = ExactIndex.from_walk(self._walk, self._arrays.radius)
         return self._exact
+
+    def _node_points(self) -> torch.Tensor:
+        """Internal points then prototypes: row num_internal + p is the leaf of p."""
+        return torch.cat([self._arrays.points, self.prototypes], dim=0)
 
     def __repr__(self) -> str:
         return (

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -51,6 +52,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if not getattr(args, "ray_address", None) and not os.environ.get("RAY_ADDRESS"):
+        # An embedded Ray otherwise advertises the machine's outward address even though
+        # every process is local; this keeps its traffic on loopback. Set before Ray is
+        # imported, which only the handlers do.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     handler: Handler | None = getattr(args, "handler", None)
     if handler is None:
         parser.print_help()

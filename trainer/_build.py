@@ -235,7 +235,9 @@ def _ray_runtime(config: BuildConfig) -> Iterator[None]:
         if config.ray_address is not None:
             ray.init(address=config.ray_address, log_to_driver=False, configure_logging=False)
         else:
+            # address="local": a bare ray.init() would attach to any cluster `ray start` left.
             ray.init(
+                address="local",
                 num_cpus=config.num_cpus,
                 include_dashboard=False,
                 log_to_driver=False,

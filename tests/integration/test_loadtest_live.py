@@ -49,8 +49,16 @@ def store_and_url(
     root = _build_store(tmp_path_factory.mktemp("loadtest-live") / "store")
     store = Store.open(root)
     largest = max(store.expert_nbytes(e) for e in range(K))
+    # CPU: the server computes activation bytes from tensor sizes there, which is what this
+    # test recomputes; on CUDA it reads the allocator's peak counters instead.
     settings = Settings(
-        store=root, port=0, actors=2, cache_bytes=4 * largest, watch_store=False, max_rows=512
+        store=root,
+        port=0,
+        device="cpu",
+        actors=2,
+        cache_bytes=4 * largest,
+        watch_store=False,
+        max_rows=512,
     )
     server = uvicorn.Server(
         uvicorn.Config(

@@ -42,9 +42,11 @@ async def _stream(
     requests: int,
     concurrency: int,
     on_sent: Any = None,
+    peak: dict[str, int] | None = None,
 ) -> list[tuple[int, float, float, httpx.Response]]:
     """`requests` predictions, `concurrency` at a time; each answer checked against the files of
-    the version it names. Returns (seq, start, end, response) per request."""
+    the version it names. Returns (seq, start, end, response) per request; `peak` collects the
+    largest resident bytes each actor reported after a call."""
     loop = asyncio.get_running_loop()
     seqs = iter(range(requests))
     done: list[tuple[int, float, float, httpx.Response]] = []
@@ -56,12 +58,17 @@ async def _stream(
             if on_sent is not None:
                 await on_sent(seq)
             start = loop.time()
-            answer = await client.post("/v1/predict", json={"inputs": x.tolist(), "mode": "exact"})
+            answer = await client.post(
+                "/v1/predict", json={"inputs": x.tolist(), "mode": "exact", "return_stats": True}
+            )
             end = loop.time()
             done.append((seq, start, end, answer))
             if answer.status_code == 200:
                 body = answer.json()
                 ref = reference[body["store_version"]]
+                if peak is not None:
+                    for actor, resident in body["stats"]["device_bytes"].items():
+                        peak[actor] = max(peak.get(actor, 0), resident)
                 experts = np.asarray(body["experts"])[:, 0]
                 np.testing.assert_array_equal(experts, ref.nearest(x))
                 np.testing.assert_allclose(
@@ -76,7 +83,9 @@ async def test_actors_killed_during_load_lose_no_request(tmp_path: Path) -> None
     store = tmp_path / "store"
     publish_store(store)
     ref = Reference(store)
-    app = fake_app(store, cache_bytes=3 * 4096)
+    # Room for three experts per actor, so that loads and evictions go on throughout.
+    budget = 3 * Store.open(store).expert_nbytes(0)
+    app = fake_app(store, cache_bytes=budget)
     async with running(app) as client:
         pool = app.state.serving.generation.pool
         kills = 0
@@ -87,8 +96,14 @@ async def test_actors_killed_during_load_lose_no_request(tmp_path: Path) -> None
                 pool.kill(f"actor-{(seq // 15) % 2}")
                 kills += 1
 
+        peak: dict[str, int] = {}
         done = await _stream(
-            client, {ref.version: ref}, requests=90, concurrency=4, on_sent=kill_now_and_then
+            client,
+            {ref.version: ref},
+            requests=90,
+            concurrency=4,
+            on_sent=kill_now_and_then,
+            peak=peak,
         )
     statuses = [answer.status_code for *_, answer in done]
     seqs = sorted(seq for seq, *_ in done)
@@ -99,8 +114,11 @@ async def test_actors_killed_during_load_lose_no_request(tmp_path: Path) -> None
         errors=sum(s != 200 for s in statuses),
         lost=90 - len(set(seqs)),
         duplicated=len(seqs) - len(set(seqs)),
+        peak_resident_bytes=max(peak.values()),
+        budget_bytes=budget,
     )
     assert kills == 6
+    assert max(peak.values()) <= budget
     assert seqs == list(range(90))
     assert set(statuses) == {200}
 
@@ -135,6 +153,7 @@ async def test_a_corrupted_expert_fails_only_its_requests(tmp_path: Path) -> Non
                         ),
                     )
                 )
+        actors = (await client.get("/v1/experts")).json()["actors"]
     failed = 0
     for experts, answer in answers:
         if bad in experts:
@@ -151,7 +170,11 @@ async def test_a_corrupted_expert_fails_only_its_requests(tmp_path: Path) -> Non
         errors=failed,
         errors_not_needing_it=0,
         lost=0,
+        peak_resident_bytes=max(a["resident_bytes"] for a in actors),
+        budget_bytes=actors[0]["budget_bytes"],
     )
+    assert all(a["resident_bytes"] <= a["budget_bytes"] for a in actors)
+    assert all(bad not in a["resident"] for a in actors)
 
 
 async def test_a_store_republished_under_load_switches_versions_cleanly(tmp_path: Path) -> None:
@@ -175,7 +198,10 @@ async def test_a_store_republished_under_load_switches_versions_cleanly(tmp_path
                 assert answer.status_code == 200
                 assert answer.json()["store_version"] == new_version
 
-        done = await _stream(client, references, requests=100, concurrency=4, on_sent=republish)
+        peak: dict[str, int] = {}
+        done = await _stream(
+            client, references, requests=100, concurrency=4, on_sent=republish, peak=peak
+        )
     new = next(v for v in references if v != old.version)
     versions = {seq: answer.json().get("store_version") for seq, _, _, answer in done}
     before = [versions[seq] for seq, _, end, _ in done if end < marks["reload_start"]]
@@ -189,6 +215,8 @@ async def test_a_store_republished_under_load_switches_versions_cleanly(tmp_path
         duplicated=len(done) - len(versions),
         served_by_old=sum(v == old.version for v in versions.values()),
         served_by_new=sum(v == new for v in versions.values()),
+        peak_resident_bytes=max(peak.values()),
+        budget_bytes=1 << 20,
     )
     assert set(statuses) == {200}
     assert sorted(versions) == list(range(100))

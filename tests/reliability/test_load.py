@@ -21,7 +21,7 @@ from server import create_app
 
 pytestmark = [pytest.mark.integration, pytest.mark.ray]
 
-K_LOAD, WIDTH_LOAD = 16, 192  # experts of ~156 KB each: 4 fit in one actor's budget
+K_LOAD, WIDTH_LOAD = 16, 192  # 16 experts of ~6 KB; 4 fit in one actor's budget
 EXPERTS_PER_ACTOR = 4
 
 
@@ -159,6 +159,7 @@ def test_a_ray_actor_killed_mid_load_loses_no_request(
     pool = app.state.serving.generation.pool
     results: list[tuple[int, int]] = []
     failures: list[str] = []
+    peak: dict[str, int] = {}
     lock = threading.Lock()
     seqs = iter(range(10**6))
     stop = threading.Event()
@@ -169,9 +170,15 @@ def test_a_ray_actor_killed_mid_load_loses_no_request(
                 with lock:
                     seq = next(seqs)
                 x = np.random.default_rng(seq).normal(size=(8, N)).astype(np.float32)
-                answer = http.post("/v1/predict", json={"inputs": x.tolist(), "mode": "exact"})
+                answer = http.post(
+                    "/v1/predict",
+                    json={"inputs": x.tolist(), "mode": "exact", "return_stats": True},
+                )
                 if answer.status_code == 200:
                     body = answer.json()
+                    with lock:
+                        for actor, resident in body["stats"]["device_bytes"].items():
+                            peak[actor] = max(peak.get(actor, 0), resident)
                     experts = np.asarray(body["experts"])[:, 0]
                     if not np.allclose(
                         body["outputs"], reference.outputs(experts, x), rtol=1e-5, atol=1e-6
@@ -206,9 +213,12 @@ def test_a_ray_actor_killed_mid_load_loses_no_request(
                 "errors": sum(s != 200 for s in statuses),
                 "lost": issued - len({seq for seq, _ in results}),
                 "duplicated": len(results) - len({seq for seq, _ in results}),
+                "peak_resident_bytes": peak,
+                "budget_bytes": app.state.serving.settings.cache_bytes,
             }
         )
     )
     assert sorted(seq for seq, _ in results) == list(range(issued))
     assert set(statuses) == {200}
     assert failures == []
+    assert max(peak.values()) <= app.state.serving.settings.cache_bytes

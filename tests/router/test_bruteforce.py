@@ -58,7 +58,7 @@ def test_router_interface_and_costs() -> None:
 def test_many_blocks() -> None:
     # More rows than one block holds, so blocking must not reorder or drop rows.
     rng = np.random.default_rng(0)
-    p = make_prototypes("uniform", 40000, 2, rng)
-    x = rng.random((120, 2))
+    p = make_prototypes("uniform", 5000, 2, rng)
+    x = rng.random((1000, 2))
     idx, _ = BlockedSearch(torch.from_numpy(p)).knn(torch.from_numpy(x), 1)
     assert idx[:, 0].tolist() == numpy_knn(x, p)[0][:, 0].tolist()

@@ -28,7 +28,7 @@ def _leaves_below(children: np.ndarray, m: int, k: int) -> list[list[int]]:
 def check_tree(tree: PrototypeTree) -> None:
     children = tree._arrays.children.numpy()
     m, k = tree.num_internal_nodes, tree.num_prototypes
-    nodes = tree._nodes.numpy().astype(np.float64)
+    nodes = tree._node_points().numpy().astype(np.float64)
     radius = tree._arrays.radius.numpy()
     assert children.shape == (m, tree.branching)
     if m == 0:

@@ -24,7 +24,7 @@ def _algorithm_1(x: float) -> int:
 def test_example_1_routes_like_algorithm_1() -> None:
     tree = PrototypeTree.build(torch.tensor([[1 / 8], [3 / 8], [5 / 8], [7 / 8]]), branching=2)
     # The first query of Algorithm 1 compares against 1/4 and 3/4: the tree's inner points.
-    inner = sorted(float(v) for v in tree._nodes[1:3, 0])
+    inner = sorted(float(v) for v in tree._node_points()[1:3, 0])
     assert inner == [0.25, 0.75]
     ties = {0.25, 0.5, 0.75}
     xs = [i / 64 for i in range(65) if i / 64 not in ties]

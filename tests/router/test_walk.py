@@ -1,0 +1,57 @@
+"""The batched walk against a one-input-at-a-time walk written from the definition."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from router_testdata import make_prototypes
+
+from router import PrototypeTree
+
+pytestmark = pytest.mark.unit
+
+
+def slow_walk(tree: PrototypeTree, x: np.ndarray) -> tuple[list[int], list[int]]:
+    """At each node, measure every child and go to the nearest, ties to the lowest slot."""
+    children = tree._arrays.children.numpy()
+    nodes = tree._node_points().numpy()
+    m = tree.num_internal_nodes
+    experts, costs = [], []
+    for row in x.astype(np.float32):
+        node, cost = 0, 0
+        while node < m:
+            kids = [int(c) for c in children[node] if c >= 0]
+            d = [float(((nodes[c] - row) ** 2).sum()) for c in kids]
+            cost += len(kids)
+            node = kids[int(np.argmin(d))]
+        experts.append(node - m if m else 0)
+        costs.append(cost)
+    return experts, costs
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    k=st.integers(1, 120),
+    n=st.integers(1, 4),
+    nu=st.integers(2, 5),
+    seed=st.integers(0, 2**16),
+    integer_grid=st.booleans(),
+)
+def test_batched_walk_equals_the_definition(
+    k: int, n: int, nu: int, seed: int, integer_grid: bool
+) -> None:
+    rng = np.random.default_rng(seed)
+    if integer_grid:
+        # Small integers: float32 arithmetic is exact, so exact ties are frequent.
+        p = rng.integers(0, 4, (k, n)).astype(np.float32)
+        x = rng.integers(-1, 5, (40, n)).astype(np.float64)
+    else:
+        p = make_prototypes("clustered", k, n, rng)
+        x = rng.random((40, n))
+    tree = PrototypeTree.build(p, branching=nu, seed=seed)
+    r = tree.route(x)
+    experts, costs = slow_walk(tree, x)
+    assert r.experts[:, 0].tolist() == experts
+    assert r.distance_evals.tolist() == costs
