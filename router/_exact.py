@@ -58,6 +58,9 @@ class ExactIndex:
     children of a node sit in consecutive rows and a level's gathers stay cache-friendly."""
 
     nodes64: torch.Tensor  # [num_internal + K, n] float64, internal points then leaves
+    nodes32: torch.Tensor  # the same rows minus centre, in float32: the search's fast copy
+    centre: torch.Tensor  # [n] float64
+    max_norm: float  # max |node - centre|
     leaf_proto: torch.Tensor  # [K] int64, prototype index of leaf row num_internal + i
     radius: torch.Tensor  # [num_internal + K] float64, 0 for leaves
     children: torch.Tensor  # [num_internal, branching] int64, -1 padded
@@ -79,7 +82,13 @@ class ExactIndex:
             c = nodes64[children[lo : lo + step].clamp(min=0)]
             diff = c[:, :, None, :] - c[:, None, :, :]
             sibling[lo : lo + step] = (diff * diff).sum(dim=3).sqrt()
-        return cls(nodes64, walk.leaf_proto, radius_all, children, sibling.flatten(), m)
+        centre = nodes64.mean(dim=0)
+        centred = nodes64 - centre
+        max_norm = float((centred * centred).sum(dim=1).max().sqrt())
+        return cls(
+            nodes64, centred.to(torch.float32), centre, max_norm, walk.leaf_proto, radius_all,
+            children, sibling.flatten(), m,
+        )
 
 
 def exact_nearest(
@@ -164,12 +173,22 @@ def _branch_and_bound(
     index: ExactIndex,
     budget: float,
 ) -> None:
-    """Update best_idx / best_d2 / evals / to_scan in place."""
+    """Update best_idx / best_d2 / evals / to_scan in place.
+
+    Node distances are measured in float32 on centred coordinates (half the memory
+    traffic of float64) and every bound is widened by that rounding error: rel * d plus
+    abs_q, which covers rounding x and the nodes into float32.
+    """
     b = x.shape[0]
     nu = index.children.shape[1]
     n = x.shape[1]
     m = index.num_internal
     slots = torch.arange(nu)
+    xc = x - index.centre
+    x32 = xc.to(torch.float32)
+    unit = 2.0**-24
+    rel = (n + 8) * 2 * unit
+    abs_q = (4 * unit * ((xc * xc).sum(dim=1).sqrt() + index.max_norm))[:, None]
     ub = best_d2.sqrt()
     fq = torch.arange(b)
     fnode = torch.zeros(b, dtype=torch.long)
@@ -184,29 +203,31 @@ def _branch_and_bound(
             ch = index.children.index_select(0, node)
             valid = ch >= 0
             flat = ch.clamp(min=0).flatten()
-            diff = index.nodes64.index_select(0, flat).view(p, nu, n)
-            diff -= x.index_select(0, q)[:, None, :]
+            diff = index.nodes32.index_select(0, flat).view(p, nu, n)
+            diff -= x32.index_select(0, q)[:, None, :]
             diff *= diff
-            d2 = diff.sum(dim=2)
-            d2.masked_fill_(~valid, float("inf"))
+            d = diff.sum(dim=2).to(torch.float64).sqrt_()
+            d.masked_fill_(~valid, float("inf"))
             evals.index_add_(0, q, valid.sum(dim=1))
-            _update_best(x, index, best_idx, best_d2, q, ch, d2, valid & (ch >= m))
-            d = d2.sqrt()
+            err = rel * d + abs_q.index_select(0, q)
+            d_lo = (d - err).clamp_(min=0.0)
+            d_hi = d + err
+            _update_best(x, index, best_idx, best_d2, q, ch, d_lo, valid & (ch >= m))
             r = index.radius.index_select(0, flat).view(p, nu)
             inner = valid & (ch < m)
             # Any subtree holds a prototype within d + r: a valid upper bound right away.
-            reach = torch.where(inner, d + r, torch.full_like(d, float("inf"))).amin(dim=1)
+            reach = torch.where(inner, d_hi + r, torch.full_like(d, float("inf"))).amin(dim=1)
             ub.scatter_reduce_(0, q, reach, reduce="amin")
             ub = torch.minimum(ub, best_d2.sqrt())
             uq = ub.index_select(0, q)[:, None]
-            keep = inner & (d - r <= uq + _SLACK * (d + r + uq))
-            j = d2.argmin(dim=1)
+            keep = inner & (d_lo - r <= uq + _SLACK * (d + r + uq))
+            j = d.argmin(dim=1)
             pick = ((node[:, None] * nu + slots) * nu + j[:, None]).flatten()
             s = index.sibling_flat.index_select(0, pick).view(p, nu)
-            d2j = d2.gather(1, j[:, None])
-            slack = _SLACK * (d2 + d2j + (r + s) ** 2)
+            dj_hi = d_hi.gather(1, j[:, None])
+            slack = _SLACK * (d_hi * d_hi + dj_hi * dj_hi + (r + s) ** 2)
             # A sibling at distance 0 (duplicate points) gives no bisector: skip it.
-            keep &= ~((s > 0) & (d2 - d2j > 2.0 * s * uq + slack))
+            keep &= ~((s > 0) & (d_lo * d_lo - dj_hi * dj_hi > 2.0 * s * uq + slack))
             kq, kslot = torch.nonzero(keep, as_tuple=True)
             next_q.append(q[kq])
             next_node.append(ch[kq, kslot])
@@ -232,15 +253,16 @@ def _update_best(
     best_d2: torch.Tensor,
     q: torch.Tensor,
     ch: torch.Tensor,
-    d2: torch.Tensor,
+    d_lo: torch.Tensor,
     is_leaf: torch.Tensor,
 ) -> None:
     """Fold leaf candidates into the best so far: smaller distance, then lower index.
 
-    Leaves that may win or tie are re-measured with sq_dist_rows, the reference metric,
-    so a near tie is decided by the same float64 sums as the brute-force scan.
+    Leaves whose lower bound d_lo may win or tie are re-measured with sq_dist_rows, the
+    reference metric, so the answer is decided by the same float64 sums as a scan.
     """
-    near = is_leaf & (d2 <= best_d2.index_select(0, q)[:, None] * (1.0 + _SLACK))
+    best = best_d2.index_select(0, q)[:, None]
+    near = is_leaf & (d_lo * d_lo <= best * (1.0 + _SLACK))
     lq, lslot = torch.nonzero(near, as_tuple=True)
     if lq.numel() == 0:
         return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -63,11 +64,12 @@ def to_inputs(x: torch.Tensor | np.ndarray, dim: int) -> torch.Tensor:
         raise DimensionMismatch(expected=dim, got=tuple(t.shape))
     if t.shape[0] == 0:
         raise EmptyBatch()
-    finite = torch.isfinite(t).all(dim=1)
-    if not bool(finite.all()):
-        rows = torch.nonzero(~finite).flatten().tolist()
-        raise NonFiniteInput(rows=rows)
-    max_abs = float(t.abs().max())
+    # One pass for both checks: NaN and ±inf propagate into the extremes.
+    low, high = torch.aminmax(t)
+    max_abs = max(-float(low), float(high))
+    if not math.isfinite(max_abs):
+        finite = torch.isfinite(t).all(dim=1)
+        raise NonFiniteInput(rows=torch.nonzero(~finite).flatten().tolist())
     if max_abs > MAX_ABS_INPUT:
         raise InputOutOfRange(max_abs=max_abs, limit=MAX_ABS_INPUT)
     return t.contiguous()

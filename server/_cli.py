@@ -52,6 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # httpx logs every request at INFO; a load test would print thousands of lines.
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     if not getattr(args, "ray_address", None) and not os.environ.get("RAY_ADDRESS"):
         # An embedded Ray otherwise advertises the machine's outward address even though
         # every process is local; this keeps its traffic on loopback. Set before Ray is

@@ -45,6 +45,7 @@ def test_learned_prototypes_start_in_bounds_and_lower_the_mixture_loss() -> None
     gen = torch.Generator().manual_seed(0)
     x = torch.rand(400, 1, generator=gen) * 4 - 2
     y = torch.where(x < 0, torch.full_like(x, -1.0), torch.full_like(x, 1.0))
+    torch.manual_seed(0)  # the layers' own initialisation draws from the global generator
     nets = [nn.Sequential(nn.Linear(1, 8), nn.PReLU(), nn.Linear(8, 1)) for _ in range(2)]
     before = MixtureOfSmallNetworks(torch.zeros(2, 1), nets)
     protos = learned_prototypes(
