@@ -41,9 +41,10 @@ class BlockedSearch:
         self.max_norm = float((centred * centred).sum(dim=1).max().sqrt())
         self.dtype = dtype
         unit = 2.0**-24 if dtype == torch.float32 else 2.0**-53
-        # Covers the dot product (n terms), both norms, the final additions and the
-        # rounding of x and p into dtype, with room to spare.
-        self.error_factor = (2 * n + 16) * unit
+        # |error| of ‖p‖² − 2x·p <= error_factor * (‖x‖ + R)², R = max ‖p‖ (centred):
+        # (‖x‖ + R)² >= 2‖x‖R + ‖x‖² + R² covers the dot product (gamma_n * 2‖x‖R), and the
+        # 16u spare covers both norms, the additions and rounding x and p into dtype.
+        self.error_factor = (n + 16) * unit
 
     def knn(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact k nearest of float64 x [B, n]: (indices [B, k] int64, sq dists [B, k] f64)."""

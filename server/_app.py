@@ -160,6 +160,7 @@ async def _inputs(
         mode=mode,
         return_stats=return_stats,
         model=model,
+        body_timeout_s=settings.body_timeout_s,
     )
     k = parsed.top_k or settings.default_top_k
     if k > gen.manifest.num_experts:

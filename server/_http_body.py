@@ -6,6 +6,7 @@ that lies about (or omits) the length is cut off at the limit instead of filling
 
 from __future__ import annotations
 
+import asyncio
 import io
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -74,8 +75,30 @@ def validation_detail(exc: ValidationError) -> list[dict[str, Any]]:
     ][:20]
 
 
-async def read_body_limited(request: Request, max_bytes: int) -> bytes:
-    """The whole body, refusing with 413 as soon as it is known to exceed `max_bytes`."""
+async def read_body_limited(
+    request: Request, max_bytes: int, timeout_s: float | None = None
+) -> bytes:
+    """The whole body, refusing with 413 as soon as it is known to exceed `max_bytes`.
+
+    A body not complete within `timeout_s` is refused with 408, so a client trickling its
+    bytes cannot hold a connection (and its buffer) open for as long as it likes.
+    """
+    if timeout_s is None:
+        return await _read_body(request, max_bytes)
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _read_body(request, max_bytes)
+    except TimeoutError:
+        raise HttpError(
+            408,
+            "request_timeout",
+            f"the request body did not arrive within {timeout_s:g} s",
+            detail={"timeout_s": timeout_s},
+            headers={"Connection": "close"},
+        ) from None
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -223,6 +246,7 @@ async def parse_inputs(
     mode: Mode | None,
     return_stats: bool,
     model: type[RouteRequest] = PredictRequest,
+    body_timeout_s: float | None = None,
 ) -> ParsedInputs:
     """Read and parse a predict/route body; query parameters apply to the binary forms."""
     media = _media_type(request)
@@ -237,7 +261,7 @@ async def parse_inputs(
         rows_header = request.headers.get(ROWS_HEADER)
         if rows_header is not None and rows_header.strip().isdigit():
             check_rows(int(rows_header), input_dim, max_rows=max_rows, input_dim=input_dim)
-    body = await read_body_limited(request, max_bytes)
+    body = await read_body_limited(request, max_bytes, body_timeout_s)
     rows_header = request.headers.get(ROWS_HEADER)
 
     def parse() -> ParsedInputs:

@@ -62,6 +62,9 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(
         default=32 * 1024 * 1024, ge=1, description="request body size (413 above)"
     )
+    body_timeout_s: float = Field(
+        default=30.0, gt=0.0, description="a request body must arrive within this (408 after)"
+    )
     request_timeout_s: float = Field(default=60.0, gt=0.0)
     default_top_k: int = Field(default=1, ge=1)
     default_mode: Literal["tree", "exact"] | None = Field(

@@ -169,6 +169,25 @@ async def test_streamed_body_is_cut_off_at_the_limit(store: Path) -> None:
     assert len(sent) < 10
 
 
+async def test_a_body_that_stops_arriving_gets_408(store: Path) -> None:
+    stalled = asyncio.Event()
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b'{"inputs": [[0.1, '
+        await stalled.wait()  # never set: the client stops sending mid-body
+        yield b"0.2]]}"
+
+    async with running(fake_app(store, body_timeout_s=0.2)) as client:
+        response = await client.post(
+            "/v1/predict", content=chunks(), headers={"Content-Type": "application/json"}
+        )
+        after = await client.post("/v1/predict", json={"inputs": X})
+    assert response.status_code == 408
+    error = error_of(response)
+    assert error["code"] == "request_timeout" and error["detail"] == {"timeout_s": 0.2}
+    assert after.status_code == 200
+
+
 async def test_unknown_path_and_wrong_method(store: Path) -> None:
     async with running(fake_app(store)) as client:
         missing = await client.get("/v2/predict")
