@@ -75,7 +75,17 @@ class FakeExpertPool(DispatchingPool):
             self._cores[actor] = self._new_core(actor)
             await asyncio.to_thread(old.close)
             raise ActorDied(actor)
-        return await asyncio.to_thread(self._cores[actor].run, payload)
+        core = self._cores[actor]
+        try:
+            reply = await asyncio.to_thread(core.run, payload)
+        except Exception:
+            if self._cores[actor] is not core:
+                # Killed while this call was running: a dead Ray actor fails all its calls.
+                raise ActorDied(actor) from None
+            raise
+        if self._cores[actor] is not core:
+            raise ActorDied(actor)
+        return reply
 
     async def _call_prefetch(self, actor: str, expert_ids: list[int]) -> dict[int, int]:
         return await asyncio.to_thread(self._cores[actor].prefetch, expert_ids)

@@ -28,6 +28,10 @@ __all__ = ["ActorDied", "DispatchingPool", "RayExpertPool", "check_budget"]
 
 logger = logging.getLogger(__name__)
 
+# Retries of a dead actor's groups: one covers a single death, the second two deaths close
+# together (the retry's actor dying too). Each attempt that died produced no answer.
+MAX_RETRIES = 2
+
 _EMPTY = torch.empty(0, 0)
 
 
@@ -104,7 +108,9 @@ class DispatchingPool(ABC):
         """Run every group on some actor; results in the order of `groups`.
 
         A group whose expert cannot be loaded comes back with `error` set; an actor that dies
-        mid-call has its groups retried once elsewhere; if that fails too, `ActorFailed`.
+        mid-call has its groups retried elsewhere (or on the restarted actor), up to
+        `MAX_RETRIES` times, so that two actors dying close together still lose nothing;
+        past that, `ActorFailed`. A dead call produced no answer, so nothing is answered twice.
         """
         if self._closed:
             raise PoolClosed()
@@ -118,7 +124,9 @@ class DispatchingPool(ABC):
             else:
                 todo.append(index)
         if todo:
-            await self._dispatch(groups, todo, results, retry=True, exclude=frozenset())
+            await self._dispatch(
+                groups, todo, results, retries_left=MAX_RETRIES, exclude=frozenset()
+            )
         return [result for result in results if result is not None]
 
     async def _dispatch(
@@ -127,7 +135,7 @@ class DispatchingPool(ABC):
         indices: list[int],
         results: list[GroupResult | None],
         *,
-        retry: bool,
+        retries_left: int,
         exclude: frozenset[str],
     ) -> None:
         if not [a for a in self._dispatcher.live_actors() if a not in exclude]:
@@ -151,7 +159,7 @@ class DispatchingPool(ABC):
                 self._dispatcher.complete(actor, sum(int(groups[i].rows.shape[0]) for i in idx))
             raise ActorFailed(actor="*", reason="no live actor in the pool")
         calls = [
-            self._run_on(actor, groups, idx, results, retry=retry)
+            self._run_on(actor, groups, idx, results, retries_left=retries_left, exclude=exclude)
             for actor, idx in by_actor.items()
         ]
         await asyncio.gather(*calls)
@@ -168,7 +176,8 @@ class DispatchingPool(ABC):
         indices: list[int],
         results: list[GroupResult | None],
         *,
-        retry: bool,
+        retries_left: int,
+        exclude: frozenset[str],
     ) -> None:
         rows = sum(int(groups[i].rows.shape[0]) for i in indices)
         payload = [
@@ -186,10 +195,12 @@ class DispatchingPool(ABC):
         if died:
             self._dispatcher.mark_dead(actor)
             self._watch_revival(actor)
-            if not retry:
-                raise ActorFailed(actor=actor, reason="died again during the retry")
+            if retries_left <= 0:
+                raise ActorFailed(actor=actor, reason="died again during the retries")
             logger.warning("actor %s died mid-call; retrying %s groups", actor, len(indices))
-            await self._dispatch(groups, indices, results, retry=False, exclude=frozenset({actor}))
+            await self._dispatch(
+                groups, indices, results, retries_left=retries_left - 1, exclude=exclude | {actor}
+            )
             return
         self._dispatcher.update_residency(actor, reply.resident)
         self._evictions[actor] = reply.evictions

@@ -5,13 +5,15 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from experts_store import ExpertTooLarge, Store, load_expert
 from server._exceptions import PoolClosed
 from server._fake_pool import FakeExpertPool
-from server._runtime_types import Group
+from server._pool import ActorDied
+from server._runtime_types import ActorReply, Group
 from server._settings import Settings
 
 pytestmark = pytest.mark.unit
@@ -80,6 +82,38 @@ async def test_an_actor_dying_mid_call_is_retried_elsewhere_exactly_once(
     homes = {e: pool.dispatcher.home(e) for e in range(12)}
     assert "actor-1" in homes.values()
     assert all(sent[e] == (2 if homes[e] == "actor-1" else 1) for e in range(12))
+    await pool.close()
+
+
+class RetryTargetDies(FakeExpertPool):
+    """actor-0 dies on its first call, and so does the first call made after that death:
+    the retry of actor-0's groups lands on an actor that dies as well."""
+
+    first_died = False
+    second_doomed = False
+
+    async def _call_run(self, actor: str, payload: list[tuple[int, np.ndarray]]) -> ActorReply:
+        if self.first_died and not self.second_doomed and actor != "actor-0":
+            self.second_doomed = True
+            self.kill(actor)
+        try:
+            return await super()._call_run(actor, payload)
+        except ActorDied:
+            self.first_died = True
+            raise
+
+
+async def test_the_retry_survives_its_own_actor_dying_too(make_store: MakeStore) -> None:
+    store = Store.open(make_store(K=12, n=3, width=6, out=2))
+    pool = RetryTargetDies(store, Settings(actors=3, cache_bytes=10**6))
+    groups = groups_for(list(range(12)), 3, seed=5)
+    pool.kill("actor-0")
+    results = await pool.run(groups)
+    assert pool.second_doomed  # the retry's actor really died
+    assert [r.expert_id for r in results] == list(range(12))
+    for group, result in zip(groups, results, strict=True):
+        assert result.error is None
+        torch.testing.assert_close(result.outputs, expected(store, group))
     await pool.close()
 
 
