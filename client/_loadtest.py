@@ -295,13 +295,19 @@ def _status(exc: MomlpError) -> str:
 
 
 class _Progress:
-    """A live `\\r` line on a stream: done/total, req/s, p50 so far, errors."""
+    """A live `\\r` line on a stream: done/total, req/s, p50 so far, errors.
+
+    On a stream that is not a terminal (a log file, CI) `\\r` would glue the updates into
+    one line, so there each update is its own line, and they come less often.
+    """
 
     def __init__(self, stream: TextIO, config: LoadTestConfig, interval_s: float = 0.5) -> None:
         self.stream = stream
         self.config = config
-        self.interval_s = interval_s
-        self._last = -interval_s
+        isatty = getattr(stream, "isatty", None)
+        self._live = bool(isatty()) if callable(isatty) else False
+        self.interval_s = interval_s if self._live else max(interval_s, 5.0)
+        self._last = -self.interval_s
 
     def update(self, records: list[RequestRecord], elapsed: float) -> None:
         if elapsed - self._last >= self.interval_s:
@@ -310,7 +316,8 @@ class _Progress:
 
     def finish(self, records: list[RequestRecord], elapsed: float) -> None:
         self._write(records, elapsed)
-        self.stream.write("\n")
+        if self._live:
+            self.stream.write("\n")
         self.stream.flush()
 
     def _write(self, records: list[RequestRecord], elapsed: float) -> None:
@@ -323,5 +330,6 @@ class _Progress:
         errors = done - len(latencies)
         rate = done / elapsed if elapsed > 0 else 0.0
         p50 = percentile(latencies, 50) if latencies else 0.0
-        self.stream.write(f"\r{where}  {rate:.1f} req/s  p50 {p50:.1f} ms  errors {errors}   ")
+        line = f"{where}  {rate:.1f} req/s  p50 {p50:.1f} ms  errors {errors}"
+        self.stream.write(f"\r{line}   " if self._live else f"{line}\n")
         self.stream.flush()

@@ -199,8 +199,13 @@ async def test_no_plots_without_matplotlib(make_server, fake_clock, tmp_path, mo
     assert "matplotlib" in report.summary()
 
 
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
 async def test_progress_line_on_the_stream(make_server, fake_clock):
-    stream = io.StringIO()
+    stream = _Terminal()
     config = LoadTestConfig(requests=40, concurrency=2)
     server = make_server()
     await arun_loadtest(config, client_factory=factory(server), clock=fake_clock, progress=stream)
@@ -209,6 +214,16 @@ async def test_progress_line_on_the_stream(make_server, fake_clock):
     last = text.rstrip("\n").split("\r")[-1]
     assert last.startswith("40/40") and "errors 0" in last and "p50" in last
     assert Counter(text)["\r"] >= 2
+
+
+async def test_progress_is_whole_lines_when_not_a_terminal(make_server, fake_clock):
+    stream = io.StringIO()
+    config = LoadTestConfig(requests=40, concurrency=2)
+    server = make_server()
+    await arun_loadtest(config, client_factory=factory(server), clock=fake_clock, progress=stream)
+    text = stream.getvalue()
+    assert "\r" not in text and text.endswith("\n")
+    assert text.splitlines()[-1].startswith("40/40")
 
 
 def test_config_validation():
