@@ -51,11 +51,11 @@ FORMAT_VERSION: int = 1
 _RESERVED_METADATA = ("format_version", "arch")
 # A header larger than this is not one of ours; refuse before allocating for it.
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
-# glibc serves requests below its largest mmap threshold (32 MiB on 64-bit) from the heap,
-# where a freed expert's pages are reused without faults (in benchmarks/expert_load.py a
-# pool was no faster there); larger ones always get a fresh mapping from glibc, so those
-# are the ones worth huge pages and recycling.
-_HUGE_PAGE_MIN_BYTES = 32 * 1024 * 1024
+# Buffers from this size up come from the host pool (or a fresh huge-page mapping): a fresh
+# anonymous buffer costs a page fault and a zeroing per page before the read can land, and on
+# a quiet machine recycling already pays at 16 MiB (3.1 -> 2.5 ms, benchmarks/expert_load.py).
+# Smaller ones stay on the heap, where the fixed costs dominate anyway.
+_HUGE_PAGE_MIN_BYTES = 4 * 1024 * 1024
 _DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -213,8 +213,8 @@ def read_expert_bytes(
 ) -> Tensor:
     """The whole file as one uint8 CPU tensor, read with a single unbuffered read loop.
 
-    Buffers under 32 MiB come from the heap, where glibc reuses a freed expert's pages;
-    larger ones from ``host_pool`` when given, else from a fresh huge-page mapping.
+    Buffers under 4 MiB come from the heap; larger ones from ``host_pool`` when given,
+    else from a fresh huge-page mapping.
     """
     path = Path(path)
     try:

@@ -12,7 +12,7 @@ from experts_store import HostBufferPool, load_expert, save_expert
 
 pytestmark = pytest.mark.unit
 
-# (64, 760, 760, 64) float32: about 2.6 MiB; the tests lower the 32 MiB threshold above which
+# (64, 760, 760, 64) float32: about 2.6 MiB; the tests lower the 4 MiB threshold above which
 # loads use the pool (or fresh huge-page mappings) to keep files small.
 LARGE = (64, 760, 760, 64)
 
