@@ -8,6 +8,7 @@ random init.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -258,25 +259,42 @@ def parse_header(buf: Tensor | bytes, *, expert_id: int | None = None) -> Expert
     (header_len,) = struct.unpack("<Q", raw[:8])
     if header_len > min(_MAX_HEADER_BYTES, total - 8):
         raise ExpertFormatError(expert_id=expert_id, reason="header length out of range")
+    header_bytes = bytes(raw[8 : 8 + header_len])
     try:
-        header = json.loads(bytes(raw[8 : 8 + header_len]))
+        return _parse_header_bytes(header_bytes, total)
+    except _BadHeader as exc:
+        raise ExpertFormatError(expert_id=expert_id, reason=exc.reason) from None
+
+
+class _BadHeader(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+# The experts of a store share one architecture, so their headers are byte-identical (same
+# names, shapes, offsets and metadata): a parsed header is kept and reused for the next load.
+# ExpertHeader is frozen and nothing mutates its dicts, so sharing one is safe.
+@functools.lru_cache(maxsize=64)
+def _parse_header_bytes(header_bytes: bytes, total: int) -> ExpertHeader:
+    header_len = len(header_bytes)
+    try:
+        header = json.loads(header_bytes)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ExpertFormatError(expert_id=expert_id, reason=f"header is not JSON: {exc}") from exc
+        raise _BadHeader(f"header is not JSON: {exc}") from exc
     if not isinstance(header, dict):
-        raise ExpertFormatError(expert_id=expert_id, reason="header is not a JSON object")
+        raise _BadHeader("header is not a JSON object")
     metadata = header.pop("__metadata__", None)
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise ExpertFormatError(expert_id=expert_id, reason="header has no string metadata")
+        raise _BadHeader("header has no string metadata")
     if metadata.get("format_version") != str(FORMAT_VERSION):
-        raise ExpertFormatError(
-            expert_id=expert_id,
-            reason=f"format_version {metadata.get('format_version')!r}, "
-            f"expected {FORMAT_VERSION!r}",
+        raise _BadHeader(
+            f"format_version {metadata.get('format_version')!r}, expected {FORMAT_VERSION!r}",
         )
     try:
         arch = ExpertArch.from_json(metadata.get("arch", ""))
     except ValueError as exc:
-        raise ExpertFormatError(expert_id=expert_id, reason=f"bad arch metadata: {exc}") from exc
+        raise _BadHeader(f"bad arch metadata: {exc}") from exc
     data_offset = 8 + header_len
     data_bytes = total - data_offset
     tensors: dict[str, TensorSpec] = {}
@@ -284,35 +302,26 @@ def parse_header(buf: Tensor | bytes, *, expert_id: int | None = None) -> Expert
     missing = sorted(set(expected) - set(header))
     extra = sorted(set(header) - set(expected))
     if missing or extra:
-        raise ExpertFormatError(
-            expert_id=expert_id, reason=f"tensors missing {missing[:5]}, unexpected {extra[:5]}"
-        )
+        raise _BadHeader(f"tensors missing {missing[:5]}, unexpected {extra[:5]}")
     for name, (want_dtype, want_shape) in expected.items():
         info = header[name]
         try:
             dtype, shape = info["dtype"], tuple(int(s) for s in info["shape"])
             start, end = (int(o) for o in info["data_offsets"])
         except (KeyError, TypeError, ValueError) as exc:
-            raise ExpertFormatError(
-                expert_id=expert_id, reason=f"{name}: malformed tensor entry"
-            ) from exc
+            raise _BadHeader(f"{name}: malformed tensor entry") from exc
         if dtype != want_dtype:
-            raise ExpertFormatError(
-                expert_id=expert_id, reason=f"{name}: dtype {dtype}, expected {want_dtype}"
-            )
+            raise _BadHeader(f"{name}: dtype {dtype}, expected {want_dtype}")
         if shape != want_shape:
-            raise ExpertFormatError(
-                expert_id=expert_id,
-                reason=f"{name}: shape {list(shape)}, expected {list(want_shape)}",
+            raise _BadHeader(
+                f"{name}: shape {list(shape)}, expected {list(want_shape)}",
             )
         numel = 1
         for s in shape:
             numel *= s
         itemsize = _DTYPES[dtype].itemsize
         if not 0 <= start <= end <= data_bytes or end - start != numel * itemsize:
-            raise ExpertFormatError(
-                expert_id=expert_id, reason=f"{name}: data offsets out of range"
-            )
+            raise _BadHeader(f"{name}: data offsets out of range")
         tensors[name] = TensorSpec(dtype=dtype, shape=shape, start=start, end=end)
     return ExpertHeader(
         arch=arch,
