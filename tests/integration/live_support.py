@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import queue
+import re
+import subprocess
+import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,3 +122,73 @@ class GatedPool:
     async def close(self) -> None:
         self.events.append("closed")
         await self.inner.close()
+
+
+_SERVING_URL = re.compile(r"momlp serving .* at (http://127\.0\.0\.1:\d+)")
+
+
+def momlp_command() -> list[str]:
+    """The `momlp` console script of this environment (or the module, if not installed)."""
+    script = Path(sys.executable).parent / "momlp"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "server._cli"]
+
+
+@dataclass
+class ServeProcess:
+    """A `momlp serve` child process, its URL once ready, and everything it logged."""
+
+    process: subprocess.Popen[str]
+    url: str
+    log: list[str]
+
+
+@contextlib.contextmanager
+def serve_process(
+    args: list[str], *, env: dict[str, str], cwd: Path, ready_timeout: float = 120.0
+) -> Iterator[ServeProcess]:
+    """Start `momlp serve ARGS`, wait for the line that logs its URL, and always stop it.
+
+    stderr is pumped by a thread (the server logs a lot; a full pipe would block it). On
+    exit a process still running gets SIGTERM, then SIGKILL after a minute.
+    """
+    process = subprocess.Popen(
+        [*momlp_command(), "serve", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=cwd,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    log: list[str] = []
+
+    def pump() -> None:
+        assert process.stderr is not None
+        for line in process.stderr:
+            log.append(line)
+            lines.put(line)
+
+    pumping = threading.Thread(target=pump, daemon=True)
+    pumping.start()
+    try:
+        url = None
+        deadline = time.monotonic() + ready_timeout
+        while url is None and time.monotonic() < deadline and process.poll() is None:
+            try:
+                match = _SERVING_URL.search(lines.get(timeout=1.0))
+            except queue.Empty:
+                continue
+            url = match.group(1) if match else None
+        assert url is not None, "".join(log)
+        yield ServeProcess(process, url, log)
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        pumping.join(timeout=10)
+        if process.stderr is not None:
+            process.stderr.close()

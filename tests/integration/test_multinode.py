@@ -11,8 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import queue
-import re
 import shutil
 import socket
 import subprocess
@@ -27,14 +25,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from live_support import LocalModel, build_store
+from live_support import LocalModel, build_store, serve_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.ray, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "deploy" / "local-cluster.sh"
 ACTORS = ("actor-0", "actor-1")
-_URL = re.compile(r"momlp serving .* at (http://127\.0\.0\.1:\d+)")
 
 
 @dataclass
@@ -145,61 +142,10 @@ def served(cluster: Cluster, tmp_path: Path) -> Iterator[tuple[str, Path]]:
         "MOMLP_ACTOR_RESOURCE": "momlp_worker",
         "RAY_USAGE_STATS_ENABLED": "0",
     }
-    momlp = Path(sys.executable).parent / "momlp"
-    process = subprocess.Popen(
-        [
-            str(momlp),
-            "serve",
-            "--store",
-            str(store),
-            "--port",
-            "0",
-            "--actors",
-            "2",
-            "--ray-address",
-            cluster.address,
-            "--cache-bytes",
-            "1MiB",
-            "--no-watch-store",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    log: list[str] = []
-
-    def pump() -> None:
-        assert process.stderr is not None
-        for line in process.stderr:
-            log.append(line)
-            lines.put(line)
-
-    pumping = threading.Thread(target=pump, daemon=True)
-    pumping.start()
-    try:
-        url = None
-        deadline = time.monotonic() + 120
-        while url is None and time.monotonic() < deadline and process.poll() is None:
-            try:
-                match = _URL.search(lines.get(timeout=1.0))
-            except queue.Empty:
-                continue
-            url = match.group(1) if match else None
-        assert url is not None, "".join(log)
-        yield url, store
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        pumping.join(timeout=10)
-        if process.stderr is not None:
-            process.stderr.close()
+    args = ["--store", str(store), "--port", "0", "--actors", "2", "--ray-address",
+            cluster.address, "--cache-bytes", "1MiB", "--no-watch-store"]
+    with serve_process(args, env=env, cwd=tmp_path) as server:
+        yield server.url, store
 
 
 def test_two_worker_nodes_share_the_experts_and_survive_losing_one(
