@@ -156,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         help="Table 4's regression tasks; 'digits' measures the classification goal",
     )
     parser.add_argument("--seeds", type=int, default=None, help="override the scale's seeds")
+    parser.add_argument(
+        "--paper-grids", action="store_true",
+        help="use the paper's grids (10,000 / 150^2 / 30^3 points) at this scale's widths",
+    )
     parser.add_argument("--num-cpus", type=int, default=os.cpu_count() or 2)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -164,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     scale = SCALES[name]
     if args.seeds is not None:
         scale = Scale(**{**scale.__dict__, "seeds": args.seeds})
+    if args.paper_grids:
+        scale = Scale(**{**scale.__dict__, "grid": dict.fromkeys(TASKS)})
+        name = f"{name}+paper-grids"
 
     import ray
 
