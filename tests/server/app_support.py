@@ -51,11 +51,17 @@ async def running(app: FastAPI, **client_kwargs: Any) -> AsyncIterator[httpx.Asy
             yield client
 
 
-def build_small_store(root: Path, *, K: int = 8, n: int = 4, width: int = 16, out: int = 2) -> Path:
-    """A published store of K random PReLU experts n -> width -> out over K random prototypes."""
+def build_small_store(
+    root: Path, *, K: int = 8, n: int = 4, width: int = 16, out: int = 2, seed: int = 0
+) -> Path:
+    """A published store of K random PReLU experts n -> width -> out over K random prototypes.
+
+    Publishing again into the same root with another seed gives a new store version with
+    other experts of the same shapes (what the reload tests swap to).
+    """
     from router import PrototypeTree
 
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(seed)
     arch = ExpertArch(widths=(n, width, out))
     with StoreWriter(root) as writer:
         for expert_id in range(K):
@@ -130,3 +136,10 @@ class BlockingPool:
     async def close(self) -> None:
         self.gate.set()
         await self.inner.close()
+
+
+def republish(root: Path, seed: int) -> str:
+    """Publish other experts (same shapes) into the store at ``root``; the new store version."""
+    build_small_store(root, seed=seed)
+    version: str = manifest(root)["store_version"]
+    return version

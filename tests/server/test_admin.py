@@ -13,6 +13,7 @@ from app_support import (
     expert_outputs,
     fake_pool,
     manifest,
+    republish,
     running,
 )
 
@@ -20,26 +21,6 @@ from server import create_app
 from server._admin import is_loopback
 
 pytestmark = pytest.mark.unit
-
-
-def _republish(root: Path, seed: int) -> str:
-    """Publish other experts (same shapes) into the same store root; the new version."""
-    import torch
-
-    from experts_store import ExpertArch, ExpertMLP, StoreWriter
-    from router import PrototypeTree
-
-    generator = torch.Generator().manual_seed(seed)
-    arch = ExpertArch(widths=(4, 16, 2))
-    with StoreWriter(root) as writer:
-        for expert_id in range(8):
-            writer.add_expert(expert_id, ExpertMLP(arch, generator=generator))
-        protos = torch.randn(8, 4, generator=generator)
-        PrototypeTree.build(protos, branching=4).save(writer.router_path)
-        published = writer.publish(
-            task="regression", input_dim=4, output_dim=2, routing="tree", branching=4
-        )
-    return published.store_version
 
 
 async def test_reload_returns_the_new_version_and_serves_it(tmp_path: Path) -> None:
@@ -51,7 +32,7 @@ async def test_reload_returns_the_new_version_and_serves_it(tmp_path: Path) -> N
         same = await client.post("/v1/admin/reload")
         assert same.status_code == 200
         assert same.json() == {"reloaded": False, "store_version": old, "previous_version": old}
-        new = _republish(store, seed=7)
+        new = republish(store, seed=7)
         answer = await client.post("/v1/admin/reload")
         assert answer.status_code == 200
         assert answer.json() == {"reloaded": True, "store_version": new, "previous_version": old}

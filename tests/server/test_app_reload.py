@@ -15,6 +15,7 @@ from app_support import (
     expert_outputs,
     fake_pool,
     manifest,
+    republish,
     running,
 )
 
@@ -27,27 +28,6 @@ from server._settings import Settings
 pytestmark = pytest.mark.unit
 
 
-def _republish(root: Path, seed: int) -> str:
-    """Publish a different set of experts into the same store root; its new version."""
-    import torch
-
-    from experts_store import ExpertArch, ExpertMLP, StoreWriter
-    from router import PrototypeTree
-
-    generator = torch.Generator().manual_seed(seed)
-    arch = ExpertArch(widths=(4, 16, 2))
-    with StoreWriter(root) as writer:
-        for expert_id in range(8):
-            writer.add_expert(expert_id, ExpertMLP(arch, generator=generator))
-        PrototypeTree.build(torch.randn(8, 4, generator=generator), branching=4).save(
-            writer.router_path
-        )
-        manifest = writer.publish(
-            task="regression", input_dim=4, output_dim=2, routing="tree", branching=4
-        )
-    return manifest.store_version
-
-
 async def test_reload_swaps_to_the_new_version_and_its_experts(tmp_path: Path) -> None:
     store = build_small_store(tmp_path / "store")
     old_version = manifest(store)["store_version"]
@@ -56,7 +36,7 @@ async def test_reload_swaps_to_the_new_version_and_its_experts(tmp_path: Path) -
     async with running(app) as client:
         serving: ServingState = app.state.serving
         assert not await serving.reload()  # nothing new on disk
-        new_version = _republish(store, seed=42)
+        new_version = republish(store, seed=42)
         assert new_version != old_version and _store_version(store) == new_version
         assert await serving.reload()
         ready = (await client.get("/readyz")).json()
@@ -87,7 +67,7 @@ async def test_requests_in_flight_finish_on_the_old_generation(tmp_path: Path) -
         serving: ServingState = app.state.serving
         in_flight = asyncio.create_task(client.post("/v1/predict", json={"inputs": row}))
         await pools[0].entered.wait()
-        new_version = _republish(store, seed=7)
+        new_version = republish(store, seed=7)
         swapping = asyncio.create_task(serving.reload())
         while serving.generation is None or serving.generation.version != new_version:
             await asyncio.sleep(0)
@@ -134,7 +114,7 @@ async def test_the_store_watcher_reloads_when_the_manifest_changes(tmp_path: Pat
         first = serving.generation
         await poll_once()
         assert serving.generation is first  # nothing changed on disk
-        new_version = _republish(store, seed=3)
+        new_version = republish(store, seed=3)
         await poll_once()
         ready = (await client.get("/readyz")).json()
     assert ready["store_version"] == new_version
