@@ -28,6 +28,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from router import BruteForceRouter, PrototypeTree  # noqa: E402
+from router._bruteforce import RowArgmin  # noqa: E402
 
 
 def make_data(kind: str, k: int, n: int, queries: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -65,19 +66,30 @@ def interleaved(
     return {name: (statistics.median(times[name]), outs[name]) for name in fns}
 
 
-def torch_brute_force(p: np.ndarray) -> Callable[[np.ndarray], torch.Tensor]:
-    """The plain matmul scan: argmin of ‖p‖² − 2x·p in float32, blocked like the router."""
+def torch_brute_force(
+    p: np.ndarray, two_level: bool = False
+) -> Callable[[np.ndarray], torch.Tensor]:
+    """The plain matmul scan: argmin of ‖p‖² − 2x·p in float32, blocked like the router.
+
+    two_level uses the router's RowArgmin (and its +inf padding) instead of torch's argmin,
+    so the exact mode can be compared with a scan that has the same argmin.
+    """
     pt = torch.from_numpy(p)
-    p_t = pt.t().contiguous()
-    norm2 = (pt * pt).sum(dim=1)
-    rows = max(1, (1 << 20) // len(p))
+    width = RowArgmin.padded(len(p)) if two_level else len(p)
+    p_t = torch.zeros((p.shape[1], width))
+    p_t[:, : len(p)] = pt.t()
+    norm2 = torch.full((width,), float("inf"))
+    norm2[: len(p)] = (pt * pt).sum(dim=1)
+    argmin = RowArgmin(width) if two_level else None
+    rows = max(1, (1 << 20) // width)
 
     def run(x: np.ndarray) -> torch.Tensor:
         xt = torch.from_numpy(x.astype(np.float32))
         out = torch.empty(len(x), dtype=torch.long)
         for lo in range(0, len(x), rows):
             scores = torch.addmm(norm2[None, :], xt[lo : lo + rows], p_t, alpha=-2.0)
-            out[lo : lo + rows] = scores.argmin(dim=1)
+            best = scores.argmin(dim=1) if argmin is None else argmin(scores)[:, 0]
+            out[lo : lo + rows] = best
         return out
 
     return run
@@ -117,6 +129,7 @@ def bench_config(
     hnsw.set_ef(32)
     row["hnsw_build_s"] = round(time.perf_counter() - t0, 3)
     brute = torch_brute_force(p)
+    brute_2l = torch_brute_force(p, two_level=True)
     for mode in ("tree", "exact"):
         tree.route(x[:64], mode=mode)  # warm the lazily built search state
 
@@ -125,6 +138,7 @@ def bench_config(
             "tree": lambda: tree.route(x, mode="tree"),
             "exact": lambda: tree.route(x, mode="exact"),
             "brute_torch": lambda: brute(x),
+            "brute_torch_2level": lambda: brute_2l(x),
             "faiss_flat": lambda: index.search(xq, 1)[1][:, 0],
             "hnswlib_ef32": lambda: hnsw.knn_query(xq, k=1)[0][:, 0].astype(np.int64),
         },
@@ -147,6 +161,9 @@ def bench_config(
     row["tree_vs_faiss_flat"] = round(row["tree"]["qps"] / row["faiss_flat"]["qps"], 2)
     row["exact_vs_faiss_flat"] = round(row["exact"]["qps"] / row["faiss_flat"]["qps"], 2)
     row["exact_vs_brute_torch"] = round(row["exact"]["qps"] / row["brute_torch"]["qps"], 2)
+    row["exact_vs_brute_torch_2level"] = round(
+        row["exact"]["qps"] / row["brute_torch_2level"]["qps"], 2
+    )
     return row
 
 

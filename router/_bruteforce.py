@@ -9,21 +9,75 @@ direct-difference scan, at close to matmul speed.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
 from ._routing import Mode, Routing, check_mode, check_top_k, gate_weights, to_inputs
 
-__all__ = ["BlockedSearch", "BruteForceRouter", "sq_dist_rows"]
+__all__ = ["BlockedSearch", "BruteForceRouter", "RowArgmin", "sq_dist_rows"]
 
 # Scores per block: a [rows, K] block near 4 MB stays cache-friendly.
 _BLOCK_ELEMENTS = 1 << 20
+# Below this many columns a plain argmin is as fast as the two-level one.
+_TWO_LEVEL_MIN = 256
+# The strip length is a multiple of this: the strip-wise minimum is then whole SIMD lanes.
+_LANES = 16
 
 
 def sq_dist_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Squared distances of paired rows, float64 direct differences: the reference metric."""
     diff = a - b
     return (diff * diff).sum(dim=-1)
+
+
+class RowArgmin:
+    """Column of each row's minimum of a [rows, width] matrix, in two cheap passes.
+
+    CPU torch's argmin along a row runs about 13x slower than amin, which is vectorised.
+    Viewing a row as `strips` strips of `strip` columns, an elementwise amin across the
+    strips (vectorised) gives each column-in-strip's minimum; an argmin over those
+    `strip` values and another over the winner's `strips` values then touch about
+    2*sqrt(width) elements per row instead of width. width must equal strips * strip:
+    callers pad with +inf columns. Among equal minima the column found is not always the
+    lowest; the callers re-check near ties exactly, so only the value matters.
+    """
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        if width < _TWO_LEVEL_MIN:
+            self.strips, self.strip = 1, width
+        else:
+            self.strip = padded_width(int(math.isqrt(width)))
+            self.strips = width // self.strip
+        if self.strips * self.strip != width:
+            raise ValueError(f"width {width} is not strips * strip; pad it with padded_width()")
+        self._offsets = torch.arange(self.strips) * self.strip
+
+    @staticmethod
+    def padded(width: int) -> int:
+        """The width to pad a row of `width` columns to."""
+        if width < _TWO_LEVEL_MIN:
+            return width
+        strip = padded_width(int(math.isqrt(width)))
+        return -(-width // strip) * strip
+
+    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
+        """Column index [rows, 1] (int64) of a minimum of each row."""
+        if self.strips == 1:
+            return scores.argmin(dim=1, keepdim=True)
+        rows = scores.shape[0]
+        per_column = scores.view(rows, self.strips, self.strip).amin(dim=1)
+        column = per_column.argmin(dim=1, keepdim=True)
+        candidates = column + self._offsets[None, :]
+        strip = scores.gather(1, candidates).argmin(dim=1, keepdim=True)
+        return candidates.gather(1, strip)
+
+
+def padded_width(width: int) -> int:
+    """width rounded up to whole SIMD lanes."""
+    return -(-width // _LANES) * _LANES
 
 
 class BlockedSearch:
@@ -36,20 +90,27 @@ class BlockedSearch:
         # Centring shrinks the norms in the expansion, so its rounding margin shrinks too.
         self.centre = self.prototypes64.mean(dim=0)
         centred = self.prototypes64 - self.centre
-        self.norm2 = (centred * centred).sum(dim=1).to(dtype)
-        self.centred_t = centred.to(dtype).t().contiguous()
         self.max_norm = float((centred * centred).sum(dim=1).max().sqrt())
+        # Padding columns score +inf (norm +inf, coordinates 0), so no scan ever picks them.
+        width = RowArgmin.padded(k)
+        self.row_argmin = RowArgmin(width)
+        self.norm2 = torch.full((width,), float("inf"), dtype=dtype)
+        self.norm2[:k] = (centred * centred).sum(dim=1).to(dtype)
+        self.centred_t = torch.zeros((n, width), dtype=dtype)
+        self.centred_t[:, :k] = centred.to(dtype).t()
         self.dtype = dtype
         unit = 2.0**-24 if dtype == torch.float32 else 2.0**-53
-        # |error| of ‖p‖² − 2x·p <= error_factor * (‖x‖ + R)², R = max ‖p‖ (centred):
-        # (‖x‖ + R)² >= 2‖x‖R + ‖x‖² + R² covers the dot product (gamma_n * 2‖x‖R), and the
-        # 16u spare covers both norms, the additions and rounding x and p into dtype.
+        # |error| of ‖p‖² − 2x·p <= error_factor * (2‖x‖R + R²), R = max ‖p‖ (centred):
+        # n·u·2‖x‖R bounds the dot product (gamma_n Σ|x_i p_i| <= gamma_n ‖x‖‖p‖, doubled),
+        # the 16u spare on it covers rounding x and p into dtype and the final subtraction,
+        # and (n + 16)u·R² (2u needed) rounding ‖p‖² into dtype. ‖x‖² is never added to
+        # the scores, so it brings no error.
         self.error_factor = (n + 16) * unit
 
     def knn(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact k nearest of float64 x [B, n]: (indices [B, k] int64, sq dists [B, k] f64)."""
         b = x.shape[0]
-        num = self.prototypes64.shape[0]
+        num = self.norm2.shape[0]
         out_idx = torch.empty((b, k), dtype=torch.long)
         out_d2 = torch.empty((b, k), dtype=torch.float64)
         rows = max(1, min(b, _BLOCK_ELEMENTS // max(1, num)))
@@ -72,7 +133,8 @@ class BlockedSearch:
         torch.addmm(
             self.norm2[None, :], xc.to(self.dtype), self.centred_t, alpha=-2.0, out=scores
         )
-        margin = 2.0 * self.error_factor * (xnorm2.sqrt() + self.max_norm) ** 2
+        r = self.max_norm
+        margin = 2.0 * self.error_factor * (2.0 * r * xnorm2.sqrt() + r * r)
         if k == 1:
             return self._nearest_block(x, scores, margin)
         kth = scores.topk(k, dim=1, largest=False, sorted=True).values[:, -1]
@@ -90,22 +152,39 @@ class BlockedSearch:
         self, x: torch.Tensor, scores: torch.Tensor, margin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Most rows have one clear winner: the runner-up (one cheap amin after masking the
-        # winner) lies beyond the margin. Only the other rows need a full candidate list.
-        j = scores.argmin(dim=1, keepdim=True)
+        # winner) lies beyond the margin. A close row mostly has a single rival, found by
+        # a second argmin over the close rows only; the few rows left with more candidates
+        # get a full candidate list. Every candidate is re-measured in float64.
+        j = self.row_argmin(scores)
         limit = self._limit(scores.gather(1, j).squeeze(1), margin)
         scores.scatter_(1, j, float("inf"))
         close = torch.nonzero(scores.amin(dim=1) <= limit).flatten()
         idx = j.squeeze(1).clone()
         d2 = sq_dist_rows(x, self.prototypes64[idx])
-        if close.numel() > 0:
-            sub = scores[close]
-            sub.scatter_(1, j[close], float("-inf"))  # the winner is a candidate too
-            r, col = torch.nonzero(sub <= limit[close, None], as_tuple=True)
-            row = close[r]
-            cd2 = sq_dist_rows(x[row], self.prototypes64[col])
+        if close.numel() == 0:
+            return idx[:, None], d2[:, None]
+        sub = scores[close]
+        sub_limit = limit[close]
+        rival = self.row_argmin(sub)
+        sub.scatter_(1, rival, float("inf"))
+        rival = rival.squeeze(1)
+        rival_d2 = sq_dist_rows(x[close], self.prototypes64[rival])
+        held_idx, held_d2 = idx[close], d2[close]
+        take = (rival_d2 < held_d2) | ((rival_d2 == held_d2) & (rival < held_idx))
+        idx[close] = torch.where(take, rival, held_idx)
+        d2[close] = torch.where(take, rival_d2, held_d2)
+        many = torch.nonzero(sub.amin(dim=1) <= sub_limit).flatten()
+        if many.numel() > 0:
+            r, col = torch.nonzero(sub[many] <= sub_limit[many, None], as_tuple=True)
+            rows = close[many]
+            # The best of the two found so far competes with every remaining candidate.
+            row = torch.cat([rows[r], rows])
+            col = torch.cat([col, idx[rows]])
+            cd2 = torch.cat([sq_dist_rows(x[rows[r]], self.prototypes64[col[: r.numel()]]),
+                             d2[rows]])
             best_idx, best_d2 = select_k(row, col, cd2, x.shape[0], 1)
-            idx[close] = best_idx[close, 0]
-            d2[close] = best_d2[close, 0]
+            idx[rows] = best_idx[rows, 0]
+            d2[rows] = best_d2[rows, 0]
         return idx[:, None], d2[:, None]
 
 

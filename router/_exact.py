@@ -18,6 +18,7 @@ answered by the blocked brute force, so exact mode is never much slower than a s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,7 @@ import torch
 from ._bruteforce import BlockedSearch, sq_dist_rows
 from ._walk import WalkIndex
 
-__all__ = ["ExactIndex", "exact_nearest", "search_pays"]
+__all__ = ["ExactIndex", "Seeder", "exact_nearest", "search_pays"]
 
 _SLACK = 1e-10
 # Pairs per chunk so that a gathered [pairs, branching, n] float64 block stays near 32 MB.
@@ -91,49 +92,54 @@ class ExactIndex:
         )
 
 
+Seeder = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
 def exact_nearest(
     x: torch.Tensor,
-    seed_idx: torch.Tensor,
-    seed_d2: torch.Tensor,
-    seed_evals: torch.Tensor,
+    seed: Seeder,
     index: ExactIndex,
     search: BlockedSearch,
     *,
     min_tree_search: int = MIN_TREE_SEARCH,
     switch_fraction: float = _SWITCH_FRACTION,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Nearest prototype of float64 x [B, n], seeded by a known prototype and its distance.
+    """Nearest prototype of float64 x [B, n].
 
-    Returns (prototype index [B], float64 squared distance [B], evaluations [B]). Below
-    min_tree_search prototypes every query is scanned; a query leaves the tree search once
-    its evaluations would pass K / switch_fraction (0 never switches). A pilot of the
-    first queries decides for the batch: if searching them cost more than scanning them
-    would have, the rest are scanned straight away.
+    seed(rows) gives, for the queries at `rows`, a known prototype, its float64 squared
+    distance and the evaluations spent finding it (the greedy walk); it is called only for
+    queries that the tree search will start from. Returns (prototype index [B], float64
+    squared distance [B], evaluations [B]). Below min_tree_search prototypes every query
+    is scanned; a query leaves the tree search once its evaluations would pass
+    K / switch_fraction (0 never switches). A pilot of the first queries decides for the
+    batch: if searching them cost more than scanning them would have, the rest are scanned
+    straight away, without walking the tree for them.
     """
     b = x.shape[0]
     k_total = index.nodes64.shape[0] - index.num_internal
-    best_idx = seed_idx.clone()
-    best_d2 = seed_d2.clone()
-    evals = seed_evals.clone()
-    if index.num_internal == 0:
-        return best_idx, best_d2, evals
+    everyone = torch.arange(b)
+    if index.num_internal == 0 or k_total <= min_tree_search:
+        if index.num_internal == 0:
+            return seed(everyone)
+        idx, d2 = search.knn(x, 1)
+        return idx[:, 0], d2[:, 0], torch.full((b,), k_total, dtype=torch.long)
+    best_idx = torch.empty(b, dtype=torch.long)
+    best_d2 = torch.empty(b, dtype=torch.float64)
+    evals = torch.zeros(b, dtype=torch.long)
     to_scan = torch.zeros(b, dtype=torch.bool)
-    if k_total <= min_tree_search:
-        to_scan[:] = True
-    else:
-        budget = k_total / switch_fraction if switch_fraction > 0 else float("inf")
-        # The pilot is spread over the batch: its first rows may not be typical.
-        pilot_count = min(b, max(_PILOT_MIN, b // _PILOT_SHARE))
-        in_pilot = torch.zeros(b, dtype=torch.bool)
-        in_pilot[torch.linspace(0, b - 1, pilot_count).round().long()] = True
-        pilot = torch.nonzero(in_pilot).flatten()
-        spent = _search_rows(x, pilot, best_idx, best_d2, evals, to_scan, index, budget)
-        spent += float(to_scan[pilot].sum()) * k_total
-        if switch_fraction > 0 and spent > pilot.numel() * k_total:
-            to_scan[~in_pilot] = True
-        elif pilot.numel() < b:
-            rest = torch.nonzero(~in_pilot).flatten()
-            _search_rows(x, rest, best_idx, best_d2, evals, to_scan, index, budget)
+    budget = k_total / switch_fraction if switch_fraction > 0 else float("inf")
+    # The pilot is spread over the batch: its first rows may not be typical.
+    pilot_count = min(b, max(_PILOT_MIN, b // _PILOT_SHARE))
+    in_pilot = torch.zeros(b, dtype=torch.bool)
+    in_pilot[torch.linspace(0, b - 1, pilot_count).round().long()] = True
+    pilot = torch.nonzero(in_pilot).flatten()
+    spent = _search_rows(x, pilot, seed, best_idx, best_d2, evals, to_scan, index, budget)
+    spent += float(to_scan[pilot].sum()) * k_total
+    rest = torch.nonzero(~in_pilot).flatten()
+    if switch_fraction > 0 and spent > pilot.numel() * k_total:
+        to_scan[rest] = True
+    elif rest.numel() > 0:
+        _search_rows(x, rest, seed, best_idx, best_d2, evals, to_scan, index, budget)
     if bool(to_scan.any()):
         rows = torch.nonzero(to_scan).flatten()
         idx, d2 = search.knn(x[rows], 1)
@@ -146,6 +152,7 @@ def exact_nearest(
 def _search_rows(
     x: torch.Tensor,
     rows: torch.Tensor,
+    seed: Seeder,
     best_idx: torch.Tensor,
     best_d2: torch.Tensor,
     evals: torch.Tensor,
@@ -153,8 +160,9 @@ def _search_rows(
     index: ExactIndex,
     budget: float,
 ) -> float:
-    """Search the given rows, write their results back; return the cost in scan units."""
-    sub_idx, sub_d2, sub_evals = best_idx[rows], best_d2[rows], evals[rows]
+    """Seed and search the given rows, write their results back; return the search's cost
+    in scan units (the seeding walk not counted: every query that is searched pays it)."""
+    sub_idx, sub_d2, sub_evals = seed(rows)
     sub_scan = to_scan[rows]
     before = float(sub_evals.sum())
     _branch_and_bound(x[rows], sub_idx, sub_d2, sub_evals, sub_scan, index, budget)

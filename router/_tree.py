@@ -11,7 +11,7 @@ import torch
 
 from ._bruteforce import BlockedSearch, sq_dist_rows
 from ._build import TreeArrays, build_tree_arrays
-from ._exact import ExactIndex, exact_nearest, search_pays
+from ._exact import ExactIndex, Seeder, exact_nearest, search_pays
 from ._exceptions import RouterBuildError
 from ._io import read_router, write_router
 from ._routing import Mode, Routing, check_mode, check_top_k, gate_weights, to_inputs
@@ -118,15 +118,14 @@ class PrototypeTree:
             idx, d2 = self._blocked_search().knn(xs, 1)
             leaf, dist = idx[:, 0], d2[:, 0].sqrt().to(torch.float32)
             evals = torch.full((xs.shape[0],), self.num_prototypes, dtype=torch.long)
+        elif mode == "exact" and search:
+            leaf, best, evals = exact_nearest(
+                xs, self._seeder(xs), self._exact_index(), self._blocked_search()
+            )
+            dist = best.sqrt().to(torch.float32)
         else:
             leaf, sq32, evals = greedy_walk(xs.to(torch.float32), self._walk)
             dist = sq32.sqrt()
-            if mode == "exact" and search:
-                best = sq_dist_rows(xs, self.prototypes[leaf].to(torch.float64))
-                leaf, best, evals = exact_nearest(
-                    xs, leaf, best, evals, self._exact_index(), self._blocked_search()
-                )
-                dist = best.sqrt().to(torch.float32)
         b = xs.shape[0]
         return Routing(
             experts=leaf[:, None],
@@ -144,6 +143,16 @@ class PrototypeTree:
         """Read a tree written by save(); RouterFileError if missing or inconsistent."""
         prototypes, arrays, branching, temperature = read_router(path)
         return cls(prototypes, arrays, branching, temperature)
+
+    def _seeder(self, xs: torch.Tensor) -> Seeder:
+        """The greedy walk's answer for some rows of xs, as exact_nearest's starting point."""
+
+        def seed(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            x = xs[rows]
+            leaf, _, evals = greedy_walk(x.to(torch.float32), self._walk)
+            return leaf, sq_dist_rows(x, self.prototypes[leaf].to(torch.float64)), evals
+
+        return seed
 
     def _blocked_search(self) -> BlockedSearch:
         if self._search is None:

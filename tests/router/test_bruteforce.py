@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from router_testdata import make_prototypes, make_queries, numpy_knn
 
 from router import BruteForceRouter, PrototypeTree
-from router._bruteforce import BlockedSearch
+from router._bruteforce import BlockedSearch, RowArgmin
 
 pytestmark = pytest.mark.unit
 
@@ -62,3 +62,43 @@ def test_many_blocks() -> None:
     x = rng.random((1000, 2))
     idx, _ = BlockedSearch(torch.from_numpy(p)).knn(torch.from_numpy(x), 1)
     assert idx[:, 0].tolist() == numpy_knn(x, p)[0][:, 0].tolist()
+
+
+@pytest.mark.parametrize("width", [1, 7, 255, 256, 1000, 4099, 100_000])
+def test_row_argmin_finds_each_rows_minimum(width: int) -> None:
+    rng = np.random.default_rng(width)
+    padded = RowArgmin.padded(width)
+    scores = torch.full((9, padded), float("inf"))
+    # Few distinct values, so most rows have tied minima in several strips.
+    scores[:, :width] = torch.from_numpy(rng.integers(0, 50, (9, width)).astype(np.float32))
+    scores[3, width - 1] = -1.0  # the last real column, next to the padding
+    scores[4, 0] = -1.0
+    col = RowArgmin(padded)(scores)
+    assert col.shape == (9, 1)
+    assert bool((col < width).all())
+    assert torch.equal(scores.gather(1, col), scores.amin(dim=1, keepdim=True))
+    assert col[3, 0] == width - 1 and col[4, 0] == 0
+
+
+def test_row_argmin_refuses_an_unpadded_width() -> None:
+    with pytest.raises(ValueError, match="pad"):
+        RowArgmin(257)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    k=st.integers(256, 3000),
+    n=st.integers(1, 8),
+    top_k=st.sampled_from([1, 1, 3]),
+    kind=st.sampled_from(["uniform", "clustered", "lowdim", "duplicates"]),
+    seed=st.integers(0, 2**16),
+)
+def test_two_level_scan_matches_numpy(k: int, n: int, top_k: int, kind: str, seed: int) -> None:
+    # K >= 256 takes the two-level argmin and +inf padding columns.
+    rng = np.random.default_rng(seed)
+    p = make_prototypes(kind, k, n, rng).astype(np.float32)
+    x = make_queries(p, 40, rng)
+    idx, d2 = BlockedSearch(torch.from_numpy(p)).knn(torch.from_numpy(x), top_k)
+    want_idx, want_d2 = numpy_knn(x, p, top_k)
+    assert idx.numpy().tolist() == want_idx.tolist()
+    np.testing.assert_allclose(d2.numpy(), want_d2, rtol=1e-12, atol=0)

@@ -9,8 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from router_testdata import make_prototypes, make_queries, numpy_knn
 
-from router import PrototypeTree
-from router._bruteforce import sq_dist_rows
+from router import PrototypeTree, Routing
 from router._exact import exact_nearest
 
 pytestmark = pytest.mark.unit
@@ -23,14 +22,9 @@ def _exact(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Run the search with the scan threshold off so small trees exercise the bounds."""
     xs = torch.from_numpy(np.asarray(x, dtype=np.float64))
-    walk = tree.route(xs, mode="tree")
-    seed = walk.experts[:, 0]
-    seed_d2 = sq_dist_rows(xs, tree.prototypes[seed].to(torch.float64))
     idx, d2, evals = exact_nearest(
         xs,
-        seed,
-        seed_d2,
-        walk.distance_evals,
+        tree._seeder(xs),
         tree._exact_index(),
         tree._blocked_search(),
         min_tree_search=0,
@@ -87,16 +81,30 @@ def test_pruning_pays_on_clustered_low_dimensional_data() -> None:
     assert np.median(evals) < len(p) / 10
 
 
-def test_high_dimension_switches_to_the_scan() -> None:
-    rng = np.random.default_rng(0)
-    p = make_prototypes("uniform", 3000, 64, rng)
+def _exact_on_uniform(k: int, b: int, seed: int) -> tuple[np.ndarray, PrototypeTree, Routing]:
+    """Exact routes of b uniform queries over k uniform prototypes in 64-D, checked."""
+    rng = np.random.default_rng(seed)
+    p = make_prototypes("uniform", k, 64, rng)
     tree = PrototypeTree.build(p, branching=4, seed=0)
-    x = rng.random((50, 64))
+    x = rng.random((b, 64))
     r = tree.route(x, mode="exact")
     assert r.experts[:, 0].tolist() == numpy_knn(x, p)[0][:, 0].tolist()
+    return p, tree, r
+
+
+def test_high_dimension_switches_to_the_scan() -> None:
+    p, tree, r = _exact_on_uniform(3000, 50, seed=0)
     # A query that gave up on the tree paid for a full scan on top of its partial search.
     assert int(r.distance_evals.max()) >= len(p)
     assert int(r.distance_evals.max()) <= len(p) + len(p) // 8 + 4 * tree.depth + 4 * 8
+
+
+def test_a_pilot_that_chooses_the_scan_spares_the_other_queries_the_walk() -> None:
+    p, _, r = _exact_on_uniform(8000, 400, seed=2)
+    # The pilot (16 queries here) walked and searched before scanning; the rest only scan.
+    evals = r.distance_evals
+    assert int((evals > len(p)).sum()) == 16
+    assert int((evals == len(p)).sum()) == 400 - 16
 
 
 @pytest.mark.parametrize("kind", KINDS)
