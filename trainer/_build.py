@@ -1,5 +1,8 @@
 """`build_store`: data → prototypes → tree → one Ray task per expert → evaluate → publish.
 
+(With `executor="local"` the same jobs run one by one in this process instead; see
+_executors.)
+
 The driver holds the data, the prototypes and (with learned prototypes) the small networks
 of the joint phase; the deepened experts exist only inside their tasks and in their files.
 A build that cannot finish leaves no published store: StoreWriter discards its staging
@@ -8,29 +11,24 @@ directory when the `with` block exits with an exception.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
-from ._baseline import baseline_arch
 from ._config import BuildConfig, ResolvedTraining
 from ._datasets import Dataset, load_data_file, make_dataset
 from ._evaluate import ExpertFileRef, evaluate_mixture
-from ._exceptions import BuildFailed, DataError
+from ._exceptions import DataError
+from ._executors import plan_jobs, runtime, train_locally, train_on_ray
 from ._prototypes import kmeans_prototypes, learned_prototypes
-from ._tasks import ExpertJob, StateArrays, TrainSpec, baseline_job, expert_job
+from ._tasks import StateArrays
 from ._train import make_loss, rescale_output, target_scaling
 
 if TYPE_CHECKING:
-    from experts_store import ExpertArch, Manifest, StoreWriter
+    from experts_store import ExpertArch, Manifest
 
 __all__ = ["build_store", "load_config_dataset"]
 
@@ -99,12 +97,12 @@ def build_store(config: BuildConfig, progress: bool = True) -> Manifest:
     assigned = assignment.numpy()
     timings["tree_s"] = time.perf_counter() - mark
 
-    with StoreWriter(config.out) as writer, _ray_runtime(config):
+    with StoreWriter(config.out) as writer, runtime(config):
         tree.save(writer.router_path)
         mark = time.perf_counter()
-        results, baseline = _train_on_ray(
-            config, training, dataset, small_arch, small_states, assigned, writer, progress
-        )
+        plan = plan_jobs(config, training, dataset, small_arch, small_states, assigned, writer)
+        run = train_on_ray if config.executor == "ray" else train_locally
+        results, baseline = run(plan, config, progress)
         timings["train_s"] = time.perf_counter() - mark
         entries = {i: writer.register_expert_file(i) for i in range(config.experts)}
         mark = time.perf_counter()
@@ -223,134 +221,3 @@ def _discover_prototypes(
         for net in networks
     ]
     return prototypes, states
-
-
-@contextmanager
-def _ray_runtime(config: BuildConfig) -> Iterator[None]:
-    """Use a running Ray, or start one (embedded, or joining --ray-address); stop only ours."""
-    import ray
-
-    started = False
-    if not ray.is_initialized():
-        if config.ray_address is not None:
-            ray.init(address=config.ray_address, log_to_driver=False, configure_logging=False)
-        else:
-            # address="local": a bare ray.init() would attach to any cluster `ray start` left.
-            ray.init(
-                address="local",
-                num_cpus=config.num_cpus,
-                include_dashboard=False,
-                log_to_driver=False,
-                configure_logging=False,
-            )
-        started = True
-    try:
-        yield
-    finally:
-        if started:
-            ray.shutdown()
-
-
-def _train_on_ray(
-    config: BuildConfig,
-    training: ResolvedTraining,
-    dataset: Dataset,
-    small_arch: ExpertArch,
-    small_states: list[StateArrays] | None,
-    assigned: np.ndarray[Any, np.dtype[np.int64]],
-    writer: StoreWriter,
-    progress: bool,
-) -> tuple[dict[int, dict[str, Any]], dict[str, Any] | None]:
-    import ray
-    from tqdm import tqdm
-
-    use_gpu = ray.cluster_resources().get("GPU", 0) > 0  # type: ignore[no-untyped-call]
-    resources: dict[str, Any] = {"num_gpus": 1} if use_gpu else {"num_cpus": 1}
-    remote_opts: dict[str, Any] = {
-        "max_retries": config.max_retries,
-        "retry_exceptions": True,
-        **resources,
-    }
-    expert_remote = ray.remote(expert_job).options(**remote_opts)
-    spec = TrainSpec(
-        task=dataset.task,
-        loss=training.loss,
-        num_classes=dataset.num_classes,
-        epochs=config.epochs,
-        lr=training.lr,
-        batch_size=config.batch_size,
-        optimizer=training.optimizer,
-        seed=config.seed,
-        torch_threads=config.torch_threads,
-    )
-    pending: dict[Any, int | None] = {}
-    if config.baseline:
-        arch = baseline_arch(
-            dataset.input_dim,
-            dataset.output_dim,
-            width=config.width,
-            depth=training.depth,
-            num_experts=config.experts,
-            batchnorm=training.batchnorm,
-        )
-        baseline_spec = dataclasses.replace(spec, epochs=training.baseline_epochs)
-        # Submitted first: it is the longest task, so it should not start last.
-        ref = ray.remote(baseline_job).options(**remote_opts).remote(
-            arch.to_json(), baseline_spec,
-            dataset.x_train, dataset.y_train, dataset.x_test, dataset.y_test,
-        )
-        pending[ref] = None
-    for expert_id in range(config.experts):
-        rows = np.flatnonzero(assigned == expert_id)
-        if rows.size == 0:
-            logger.warning("expert %s has no training rows; it keeps its first weights", expert_id)
-        marker = None
-        if config.crash_once_expert == expert_id:
-            marker = str(writer.expert_path(expert_id)) + ".crash-marker"
-        job = ExpertJob(
-            expert_id=expert_id,
-            out_path=str(writer.expert_path(expert_id)),
-            small_arch=small_arch.to_json(),
-            extra_layers=training.depth - config.initial_depth,
-            warmup_epochs=config.warmup_epochs,
-            noise_std=config.noise_std,
-            spec=spec,
-            initial_state=None if small_states is None else small_states[expert_id],
-            crash_marker=marker,
-        )
-        # One object per cell: the task's node fetches only its own rows.
-        x_ref = ray.put(np.ascontiguousarray(dataset.x_train[rows]))
-        y_ref = ray.put(np.ascontiguousarray(dataset.y_train[rows]))
-        pending[expert_remote.remote(job, x_ref, y_ref)] = expert_id
-
-    results: dict[int, dict[str, Any]] = {}
-    baseline: dict[str, Any] | None = None
-    bar = tqdm(
-        total=len(pending), desc="experts", unit="task", file=sys.stderr, disable=not progress
-    )
-    try:
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1)
-            owner = pending.pop(ready[0])
-            try:
-                result: dict[str, Any] = ray.get(ready[0])
-            except ray.exceptions.RayError as exc:  # task error or dead worker, after retries
-                for ref in pending:
-                    ray.cancel(ref, force=True)
-                raise BuildFailed(expert_id=owner, reason=str(exc).splitlines()[0]) from exc
-            if owner is None:
-                baseline = result
-                bar.set_postfix(baseline=f"{result['value']:.4g}")
-            else:
-                results[owner] = result
-                losses = [
-                    r["final_loss"] for r in results.values() if math.isfinite(r["final_loss"])
-                ]
-                bar.set_postfix(
-                    last=f"{result['final_loss']:.4g}",
-                    mean=f"{(sum(losses) / len(losses)) if losses else float('nan'):.4g}",
-                )
-            bar.update(1)
-    finally:
-        bar.close()
-    return results, baseline

@@ -54,6 +54,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--hurst", type=float, default=None, help="α of the holder1d path")
     p.add_argument("--test-fraction", type=float, default=None)
     p.add_argument(
+        "--executor", choices=("ray", "local"), default=None,
+        help="ray (default): one Ray task per expert; local: train them one by one in this "
+        "process, without Ray",
+    )
+    p.add_argument(
         "--ray-address", default=None,
         help="join this Ray cluster (tasks write expert files under --out: use shared storage)",
     )
@@ -69,8 +74,8 @@ _CONFIG_OPTIONS = (
     "dataset", "data", "target", "task", "experts", "branching", "routing", "temperature",
     "prototypes", "width", "depth", "initial_depth", "prototype_epochs", "warmup_epochs",
     "epochs", "baseline_epochs", "lr", "prototype_lr", "batch_size", "loss", "noise_std",
-    "baseline", "seed", "grid_size", "hurst", "test_fraction", "ray_address", "num_cpus",
-    "max_retries", "torch_threads",
+    "baseline", "seed", "grid_size", "hurst", "test_fraction", "executor", "ray_address",
+    "num_cpus", "max_retries", "torch_threads",
 )
 
 

@@ -54,6 +54,9 @@ class BuildConfig:
     grid_size: int | None = None  # points per axis of the synthetic grids (paper's s if None)
     hurst: float = DEFAULT_HURST  # α of the holder1d fBm path
     test_fraction: float = 0.2
+    # "local" trains every job in this process, one after another, without Ray: for machines
+    # without Ray (a GPU box with torch only) and for debugging a job.
+    executor: Literal["ray", "local"] = "ray"
     ray_address: str | None = None
     num_cpus: int | None = None  # of an embedded Ray started by the build
     max_retries: int = 3
@@ -102,6 +105,12 @@ class BuildConfig:
             raise ConfigError("must not be negative", option="noise_std")
         if self.crash_once_expert is not None and not 0 <= self.crash_once_expert < self.experts:
             raise ConfigError("must name an expert id", option="crash_once_expert")
+        if self.executor not in ("ray", "local"):
+            raise ConfigError(f"must be ray or local, got {self.executor!r}", option="executor")
+        if self.executor == "local":
+            for option in ("ray_address", "num_cpus", "crash_once_expert"):
+                if getattr(self, option) is not None:
+                    raise ConfigError("only with --executor ray", option=option)
 
     def resolve(self, task: Task) -> ResolvedTraining:
         """The task-dependent choices of D.3.1 where the config leaves them open."""

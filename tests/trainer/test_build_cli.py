@@ -73,3 +73,53 @@ def test_momlp_build_then_store_verify(
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["num_experts"] == 4 and summary["mixture"]["metric"] == "mse"
     assert main(["store", "verify", str(out)]) == 0
+
+
+_WITHOUT_RAY = """
+import json, sys
+
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "ray":
+            raise ImportError("ray is blocked in this test")
+        return None
+
+sys.meta_path.insert(0, Block())
+from server._cli import main
+out = sys.argv[1]
+code = main([
+    "build", "--dataset", "ackley2d", "--executor", "local", "--experts", "4",
+    "--branching", "2", "--grid-size", "12", "--width", "16", "--epochs", "2",
+    "--prototype-epochs", "1", "--out", out, "--no-progress",
+])
+verify = main(["store", "verify", out])
+print(json.dumps({"build": code, "verify": verify, "ray": "ray" in sys.modules}))
+"""
+
+
+@pytest.mark.unit
+def test_the_local_executor_builds_a_store_where_ray_cannot_be_imported(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_RAY, str(tmp_path / "store")],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2],
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {
+        "build": 0, "verify": 0, "ray": False
+    }
+    report = json.loads((tmp_path / "store" / "report.json").read_text())
+    assert report["config"]["executor"] == "local"
+    assert len(report["experts"]) == 4 and report["baseline"]["metric"] == "mse"
+
+
+@pytest.mark.unit
+def test_ray_only_options_are_refused_with_the_local_executor(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main([
+        "build", "--dataset", "ackley2d", "--executor", "local", "--num-cpus", "2",
+        "--out", str(tmp_path / "s"), "--no-progress",
+    ])
+    assert code == 2
+    assert "--num-cpus: only with --executor ray" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()

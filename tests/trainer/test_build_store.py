@@ -185,3 +185,62 @@ def test_report_json_is_plain_json(ray_session: None, tmp_path: Path) -> None:
     assert report["num_experts"] == 3
     assert set(report["timings"]) >= {"prototypes_s", "train_s", "evaluate_s", "total_s"}
     assert report["config"]["dataset"] == "rastrigin2d"
+
+
+def test_the_local_executor_trains_the_same_experts_as_ray_tasks(
+    ray_session: None, tmp_path: Path
+) -> None:
+    threads = torch.get_num_threads()
+    built = {}
+    for executor in ("ray", "local"):
+        config = tiny(tmp_path / executor, "ackley2d", executor=executor)
+        build_store(config, progress=False)
+        built[executor] = Store.open(config.out)
+    # The driver's torch threads are its own again after the local jobs set theirs.
+    assert torch.get_num_threads() == threads
+    ray_store, local_store = built["ray"], built["local"]
+    for entry in ray_store.manifest.experts:
+        a = load_expert(ray_store.root / entry.file).state_dict()
+        b = load_expert(local_store.root / local_store.expert_entry(entry.id).file).state_dict()
+        assert a.keys() == b.keys()
+        for name in a:
+            torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-6)
+    ray_report, local_report = ray_store.report(), local_store.report()
+    assert ray_report is not None and local_report is not None
+    assert local_report["mixture"]["value"] == pytest.approx(
+        ray_report["mixture"]["value"], rel=1e-3
+    )
+    assert local_report["baseline"]["value"] == pytest.approx(
+        ray_report["baseline"]["value"], rel=1e-3
+    )
+
+
+@pytest.mark.unit
+def test_the_local_executor_retries_a_failing_job_and_publishes_nothing_when_it_keeps_failing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trainer._executors as executors
+
+    real = executors.expert_job
+    calls: dict[int, int] = {}
+
+    def flaky(job: Any, x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
+        calls[job.expert_id] = calls.get(job.expert_id, 0) + 1
+        if job.expert_id == 2 and (always or calls[2] == 1):
+            raise RuntimeError("out of memory (simulated)")
+        return real(job, x, y)
+
+    monkeypatch.setattr(executors, "expert_job", flaky)
+    always = False
+    config = tiny(tmp_path / "store", "ackley2d", executor="local", baseline=False, max_retries=1)
+    build_store(config, progress=False)
+    assert calls[2] == 2 and Store.open(config.out).verify() == []
+
+    always = True
+    calls.clear()
+    failing = tiny(tmp_path / "fresh", "ackley2d", executor="local", baseline=False,
+                   max_retries=1)
+    with pytest.raises(BuildFailed, match="expert 2 failed: RuntimeError: out of memory") as info:
+        build_store(failing, progress=False)
+    assert info.value.expert_id == 2 and calls[2] == 2
+    assert not (failing.out / "manifest.json").exists()
