@@ -1,35 +1,43 @@
-"""Expert MLPs, their one-file safetensors format, the store on disk and the expert cache."""
+"""Expert MLPs, their one-file safetensors format, the store on disk and the expert cache.
+
+Names are imported on first use, so that `momlp --help` (whose command registration
+imports this package) does not pay for torch.
+"""
 
 from __future__ import annotations
 
-from experts_store._arch import ExpertArch, paper_parameter_count
-from experts_store._cache import (
-    CacheStats,
-    Clock,
-    ExpertCache,
-    ExpertLoader,
-    Lease,
-    MonotonicClock,
-)
-from experts_store._exceptions import (
-    CacheBusy,
-    CacheError,
-    ExpertChecksumError,
-    ExpertFileMissing,
-    ExpertFormatError,
-    ExpertLoadError,
-    ExpertTooLarge,
-    ManifestError,
-    StoreError,
-    StoreNotFound,
-    UnknownExpert,
-)
-from experts_store._format import FORMAT_VERSION, ExpertFile, load_expert, save_expert
-from experts_store._hostbuf import HostBufferPool
-from experts_store._manifest import ExpertEntry, Manifest
-from experts_store._model import ExpertMLP
-from experts_store._store import Store, StoreExpertLoader, StoreProblem
-from experts_store._writer import StoreWriter
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from experts_store._arch import ExpertArch, paper_parameter_count
+    from experts_store._cache import (
+        CacheStats,
+        Clock,
+        ExpertCache,
+        ExpertLoader,
+        Lease,
+        MonotonicClock,
+    )
+    from experts_store._exceptions import (
+        CacheBusy,
+        CacheError,
+        ExpertChecksumError,
+        ExpertFileMissing,
+        ExpertFormatError,
+        ExpertLoadError,
+        ExpertTooLarge,
+        ManifestError,
+        StoreError,
+        StoreNotFound,
+        UnknownExpert,
+    )
+    from experts_store._format import FORMAT_VERSION, ExpertFile, load_expert, save_expert
+    from experts_store._hostbuf import HostBufferPool
+    from experts_store._manifest import ExpertEntry, Manifest
+    from experts_store._model import ExpertMLP
+    from experts_store._store import Store, StoreExpertLoader, StoreProblem
+    from experts_store._writer import StoreWriter
 
 __all__ = [
     "FORMAT_VERSION",
@@ -64,3 +72,46 @@ __all__ = [
     "paper_parameter_count",
     "save_expert",
 ]
+
+_HOMES = {
+    "ExpertArch": "experts_store._arch",
+    "paper_parameter_count": "experts_store._arch",
+    "CacheStats": "experts_store._cache",
+    "Clock": "experts_store._cache",
+    "ExpertCache": "experts_store._cache",
+    "ExpertLoader": "experts_store._cache",
+    "Lease": "experts_store._cache",
+    "MonotonicClock": "experts_store._cache",
+    "CacheBusy": "experts_store._exceptions",
+    "CacheError": "experts_store._exceptions",
+    "ExpertChecksumError": "experts_store._exceptions",
+    "ExpertFileMissing": "experts_store._exceptions",
+    "ExpertFormatError": "experts_store._exceptions",
+    "ExpertLoadError": "experts_store._exceptions",
+    "ExpertTooLarge": "experts_store._exceptions",
+    "ManifestError": "experts_store._exceptions",
+    "StoreError": "experts_store._exceptions",
+    "StoreNotFound": "experts_store._exceptions",
+    "UnknownExpert": "experts_store._exceptions",
+    "FORMAT_VERSION": "experts_store._format",
+    "ExpertFile": "experts_store._format",
+    "load_expert": "experts_store._format",
+    "save_expert": "experts_store._format",
+    "HostBufferPool": "experts_store._hostbuf",
+    "ExpertEntry": "experts_store._manifest",
+    "Manifest": "experts_store._manifest",
+    "ExpertMLP": "experts_store._model",
+    "Store": "experts_store._store",
+    "StoreExpertLoader": "experts_store._store",
+    "StoreProblem": "experts_store._store",
+    "StoreWriter": "experts_store._writer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'experts_store' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value
+    return value

@@ -68,6 +68,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handler(args)
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as exc:
+        # Commands register without their heavy imports, so a client-only install lists
+        # `momlp build` too; running it there should say what is missing, not crash.
+        print(f"momlp {args.command}: needs the {exc.name!r} package, which is not installed",
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

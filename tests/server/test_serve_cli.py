@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -139,3 +141,14 @@ def test_registering_the_commands_imports_neither_torch_nor_ray() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_momlp_help_lists_every_command_without_importing_torch_numpy_or_ray() -> None:
+    code = (
+        "import sys; from server._cli import build_parser; "
+        "text = build_parser().format_help(); "
+        "print(sorted({'torch', 'numpy', 'ray'} & set(sys.modules))); "
+        "print(all(c in text for c in ('build', 'serve', 'store', 'loadtest', 'demo')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["[]", "True"]
