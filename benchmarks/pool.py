@@ -318,7 +318,7 @@ async def _miss_latency(args: argparse.Namespace, workdir: Path, pool_kind: str)
 
 
 async def _ray_miss_latency(root: Path, experts: int, rounds: int) -> None:
-    from server._pool import RayExpertPool
+    from server._ray_pool import RayExpertPool
 
     store = Store.open(root)
     nbytes = store.expert_nbytes(0)
@@ -415,7 +415,7 @@ async def main_async(args: argparse.Namespace) -> None:
                 settings = Settings(actors=1, cache_bytes=10**9)
                 pool: ExpertPool
                 if args.pool == "ray":
-                    from server._pool import RayExpertPool
+                    from server._ray_pool import RayExpertPool
 
                     pool = RayExpertPool.create(root, settings)
                 else:

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     )
     from server._fake_pool import FakeExpertPool
     from server._metrics import Metrics
-    from server._pool import RayExpertPool
+    from server._ray_pool import RayExpertPool
     from server._runner import run_server
     from server._runtime_types import (
         ActorInfo,
@@ -64,7 +64,7 @@ _HOMES = {
     "create_app": "server._app",
     "Batcher": "server._batcher",
     "FakeExpertPool": "server._fake_pool",
-    "RayExpertPool": "server._pool",
+    "RayExpertPool": "server._ray_pool",
     **{
         name: "server._runtime_types"
         for name in ("ActorInfo", "BatchAnswer", "ExpertPool", "ExpertStat", "Group", "GroupResult")

@@ -27,15 +27,15 @@ import torch
 from experts_store import Clock, MonotonicClock
 from router import RouterInputError
 
-from ._exceptions import ExpertUnavailable, InvalidRequest, PoolClosed, PoolSaturated
-from ._runtime_types import (
-    BatchAnswer,
-    ExpertPool,
-    ExpertStat,
-    Group,
-    GroupResult,
-    RouterLike,
+from ._assemble import (
+    concat_routings,
+    expert_groups,
+    gather_outputs,
+    request_answers,
+    slice_routing,
 )
+from ._exceptions import InvalidRequest, PoolClosed, PoolSaturated
+from ._runtime_types import BatchAnswer, ExpertPool, RouterLike
 from ._settings import Settings
 
 __all__ = ["Batcher"]
@@ -235,7 +235,7 @@ class Batcher:
             start = 0
             for item in items:
                 stop = start + item.rows
-                item.routing = _slice_routing(routing, start, stop)
+                item.routing = slice_routing(routing, start, stop)
                 start = stop
             experts = torch.unique(routing.experts.reshape(-1)).tolist()
             await self._pool.prefetch([int(e) for e in experts])
@@ -340,85 +340,19 @@ class Batcher:
         top_k, mode = batch[0].top_k, batch[0].mode
         routing: Any
         if all(item.routing is not None for item in batch):
-            routing = _concat_routings([item.routing for item in batch])
+            routing = concat_routings([item.routing for item in batch])
         else:
             routing = await asyncio.to_thread(self._router.route, x, mode=mode, top_k=top_k)
         route_ms = (self._clock.now() - started) * 1000.0
         experts = routing.experts.to(torch.int64).reshape(x.shape[0], top_k)
         weights = routing.weights.to(torch.float32).reshape(x.shape[0], top_k)
-        flat = experts.reshape(-1)
-        pair_rows = torch.arange(x.shape[0]).repeat_interleave(top_k)
-        order = torch.argsort(flat, stable=True)
-        unique, counts = torch.unique_consecutive(flat[order], return_counts=True)
-        group_pairs = torch.split(order, counts.tolist())
-        groups = [
-            Group(expert_id=int(e), rows=x[pair_rows[pairs]])
-            for e, pairs in zip(unique.tolist(), group_pairs, strict=True)
-        ]
+        groups, group_pairs = expert_groups(x, experts)
         results = await self._pool.run(groups)
-        by_expert = {r.expert_id: r for r in results}
-        good = [r for r in results if r.error is None]
-        out_dim = int(good[0].outputs.shape[1]) if good else 0
-        flat_out = torch.zeros(flat.shape[0], out_dim)
-        for pairs, result in zip(group_pairs, results, strict=True):
-            if result.error is None:
-                flat_out[pairs] = result.outputs.to(torch.float32)
-        per_pair = flat_out.view(x.shape[0], top_k, out_dim)
-        outputs = per_pair[:, 0] if top_k == 1 else (per_pair * weights.unsqueeze(-1)).sum(1)
-        finished = self._clock.now()
-        return self._answers(
-            batch, routing.distance_evals, experts, weights, outputs, by_expert, route_ms,
-            started, finished,
+        outputs = gather_outputs(results, group_pairs, weights)
+        return request_answers(
+            [(item.rows, item.submitted) for item in batch], routing.distance_evals, experts,
+            weights, outputs, results, route_ms, started, self._clock.now(),
         )
-
-    def _answers(
-        self,
-        batch: list[_Pending],
-        distance_evals: torch.Tensor,
-        experts: torch.Tensor,
-        weights: torch.Tensor,
-        outputs: torch.Tensor,
-        by_expert: dict[int, GroupResult],
-        route_ms: float,
-        started: float,
-        finished: float,
-    ) -> list[BatchAnswer | BaseException]:
-        group_rows = {e: int(r.outputs.shape[0]) for e, r in by_expert.items()}
-        answers: list[BatchAnswer | BaseException] = []
-        start = 0
-        evals = distance_evals.to(torch.int64).reshape(-1)
-        for item in batch:
-            stop = start + item.rows
-            mine = experts[start:stop]
-            ids, counts = np.unique(mine.reshape(-1).numpy(), return_counts=True)
-            failed = [int(e) for e in ids if by_expert[int(e)].error is not None]
-            if failed:
-                first = by_expert[failed[0]]
-                answers.append(ExpertUnavailable(expert_id=failed[0], reason=str(first.error)))
-                start = stop
-                continue
-            stats = [
-                _stat(by_expert[int(e)], int(count), group_rows[int(e)])
-                for e, count in zip(ids.tolist(), counts.tolist(), strict=True)
-            ]
-            device_bytes: dict[str, int] = {}
-            for stat in stats:
-                device_bytes[stat.actor] = by_expert[stat.expert_id].device_bytes
-            answers.append(
-                BatchAnswer(
-                    outputs=outputs[start:stop].clone(),
-                    experts=mine.clone(),
-                    weights=weights[start:stop].clone(),
-                    stats=stats,
-                    device_bytes=device_bytes,
-                    distance_evals=evals[start:stop].clone(),
-                    route_ms=route_ms,
-                    queue_ms=(started - item.submitted) * 1000.0,
-                    total_ms=(finished - item.submitted) * 1000.0,
-                )
-            )
-            start = stop
-        return answers
 
     async def close(self) -> None:
         """Stop batching: queued and in-flight requests fail with `PoolClosed`."""
@@ -442,39 +376,3 @@ def _fail(batch: list[_Pending], exc: BaseException) -> None:
     for item in batch:
         if not item.future.done():
             item.future.set_exception(exc)
-
-
-def _stat(result: GroupResult, rows: int, group_rows: int) -> ExpertStat:
-    share = result.activation_bytes * rows // max(group_rows, 1)
-    return ExpertStat(
-        expert_id=result.expert_id,
-        rows=rows,
-        cache="hit" if result.hit else "miss",
-        load_ms=result.load_ms,
-        compute_ms=result.compute_ms,
-        actor=result.actor,
-        expert_bytes=result.expert_bytes,
-        activation_bytes=result.activation_bytes,
-        vram_bytes=result.expert_bytes + share,
-    )
-
-
-@dataclass(frozen=True)
-class _RoutingSlice:
-    experts: torch.Tensor
-    weights: torch.Tensor
-    distance_evals: torch.Tensor
-
-
-def _slice_routing(routing: Any, start: int, stop: int) -> _RoutingSlice:
-    return _RoutingSlice(
-        routing.experts[start:stop], routing.weights[start:stop],
-        routing.distance_evals[start:stop],
-    )
-
-
-def _concat_routings(parts: list[Any]) -> _RoutingSlice:
-    return _RoutingSlice(
-        torch.cat([p.experts for p in parts]), torch.cat([p.weights for p in parts]),
-        torch.cat([p.distance_evals for p in parts]),
-    )

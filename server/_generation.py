@@ -110,7 +110,7 @@ class ObservedPool:
 
 
 async def _default_pool(settings: Settings, store: Store) -> ExpertPool:
-    from server._pool import RayExpertPool
+    from server._ray_pool import RayExpertPool
 
     # create() blocks until every actor has opened the store.
     pool: ExpertPool = await asyncio.to_thread(RayExpertPool.create, store.root, settings)

@@ -1,7 +1,7 @@
-"""Expert pools: the shared dispatch/retry logic, and the Ray-backed `RayExpertPool`.
+"""The shared dispatch/retry logic of expert pools (`DispatchingPool`).
 
-Ray is imported lazily so that the in-process `FakeExpertPool` (same base class) works in
-processes without a Ray runtime.
+Subclasses: `RayExpertPool` (_ray_pool, real actors) and `FakeExpertPool` (_fake_pool,
+in-process, for tests of the layers above). This module does not import Ray.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import asyncio
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Coroutine, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,13 +17,12 @@ import torch
 
 from experts_store import Clock, ExpertTooLarge, MonotonicClock, Store
 
-from ._actor import ERROR_LOAD, ExpertActor, resolve_device
+from ._actor import ERROR_LOAD
 from ._dispatch import Dispatcher
 from ._exceptions import ActorFailed, PoolClosed
 from ._runtime_types import ActorInfo, ActorReply, Group, GroupResult
-from ._settings import Settings
 
-__all__ = ["ActorDied", "DispatchingPool", "RayExpertPool", "check_budget"]
+__all__ = ["ActorDied", "DispatchingPool", "check_budget"]
 
 logger = logging.getLogger(__name__)
 
@@ -334,109 +332,3 @@ def _failed(expert_id: int, reason: str, kind: str, *, actor: str) -> GroupResul
         error=reason,
         error_kind=kind,
     )
-
-
-class RayExpertPool(DispatchingPool):
-    """One Ray actor per device (per GPU on CUDA, `settings.actors` on CPU)."""
-
-    def __init__(
-        self,
-        handles: dict[str, Any],
-        *,
-        device: str,
-        settings: Settings,
-        clock: Clock | None = None,
-        failure_ttl_s: float = 30.0,
-    ) -> None:
-        super().__init__(
-            list(handles),
-            device=device,
-            budget_bytes=settings.cache_bytes,
-            spill_queue_rows=settings.spill_queue_rows,
-            clock=clock,
-            failure_ttl_s=failure_ttl_s,
-        )
-        self._handles = handles
-
-    @classmethod
-    def create(
-        cls,
-        store_root: Path | str,
-        settings: Settings,
-        *,
-        clock: Clock | None = None,
-        torch_threads: int | None = 1,
-        num_cpus_per_actor: float = 1.0,
-        max_concurrency: int = 4,
-    ) -> RayExpertPool:
-        """Start the actors and wait until each has opened the store (blocking).
-
-        Ray must already be initialised by the caller. Raises `ExpertTooLarge` if some expert
-        can never fit in `settings.cache_bytes`.
-        """
-        import ray
-
-        store = Store.open(Path(store_root))
-        check_budget(store, settings.cache_bytes)
-        device = resolve_device(settings.device)
-        if device.startswith("cuda"):
-            gpus = ray.cluster_resources().get("GPU", 0)  # type: ignore[no-untyped-call]
-            count = max(1, int(gpus))
-            resources: dict[str, Any] = {"num_gpus": 1, "num_cpus": num_cpus_per_actor}
-        else:
-            count = settings.actors
-            resources = {"num_cpus": num_cpus_per_actor}
-        if settings.actor_resource:
-            # Each worker node offers one unit (local-cluster.sh, KubeRay): one actor a node.
-            resources["resources"] = {settings.actor_resource: 1}
-        remote_cls = ray.remote(ExpertActor)
-        handles: dict[str, Any] = {}
-        for index in range(count):
-            name = f"actor-{index}"
-            handles[name] = remote_cls.options(
-                max_restarts=settings.actor_max_restarts,
-                # We retry ourselves so that no group is ever answered twice.
-                max_task_retries=0,
-                max_concurrency=max_concurrency,
-                **resources,
-            ).remote(str(store.root), name, device, settings.cache_bytes, torch_threads)
-        ray.get([handle.get_pid.remote() for handle in handles.values()])
-        logger.info("started %s %s actor(s) of %s bytes", count, device, settings.cache_bytes)
-        return cls(handles, device=device, settings=settings, clock=clock)
-
-    def handle(self, actor: str) -> Any:
-        """The Ray actor handle (for fault-injection tests and tooling)."""
-        return self._handles[actor]
-
-    async def _call_run(self, actor: str, payload: list[tuple[int, np.ndarray]]) -> ActorReply:
-        from ray.exceptions import RayActorError
-
-        try:
-            reply: ActorReply = await self._handles[actor].run.remote(payload)
-        except RayActorError as exc:
-            raise ActorDied(actor) from exc
-        return reply
-
-    async def _call_prefetch(self, actor: str, expert_ids: list[int]) -> dict[int, int]:
-        from ray.exceptions import RayActorError
-
-        try:
-            resident: dict[int, int] = await self._handles[actor].prefetch.remote(expert_ids)
-        except RayActorError as exc:
-            raise ActorDied(actor) from exc
-        return resident
-
-    async def _call_info(self, actor: str) -> ActorInfo:
-        from ray.exceptions import RayActorError
-
-        try:
-            info: ActorInfo = await self._handles[actor].info.remote()
-        except RayActorError as exc:
-            raise ActorDied(actor) from exc
-        return info
-
-    async def _shutdown(self) -> None:
-        import ray
-
-        for handle in self._handles.values():
-            ray.kill(handle, no_restart=True)

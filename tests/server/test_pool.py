@@ -17,7 +17,7 @@ from experts_store import ExpertTooLarge, Store, load_expert
 from router import PrototypeTree
 from server._batcher import Batcher
 from server._exceptions import ExpertUnavailable
-from server._pool import RayExpertPool
+from server._ray_pool import RayExpertPool
 from server._runtime_types import Group
 from server._settings import Settings
 
