@@ -32,8 +32,10 @@ if TYPE_CHECKING:
         StoreNotFound,
         UnknownExpert,
     )
-    from experts_store._format import FORMAT_VERSION, ExpertFile, load_expert, save_expert
+    from experts_store._format import FORMAT_VERSION, ExpertFile, save_expert
+    from experts_store._frozen import FrozenExpert
     from experts_store._hostbuf import HostBufferPool
+    from experts_store._load import load_expert, load_frozen_expert
     from experts_store._manifest import ExpertEntry, Manifest
     from experts_store._model import ExpertMLP
     from experts_store._store import Store, StoreExpertLoader, StoreProblem
@@ -56,6 +58,7 @@ __all__ = [
     "ExpertLoader",
     "ExpertMLP",
     "ExpertTooLarge",
+    "FrozenExpert",
     "HostBufferPool",
     "Lease",
     "Manifest",
@@ -69,6 +72,7 @@ __all__ = [
     "StoreWriter",
     "UnknownExpert",
     "load_expert",
+    "load_frozen_expert",
     "paper_parameter_count",
     "save_expert",
 ]
@@ -95,7 +99,9 @@ _HOMES = {
     "UnknownExpert": "experts_store._exceptions",
     "FORMAT_VERSION": "experts_store._format",
     "ExpertFile": "experts_store._format",
-    "load_expert": "experts_store._format",
+    "load_expert": "experts_store._load",
+    "load_frozen_expert": "experts_store._load",
+    "FrozenExpert": "experts_store._frozen",
     "save_expert": "experts_store._format",
     "HostBufferPool": "experts_store._hostbuf",
     "ExpertEntry": "experts_store._manifest",

@@ -20,11 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from experts_store._arch import ExpertArch
 from experts_store._exceptions import (
-    ExpertChecksumError,
     ExpertFileMissing,
     ExpertFormatError,
     ExpertLoadError,
@@ -38,11 +37,11 @@ __all__ = [
     "ExpertHeader",
     "expected_tensors",
     "host_view",
-    "load_expert",
     "parse_header",
     "read_expert_bytes",
     "save_expert",
     "sha256_hex",
+    "tensor_views",
 ]
 
 logger = logging.getLogger(__name__)
@@ -332,7 +331,8 @@ def _parse_header_bytes(header_bytes: bytes, total: int) -> ExpertHeader:
     )
 
 
-def _tensor_views(data: Tensor, header: ExpertHeader) -> dict[str, Tensor]:
+def tensor_views(data: Tensor, header: ExpertHeader) -> dict[str, Tensor]:
+    """The header's tensors as views into data (no copy)."""
     state: dict[str, Tensor] = {}
     for name, spec in header.tensors.items():
         dtype = _DTYPES[spec.dtype]
@@ -343,58 +343,3 @@ def _tensor_views(data: Tensor, header: ExpertHeader) -> dict[str, Tensor]:
             chunk = chunk.clone()
         state[name] = chunk.view(dtype).reshape(spec.shape)
     return state
-
-
-def _assign(expert: ExpertMLP, state: Mapping[str, Tensor]) -> None:
-    """Put the file's tensors into the meta skeleton in place of its parameters and buffers.
-
-    parse_header has already matched names, dtypes and shapes with the arch, so this skips
-    load_state_dict's per-tensor checks, which cost more than reading a small expert.
-    """
-    modules = dict(expert.named_modules())
-    for name, tensor in state.items():
-        owner, _, leaf = name.rpartition(".")
-        module = modules[owner]
-        if leaf in module._parameters:
-            module._parameters[leaf] = nn.Parameter(tensor)
-        else:
-            module._buffers[leaf] = tensor
-
-
-def load_expert(
-    path: Path | str,
-    device: str | torch.device = "cpu",
-    *,
-    expected_sha256: str | None = None,
-    expert_id: int | None = None,
-    host_pool: HostBufferPool | None = None,
-) -> ExpertMLP:
-    """Rebuild the expert saved at ``path`` on ``device``, in eval mode.
-
-    When ``expected_sha256`` is given the file's bytes are hashed first and a mismatch
-    raises ExpertChecksumError. A bad header, arch, dtype or shape raises ExpertFormatError;
-    a missing file ExpertFileMissing; all name ``expert_id``. ``host_pool`` recycles the
-    host buffers of large CPU experts (see HostBufferPool).
-    """
-    target = torch.device(device)
-    # On CUDA the read lands in pinned memory so the one host-to-device copy is a DMA.
-    pin = target.type == "cuda" and torch.cuda.is_available()
-    buf = read_expert_bytes(
-        path, expert_id=expert_id, pin_memory=pin, host_pool=None if pin else host_pool
-    )
-    if expected_sha256 is not None:
-        actual = sha256_hex(host_view(buf))
-        if actual != expected_sha256:
-            raise ExpertChecksumError(expert_id=expert_id, expected=expected_sha256, actual=actual)
-    header = parse_header(buf, expert_id=expert_id)
-    data = buf[header.data_offset :]
-    if target.type != "cpu":
-        data = data.to(target, non_blocking=pin)
-    state = _tensor_views(data, header)
-    expert = ExpertMLP(header.arch, device="meta")
-    _assign(expert, state)
-    if pin:
-        # The pinned buffer is released when this function returns; make the copy finish.
-        torch.cuda.current_stream(target).synchronize()
-    logger.debug("loaded expert %s from %s to %s", expert_id, path, target)
-    return expert.eval()

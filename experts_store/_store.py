@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from pydantic import ValidationError
@@ -18,14 +19,10 @@ from experts_store._exceptions import (
     ManifestError,
     StoreNotFound,
 )
-from experts_store._format import (
-    host_view,
-    load_expert,
-    parse_header,
-    read_expert_bytes,
-    sha256_hex,
-)
+from experts_store._format import host_view, parse_header, read_expert_bytes, sha256_hex
+from experts_store._frozen import FrozenExpert
 from experts_store._hostbuf import HostBufferPool
+from experts_store._load import load_expert, load_frozen_expert
 from experts_store._manifest import ExpertEntry, Manifest
 from experts_store._model import ExpertMLP
 from experts_store._writer import MANIFEST_NAME, REPORT_NAME
@@ -33,6 +30,8 @@ from experts_store._writer import MANIFEST_NAME, REPORT_NAME
 __all__ = ["Store", "StoreExpertLoader", "StoreProblem"]
 
 logger = logging.getLogger(__name__)
+
+_E = TypeVar("_E", ExpertMLP, FrozenExpert)
 
 
 @dataclass(frozen=True)
@@ -98,10 +97,19 @@ class Store:
         return self.expert_entry(expert_id).expert_arch.nbytes()
 
     def load_expert(self, expert_id: int, device: str | torch.device = "cpu") -> ExpertMLP:
+        return self._load(expert_id, device, load_expert)
+
+    def load_frozen(self, expert_id: int, device: str | torch.device = "cpu") -> FrozenExpert:
+        """The expert for inference only (FrozenExpert): what serving holds in its cache."""
+        return self._load(expert_id, device, load_frozen_expert)
+
+    def _load(
+        self, expert_id: int, device: str | torch.device, loader: Callable[..., _E]
+    ) -> _E:
         entry = self.expert_entry(expert_id)
         with self._lock:
             verified = entry.id in self._verified
-        expert = load_expert(
+        expert = loader(
             self.root / entry.file,
             device,
             expected_sha256=None if verified else entry.sha256,

@@ -26,7 +26,7 @@ from experts_store import (
     Clock,
     ExpertCache,
     ExpertLoadError,
-    ExpertMLP,
+    FrozenExpert,
     MonotonicClock,
     Store,
     StoreError,
@@ -78,19 +78,19 @@ class _DeviceLoader:
     def nbytes(self, expert_id: int) -> int:
         return self._store.expert_nbytes(expert_id)
 
-    def load(self, expert_id: int) -> ExpertMLP:
+    def load(self, expert_id: int) -> FrozenExpert:
+        # FrozenExpert, not ExpertMLP: serving never trains, and building the nn.Module
+        # skeleton would cost as much as reading a small expert's file.
         if self._cuda:
-            module = self._load_cuda(expert_id)
-        else:
-            module = self._store.load_expert(expert_id, device=self._device)
-        return module.eval()
+            return self._load_cuda(expert_id)
+        return self._store.load_frozen(expert_id, device=self._device)
 
-    def _load_cuda(self, expert_id: int) -> ExpertMLP:
+    def _load_cuda(self, expert_id: int) -> FrozenExpert:
         # load_expert reads the file into pinned memory and copies it non-blocking on the
         # current stream, then waits for that stream: here the side stream, so only this
         # loader thread waits while the default stream keeps computing.
         with torch.cuda.stream(self._copy_stream):
-            return self._store.load_expert(expert_id, device=self._device)
+            return self._store.load_frozen(expert_id, device=self._device)
 
 
 class ActorCore:
@@ -117,7 +117,7 @@ class ActorCore:
         self._store = store
         self._clock: Clock = clock if clock is not None else MonotonicClock()
         self._lease_timeout_s = lease_timeout_s
-        self._cache: ExpertCache[ExpertMLP] = ExpertCache(
+        self._cache: ExpertCache[FrozenExpert] = ExpertCache(
             budget_bytes, _DeviceLoader(store, self.device), clock=self._clock
         )
         self._compute_lock = threading.Lock()
@@ -127,7 +127,7 @@ class ActorCore:
         self._lookahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-lease")
 
     @property
-    def cache(self) -> ExpertCache[ExpertMLP]:
+    def cache(self) -> ExpertCache[FrozenExpert]:
         return self._cache
 
     def close(self) -> None:
@@ -193,7 +193,7 @@ class ActorCore:
                 expert_id=expert_id, outputs=None, error=leased.error, error_kind=leased.error_kind
             )
         try:
-            module: ExpertMLP = leased.lease.value
+            module: FrozenExpert = leased.lease.value
             start = self._clock.now()
             outputs, activation = self._forward(module, rows)
             compute_ms = (self._clock.now() - start) * 1000.0
@@ -214,7 +214,7 @@ class ActorCore:
         finally:
             leased.release()
 
-    def _forward(self, module: ExpertMLP, rows: np.ndarray) -> tuple[np.ndarray, int]:
+    def _forward(self, module: FrozenExpert, rows: np.ndarray) -> tuple[np.ndarray, int]:
         if not rows.flags.writeable:
             # Arrays from Ray's object store are read-only; torch wants to own writable memory.
             rows = np.array(rows)

@@ -1,0 +1,116 @@
+"""Reading an expert file onto a device: as a trainable ExpertMLP, or as a FrozenExpert.
+
+Both go through `read_expert_state` (read, optional checksum, header checks, one copy to
+the device); they differ only in what is built around the tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from experts_store._arch import ExpertArch
+from experts_store._exceptions import ExpertChecksumError
+from experts_store._format import (
+    host_view,
+    parse_header,
+    read_expert_bytes,
+    sha256_hex,
+    tensor_views,
+)
+from experts_store._frozen import FrozenExpert
+from experts_store._hostbuf import HostBufferPool
+from experts_store._model import ExpertMLP
+
+__all__ = ["load_expert", "load_frozen_expert", "read_expert_state"]
+
+logger = logging.getLogger(__name__)
+
+
+def _assign(expert: ExpertMLP, state: Mapping[str, Tensor]) -> None:
+    """Put the file's tensors into the meta skeleton in place of its parameters and buffers.
+
+    parse_header has already matched names, dtypes and shapes with the arch, so this skips
+    load_state_dict's per-tensor checks, which cost more than reading a small expert.
+    """
+    modules = dict(expert.named_modules())
+    for name, tensor in state.items():
+        owner, _, leaf = name.rpartition(".")
+        module = modules[owner]
+        if leaf in module._parameters:
+            module._parameters[leaf] = nn.Parameter(tensor)
+        else:
+            module._buffers[leaf] = tensor
+
+
+def load_expert(
+    path: Path | str,
+    device: str | torch.device = "cpu",
+    *,
+    expected_sha256: str | None = None,
+    expert_id: int | None = None,
+    host_pool: HostBufferPool | None = None,
+) -> ExpertMLP:
+    """Rebuild the expert saved at ``path`` on ``device``, in eval mode.
+
+    When ``expected_sha256`` is given the file's bytes are hashed first and a mismatch
+    raises ExpertChecksumError. A bad header, arch, dtype or shape raises ExpertFormatError;
+    a missing file ExpertFileMissing; all name ``expert_id``. ``host_pool`` recycles the
+    host buffers of large CPU experts (see HostBufferPool).
+    """
+    arch, state = read_expert_state(
+        path, device, expected_sha256=expected_sha256, expert_id=expert_id, host_pool=host_pool
+    )
+    expert = ExpertMLP(arch, device="meta")
+    _assign(expert, state)
+    return expert.eval()
+
+
+def read_expert_state(
+    path: Path | str,
+    device: str | torch.device = "cpu",
+    *,
+    expected_sha256: str | None = None,
+    expert_id: int | None = None,
+    host_pool: HostBufferPool | None = None,
+) -> tuple[ExpertArch, dict[str, Tensor]]:
+    """The expert's architecture and tensors on ``device``, checked as load_expert says."""
+    target = torch.device(device)
+    # On CUDA the read lands in pinned memory so the one host-to-device copy is a DMA.
+    pin = target.type == "cuda" and torch.cuda.is_available()
+    buf = read_expert_bytes(
+        path, expert_id=expert_id, pin_memory=pin, host_pool=None if pin else host_pool
+    )
+    if expected_sha256 is not None:
+        actual = sha256_hex(host_view(buf))
+        if actual != expected_sha256:
+            raise ExpertChecksumError(expert_id=expert_id, expected=expected_sha256, actual=actual)
+    header = parse_header(buf, expert_id=expert_id)
+    data = buf[header.data_offset :]
+    if target.type != "cpu":
+        data = data.to(target, non_blocking=pin)
+    state = tensor_views(data, header)
+    if pin:
+        # The pinned buffer is released when this function returns; make the copy finish.
+        torch.cuda.current_stream(target).synchronize()
+    logger.debug("loaded expert %s from %s to %s", expert_id, path, target)
+    return header.arch, state
+
+
+def load_frozen_expert(
+    path: Path | str,
+    device: str | torch.device = "cpu",
+    *,
+    expected_sha256: str | None = None,
+    expert_id: int | None = None,
+    host_pool: HostBufferPool | None = None,
+) -> FrozenExpert:
+    """The expert at ``path`` for inference only (see FrozenExpert); checked as load_expert."""
+    arch, state = read_expert_state(
+        path, device, expected_sha256=expected_sha256, expert_id=expert_id, host_pool=host_pool
+    )
+    return FrozenExpert(arch, state)
