@@ -75,3 +75,17 @@ def test_the_store_checks_a_frozen_load_like_any_other(tmp_path: Path) -> None:
 def test_from_module_refuses_a_module_that_is_not_an_expert() -> None:
     with pytest.raises(TypeError, match="ExpertMLP"):
         FrozenExpert.from_module(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("batchnorm", [False, True])
+def test_cuda_frozen_expert_through_pinned_memory(tmp_path: Path, batchnorm: bool) -> None:
+    expert = make_expert((5, 32, 16, 3), batchnorm=batchnorm, seed=8)
+    path = tmp_path / "e.safetensors"
+    written = save_expert(expert, path)
+    frozen = load_frozen_expert(path, "cuda", expected_sha256=written.sha256, expert_id=0)
+    assert frozen.device.type == "cuda"
+    x = torch.randn(10, 5)
+    with torch.inference_mode():
+        torch.testing.assert_close(frozen(x.cuda()).cpu(), expert(x), rtol=1e-5, atol=1e-5)
