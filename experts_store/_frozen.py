@@ -32,6 +32,8 @@ class FrozenExpert:
         """state: the tensors an ExpertMLP of ``arch`` has, under the same names."""
         self.arch = arch
         last = len(arch.widths) - 2
+        # One tuple per layer, told apart by length: (A, b) for the output layer,
+        # (A, b, γ) for a hidden one, (A, b, γ, mean, var, bn weight, bn bias) with BatchNorm.
         layers: list[tuple[Tensor, ...]] = []
         for j in range(last + 1):
             weight, bias = state[f"linears.{j}.weight"], state[f"linears.{j}.bias"]

@@ -46,21 +46,16 @@ class RowArgmin:
 
     def __init__(self, width: int) -> None:
         self.width = width
-        if width < _TWO_LEVEL_MIN:
-            self.strips, self.strip = 1, width
-        else:
-            self.strip = padded_width(int(math.isqrt(width)))
-            self.strips = width // self.strip
+        self.strip = _strip(width)
+        self.strips = width // self.strip
         if self.strips * self.strip != width:
-            raise ValueError(f"width {width} is not strips * strip; pad it with padded_width()")
+            raise ValueError(f"width {width} is not strips * strip; pad it with padded()")
         self._offsets = torch.arange(self.strips) * self.strip
 
     @staticmethod
     def padded(width: int) -> int:
-        """The width to pad a row of `width` columns to."""
-        if width < _TWO_LEVEL_MIN:
-            return width
-        strip = padded_width(int(math.isqrt(width)))
+        """The width to pad a row of `width` columns to: whole strips."""
+        strip = _strip(width)
         return -(-width // strip) * strip
 
     def __call__(self, scores: torch.Tensor) -> torch.Tensor:
@@ -75,9 +70,12 @@ class RowArgmin:
         return candidates.gather(1, strip)
 
 
-def padded_width(width: int) -> int:
-    """width rounded up to whole SIMD lanes."""
-    return -(-width // _LANES) * _LANES
+def _strip(width: int) -> int:
+    """Strip length for a row of about `width` columns: the whole row below
+    _TWO_LEVEL_MIN, else about √width rounded up to whole SIMD lanes."""
+    if width < _TWO_LEVEL_MIN:
+        return width
+    return -(-math.isqrt(width) // _LANES) * _LANES
 
 
 class BlockedSearch:

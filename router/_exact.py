@@ -117,10 +117,9 @@ def exact_nearest(
     """
     b = x.shape[0]
     k_total = index.nodes64.shape[0] - index.num_internal
-    everyone = torch.arange(b)
-    if index.num_internal == 0 or k_total <= min_tree_search:
-        if index.num_internal == 0:
-            return seed(everyone)
+    if index.num_internal == 0:
+        return seed(torch.arange(b))  # a single leaf: the walk's answer is the answer
+    if k_total <= min_tree_search:
         idx, d2 = search.knn(x, 1)
         return idx[:, 0], d2[:, 0], torch.full((b,), k_total, dtype=torch.long)
     best_idx = torch.empty(b, dtype=torch.long)

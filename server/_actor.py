@@ -86,7 +86,7 @@ class _DeviceLoader:
         return self._store.load_frozen(expert_id, device=self._device)
 
     def _load_cuda(self, expert_id: int) -> FrozenExpert:
-        # load_expert reads the file into pinned memory and copies it non-blocking on the
+        # load_frozen reads the file into pinned memory and copies it non-blocking on the
         # current stream, then waits for that stream: here the side stream, so only this
         # loader thread waits while the default stream keeps computing.
         with torch.cuda.stream(self._copy_stream):
