@@ -235,6 +235,30 @@ def lfu_hits(trace: list[int], capacity: int) -> int:
     return hits
 
 
+def lookahead_lru_hits(trace: list[int], capacity: int, window: int) -> int:
+    """LRU that never evicts an expert needed by the next `window` requests (unless every
+    resident one is): what knowing the queued work could add to the pool's LRU."""
+    lru: OrderedDict[int, None] = OrderedDict()
+    upcoming: dict[int, int] = {}
+    for expert_id in trace[1 : 1 + window]:
+        upcoming[expert_id] = upcoming.get(expert_id, 0) + 1
+    hits = 0
+    for t, expert_id in enumerate(trace):
+        if expert_id in lru:
+            hits += 1
+            lru.move_to_end(expert_id)
+        else:
+            if len(lru) >= capacity:
+                victim = next((e for e in lru if not upcoming.get(e)), next(iter(lru)))
+                del lru[victim]
+            lru[expert_id] = None
+        if window and t + 1 < len(trace):  # slide the window to t+2 .. t+1+window
+            upcoming[trace[t + 1]] -= 1
+        if window and t + 1 + window < len(trace):
+            upcoming[trace[t + 1 + window]] = upcoming.get(trace[t + 1 + window], 0) + 1
+    return hits
+
+
 def _hit_rate(args: argparse.Namespace) -> None:
     num_experts, capacity = 1000, 100
     length = 50_000 if args.quick else 300_000
@@ -250,6 +274,10 @@ def _hit_rate(args: argparse.Namespace) -> None:
     record["lfu_online_for_comparison"] = round(lfu_hits(trace, capacity) / length, 4)
     weights = 1.0 / np.arange(1, num_experts + 1)
     record["static_top_capacity_bound"] = round(float(weights[:capacity].sum() / weights.sum()), 4)
+    for window in (64, 256):
+        record[f"lru_protecting_next_{window}_for_comparison"] = round(
+            lookahead_lru_hits(trace, capacity, window) / length, 4
+        )
     for actors in (2, 4):
         record[f"pool_{actors}_actors_rendezvous"] = round(
             partitioned_hits(trace, capacity, actors) / length, 4
