@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from experts_store._arch import ExpertArch, paper_parameter_count
     from experts_store._cache import (
+        CACHE_POLICIES,
+        CachePolicy,
         CacheStats,
         Clock,
         ExpertCache,
@@ -42,9 +44,11 @@ if TYPE_CHECKING:
     from experts_store._writer import StoreWriter
 
 __all__ = [
+    "CACHE_POLICIES",
     "FORMAT_VERSION",
     "CacheBusy",
     "CacheError",
+    "CachePolicy",
     "CacheStats",
     "Clock",
     "ExpertArch",
@@ -80,6 +84,8 @@ __all__ = [
 _HOMES = {
     "ExpertArch": "experts_store._arch",
     "paper_parameter_count": "experts_store._arch",
+    "CACHE_POLICIES": "experts_store._cache",
+    "CachePolicy": "experts_store._cache",
     "CacheStats": "experts_store._cache",
     "Clock": "experts_store._cache",
     "ExpertCache": "experts_store._cache",

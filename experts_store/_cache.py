@@ -1,8 +1,17 @@
-"""ExpertCache: a byte-budget LRU of loaded experts with leases (pure Python + torch-free).
+"""ExpertCache: a byte-budget cache of loaded experts with leases (pure Python, torch-free).
 
 Invariant: resident bytes + bytes reserved for loads in flight <= budget, always. A leased
 expert is never evicted. The loader runs outside the lock, so one slow load does not stall
 hits on other experts.
+
+Two policies, both choosing victims least recently used first:
+
+- ``lru``: one recency list.
+- ``tinylfu`` (W-TinyLFU): a new expert enters a *window* (at first ``window_fraction`` of the
+  budget, then sized by `WindowClimber`; always room for the largest expert seen). When the
+  window must give room, its oldest expert contests the least recently used *admitted* expert
+  on recent popularity (`FrequencyCounter`); the less popular one is dropped. On skewed
+  traffic this keeps the popular experts that plain LRU lets one-off requests flush out.
 """
 
 from __future__ import annotations
@@ -13,13 +22,27 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar, cast
+from typing import Generic, Literal, Protocol, TypeVar, cast
 
+from experts_store._climber import WindowClimber
 from experts_store._exceptions import CacheBusy, ExpertTooLarge
+from experts_store._frequency import FrequencyCounter
 
-__all__ = ["CacheStats", "Clock", "ExpertCache", "ExpertLoader", "Lease", "MonotonicClock"]
+__all__ = [
+    "CACHE_POLICIES",
+    "CachePolicy",
+    "CacheStats",
+    "Clock",
+    "ExpertCache",
+    "ExpertLoader",
+    "Lease",
+    "MonotonicClock",
+]
+
+CachePolicy = Literal["lru", "tinylfu"]
+CACHE_POLICIES: tuple[CachePolicy, ...] = ("lru", "tinylfu")
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +72,7 @@ class CacheStats:
     hits: int = 0
     misses: int = 0
     evictions: int = 0
+    rejections: int = 0  # tinylfu: newcomers dropped for being less popular than the victim
     loads: int = 0
     bytes_loaded: int = 0
     load_seconds: float = 0.0
@@ -66,10 +90,12 @@ class Lease(Generic[T]):
 
 
 class _Entry(Generic[T]):
-    __slots__ = ("error", "leases", "loading", "nbytes", "value", "waiters")
+    __slots__ = ("admitted", "error", "leases", "loading", "nbytes", "unused", "value", "waiters")
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
+        self.admitted = False  # False: in the window (or the only list, under lru)
+        self.unused = False  # tinylfu: prefetched and not leased yet
         self.loading = True
         self.value: T | None = None
         self.error: BaseException | None = None
@@ -82,7 +108,7 @@ class _Entry(Generic[T]):
 
 
 class ExpertCache(Generic[T]):
-    """Thread-safe byte-budget LRU; see the module docstring for the guarantees."""
+    """Thread-safe byte-budget cache; see the module docstring for the guarantees."""
 
     def __init__(
         self,
@@ -91,18 +117,38 @@ class ExpertCache(Generic[T]):
         *,
         clock: Clock | None = None,
         max_entry_bytes: int | None = None,
+        policy: CachePolicy = "lru",
+        window_fraction: float = 0.01,
     ) -> None:
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        if policy not in CACHE_POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(CACHE_POLICIES)}, got {policy!r}")
+        if not 0.0 <= window_fraction <= 1.0:
+            raise ValueError(f"window_fraction must be in [0, 1], got {window_fraction}")
         self._budget = budget_bytes
         self._loader = loader
         self._clock = clock or MonotonicClock()
         self._max_entry = (
             budget_bytes if max_entry_bytes is None else min(max_entry_bytes, budget_bytes)
         )
+        self.policy = policy
+        # Under lru the window is the whole cache and nothing is ever admitted past it.
+        self._climber = (
+            WindowClimber(budget_bytes, initial_fraction=window_fraction)
+            if policy == "tinylfu"
+            else None
+        )
+        # The window also keeps room for the largest expert seen, so that a newcomer always
+        # lands there and never pushes an admitted expert out without a contest.
+        self._largest = 0
+        self._frequency = FrequencyCounter(per_entry=20) if policy == "tinylfu" else None
         self._cond = threading.Condition()
-        # Insertion order is recency order: the first unpinned resident entry is the LRU victim.
-        self._entries: OrderedDict[int, _Entry[T]] = OrderedDict()
+        # Insertion order is recency order, oldest first, in both lists.
+        self._window: OrderedDict[int, _Entry[T]] = OrderedDict()
+        self._main: OrderedDict[int, _Entry[T]] = OrderedDict()
+        self._window_bytes = 0  # resident and reserved
+        self._main_bytes = 0
         self._resident = 0
         self._reserved = 0
         self._stats = CacheStats()
@@ -140,14 +186,15 @@ class ExpertCache(Generic[T]):
             return self._waiting
 
     def resident(self) -> dict[int, int]:
-        """expert_id -> bytes of every loaded expert, least recently used first."""
+        """expert_id -> bytes of every loaded expert, in the order victims are considered:
+        the window oldest first, then admitted experts least recently used first."""
         with self._cond:
-            return {i: e.nbytes for i, e in self._entries.items() if not e.loading}
+            return {i: e.nbytes for i, e in self._ordered() if not e.loading}
 
     def leased(self) -> dict[int, int]:
         """expert_id -> number of leases held now."""
         with self._cond:
-            return {i: e.leases for i, e in self._entries.items() if e.leases}
+            return {i: e.leases for i, e in self._ordered() if e.leases}
 
     @contextlib.contextmanager
     def lease(self, expert_id: int, *, timeout: float | None = 30.0) -> Iterator[Lease[T]]:
@@ -165,17 +212,20 @@ class ExpertCache(Generic[T]):
                 entry.leases -= 1
                 self._cond.notify_all()
 
-    def prefetch(self, expert_id: int) -> bool:
-        """Load ``expert_id`` now if room can be made without waiting or evicting a leased
-        expert. True when it is resident (or being loaded) afterwards."""
+    def prefetch(self, expert_id: int, *, keep: Collection[int] = ()) -> bool:
+        """Load ``expert_id`` now if room can be made without waiting, without evicting a
+        leased expert and without evicting one in ``keep`` (experts soon needed). True when
+        it is resident (or being loaded) afterwards."""
         nbytes = self._loader.nbytes(expert_id)
         with self._cond:
-            entry = self._entries.get(expert_id)
-            if entry is not None:
+            if self._get(expert_id) is not None:
                 return True
-            if nbytes > self._max_entry or not self._make_room(nbytes):
+            if nbytes > self._max_entry or not self._make_room(nbytes, frozenset(keep)):
                 return False
             entry = self._reserve(expert_id, nbytes)
+            # A prefetched expert has a request queued for it but no count yet: it must not
+            # lose a popularity contest before that request arrives.
+            entry.unused = self._frequency is not None
         try:
             self._load(expert_id, entry, leases=0)
         except Exception:
@@ -186,7 +236,7 @@ class ExpertCache(Generic[T]):
     def evict(self, expert_id: int) -> bool:
         """Drop ``expert_id`` if it is resident and not in use."""
         with self._cond:
-            entry = self._entries.get(expert_id)
+            entry = self._get(expert_id)
             if entry is None or entry.pinned:
                 return False
             self._drop(expert_id, entry)
@@ -196,7 +246,7 @@ class ExpertCache(Generic[T]):
     def clear(self) -> None:
         """Drop every expert not in use."""
         with self._cond:
-            for expert_id, entry in list(self._entries.items()):
+            for expert_id, entry in list(self._ordered()):
                 if not entry.pinned:
                     self._drop(expert_id, entry)
             self._cond.notify_all()
@@ -206,12 +256,20 @@ class ExpertCache(Generic[T]):
         deadline = None if timeout is None else start + timeout
         missed = False
         nbytes: int | None = None
+        with self._cond:
+            if self._frequency is not None and self._climber is not None:
+                entries = len(self._window) + len(self._main)
+                self._frequency.record(expert_id, entries=entries)
+                self._climber.observe(
+                    hits=self._stats.hits, misses=self._stats.misses, entries=entries
+                )
         while True:
             with self._cond:
-                entry = self._entries.get(expert_id)
+                entry = self._get(expert_id)
                 if entry is not None and not entry.loading:
                     entry.leases += 1
-                    self._entries.move_to_end(expert_id)
+                    entry.unused = False
+                    self._touch(expert_id, entry)
                     if not missed:
                         self._stats.hits += 1
                     waited = self._clock.now() - start if missed else 0.0
@@ -259,7 +317,7 @@ class ExpertCache(Generic[T]):
                 entry.error = exc
                 entry.loading = False
                 self._reserved -= entry.nbytes
-                del self._entries[expert_id]
+                self._unlink(expert_id, entry)
                 self._cond.notify_all()
             raise
         seconds = self._clock.now() - started
@@ -269,7 +327,7 @@ class ExpertCache(Generic[T]):
             entry.leases += leases
             self._reserved -= entry.nbytes
             self._resident += entry.nbytes
-            self._entries.move_to_end(expert_id)
+            self._touch(expert_id, entry)
             self._stats.loads += 1
             self._stats.bytes_loaded += entry.nbytes
             self._stats.load_seconds += seconds
@@ -277,30 +335,97 @@ class ExpertCache(Generic[T]):
         logger.debug("loaded expert %s (%s bytes) in %.4f s", expert_id, entry.nbytes, seconds)
         return seconds
 
+    def _get(self, expert_id: int) -> _Entry[T] | None:
+        entry = self._window.get(expert_id)
+        return entry if entry is not None else self._main.get(expert_id)
+
+    def _ordered(self) -> Iterator[tuple[int, _Entry[T]]]:
+        """Every entry in the order victims are considered (window, then admitted)."""
+        yield from list(self._window.items())
+        yield from list(self._main.items())
+
+    def _touch(self, expert_id: int, entry: _Entry[T]) -> None:
+        (self._main if entry.admitted else self._window).move_to_end(expert_id)
+
+    def _unlink(self, expert_id: int, entry: _Entry[T]) -> None:
+        if entry.admitted:
+            del self._main[expert_id]
+            self._main_bytes -= entry.nbytes
+        else:
+            del self._window[expert_id]
+            self._window_bytes -= entry.nbytes
+
     def _reserve(self, expert_id: int, nbytes: int) -> _Entry[T]:
+        self._largest = max(self._largest, nbytes)
         entry: _Entry[T] = _Entry(nbytes)
-        self._entries[expert_id] = entry
+        self._window[expert_id] = entry
+        self._window_bytes += nbytes
         self._reserved += nbytes
         return entry
 
-    def _make_room(self, nbytes: int) -> bool:
-        """Evict unpinned LRU experts until ``nbytes`` fit; evict nothing if they cannot."""
+    def _make_room(self, nbytes: int, keep: frozenset[int] = frozenset()) -> bool:
+        """Evict until ``nbytes`` fit; evict nothing if they cannot (leased and ``keep``
+        experts are never evicted)."""
         free = self._budget - self._resident - self._reserved
         if nbytes <= free:
             return True
-        evictable = sum(e.nbytes for e in self._entries.values() if not e.pinned)
+
+        def movable(item: tuple[int, _Entry[T]]) -> bool:
+            return not item[1].pinned and item[0] not in keep
+
+        def contestant(item: tuple[int, _Entry[T]]) -> bool:
+            return movable(item) and not item[1].unused
+
+        evictable = sum(item[1].nbytes for item in self._ordered() if movable(item))
         if free + evictable < nbytes:
             return False
-        for expert_id, entry in list(self._entries.items()):
-            if free >= nbytes:
-                break
-            if not entry.pinned:
-                self._drop(expert_id, entry)
-                free += entry.nbytes
+        floor = self._budget if self._climber is None else self._climber.window_bytes
+        window_target = max(floor, self._largest, nbytes)
+        main_target = self._budget - window_target
+        while free < nbytes:
+            candidate = next(filter(contestant, self._window.items()), None)
+            victim = next(filter(movable, self._main.items()), None)
+            if candidate is None and victim is None:
+                # Only prefetched experts still waiting for their request are left.
+                candidate = next(filter(movable, self._window.items()), None)
+            if candidate is not None and (
+                victim is None or self._window_bytes + nbytes > window_target
+            ):
+                cand_id, cand = candidate
+                if self._main_bytes + cand.nbytes <= main_target:
+                    self._admit(cand_id, cand)  # frees nothing: the loop goes on
+                    continue
+                if victim is not None and self._more_popular(cand_id, victim[0]):
+                    self._drop(*victim)
+                    free += victim[1].nbytes
+                    # The winner takes the room now: left in the window, it would have to
+                    # queue behind younger newcomers for the next free place.
+                    if self._main_bytes + cand.nbytes <= main_target:
+                        self._admit(cand_id, cand)
+                    continue
+                if self._frequency is not None:
+                    self._stats.rejections += 1
+                self._drop(cand_id, cand)
+                free += cand.nbytes
+            else:
+                assert victim is not None  # `evictable` covers nbytes - free
+                self._drop(*victim)
+                free += victim[1].nbytes
         return True
 
+    def _admit(self, expert_id: int, entry: _Entry[T]) -> None:
+        self._unlink(expert_id, entry)
+        entry.admitted = True
+        self._main[expert_id] = entry
+        self._main_bytes += entry.nbytes
+
+    def _more_popular(self, candidate: int, victim: int) -> bool:
+        # Ties keep the admitted expert: it has been useful for longer.
+        frequency = self._frequency
+        return frequency is not None and frequency.estimate(candidate) > frequency.estimate(victim)
+
     def _drop(self, expert_id: int, entry: _Entry[T]) -> None:
-        del self._entries[expert_id]
+        self._unlink(expert_id, entry)
         self._resident -= entry.nbytes
         self._stats.evictions += 1
         logger.debug("evicted expert %s (%s bytes)", expert_id, entry.nbytes)

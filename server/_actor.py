@@ -23,6 +23,7 @@ import torch
 from experts_store import (
     CacheBusy,
     CacheError,
+    CachePolicy,
     Clock,
     ExpertCache,
     ExpertLoadError,
@@ -109,6 +110,7 @@ class ActorCore:
         name: str,
         device: str = "cpu",
         budget_bytes: int,
+        cache_policy: CachePolicy = "tinylfu",
         clock: Clock | None = None,
         lease_timeout_s: float = 30.0,
     ) -> None:
@@ -118,7 +120,7 @@ class ActorCore:
         self._clock: Clock = clock if clock is not None else MonotonicClock()
         self._lease_timeout_s = lease_timeout_s
         self._cache: ExpertCache[FrozenExpert] = ExpertCache(
-            budget_bytes, _DeviceLoader(store, self.device), clock=self._clock
+            budget_bytes, _DeviceLoader(store, self.device), clock=self._clock, policy=cache_policy
         )
         self._compute_lock = threading.Lock()
         # Experts of run calls that arrived and have not finished: a prefetch never evicts them.
@@ -238,40 +240,19 @@ class ActorCore:
     def prefetch(self, expert_ids: Sequence[int]) -> dict[int, int]:
         """Start loading these experts so a later run finds them; returns what is resident.
 
-        Room is made by evicting least recently used experts that no arrived run call needs
-        and that are not in this prefetch; a leased expert is never evicted (the cache refuses).
-        An expert that does not fit that way is skipped: the run will load it on demand.
+        The cache makes room by its policy but never evicts an expert that an arrived run
+        call needs, one in this prefetch, or a leased one. An expert that does not fit that way
+        is skipped: the run will load it on demand.
         """
-        keep = set(expert_ids)
+        with self._wanted_lock:
+            keep = set(expert_ids) | set(self._wanted)
         for expert_id in expert_ids:
             try:
-                if expert_id in self._cache.resident():
-                    continue
-                if not self._make_room(self._store.expert_nbytes(expert_id), keep):
-                    continue
-                self._cache.prefetch(expert_id)
+                self._cache.prefetch(expert_id, keep=keep)
             except (StoreError, CacheError) as exc:
                 # The failure is reported by the run that needs the expert.
                 logger.info("actor %s: prefetch of %s failed: %s", self.name, expert_id, exc)
         return self._cache.resident()
-
-    def _make_room(self, nbytes: int, keep: set[int]) -> bool:
-        cache = self._cache
-        with self._wanted_lock:
-            protected = keep | set(self._wanted)
-        free = cache.budget_bytes - cache.resident_bytes - cache.reserved_bytes
-        victims: list[int] = []
-        for victim, size in cache.resident().items():  # least recently used first
-            if free >= nbytes:
-                break
-            if victim not in protected:
-                victims.append(victim)
-                free += size
-        if free < nbytes:
-            return False
-        for victim in victims:
-            cache.evict(victim)  # False if it got leased meanwhile: the cache then says no room
-        return True
 
     def info(self) -> ActorInfo:
         resident = self._cache.resident()
@@ -311,11 +292,16 @@ class ExpertActor:
         device: str,
         budget_bytes: int,
         torch_threads: int | None = None,
+        cache_policy: CachePolicy = "tinylfu",
     ) -> None:
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
         self._core = ActorCore(
-            Store.open(Path(store_root)), name=name, device=device, budget_bytes=budget_bytes
+            Store.open(Path(store_root)),
+            name=name,
+            device=device,
+            budget_bytes=budget_bytes,
+            cache_policy=cache_policy,
         )
 
     def run(self, groups: list[tuple[int, np.ndarray]]) -> ActorReply:

@@ -56,6 +56,7 @@ class FakeExpertPool(DispatchingPool):
             name=name,
             device=self._device,
             budget_bytes=self._settings.cache_bytes,
+            cache_policy=self._settings.cache_policy,
             clock=self._clock_arg,
         )
 

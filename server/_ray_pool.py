@@ -86,7 +86,14 @@ class RayExpertPool(DispatchingPool):
                 max_task_retries=0,
                 max_concurrency=max_concurrency,
                 **resources,
-            ).remote(str(store.root), name, device, settings.cache_bytes, torch_threads)
+            ).remote(
+                str(store.root),
+                name,
+                device,
+                settings.cache_bytes,
+                torch_threads,
+                cache_policy=settings.cache_policy,
+            )
         ray.get([handle.get_pid.remote() for handle in handles.values()])
         logger.info("started %s %s actor(s) of %s bytes", count, device, settings.cache_bytes)
         return cls(handles, device=device, settings=settings, clock=clock)

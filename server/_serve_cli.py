@@ -52,6 +52,11 @@ def _add_server_options(parser: argparse.ArgumentParser, *, store_help: str) -> 
     parser.add_argument(
         "--cache-bytes", type=parse_bytes, help="expert cache budget per actor (e.g. 256MiB)"
     )
+    parser.add_argument(
+        "--cache-policy",
+        choices=["tinylfu", "lru"],
+        help="which experts stay cached (default tinylfu: popular ones; lru: recent ones)",
+    )
     parser.add_argument("--ray-address", help="Ray cluster to join (default: embedded Ray)")
     parser.add_argument("--ray-num-cpus", type=int, help="CPUs of an embedded Ray")
     parser.add_argument(
@@ -77,6 +82,7 @@ _FIELDS = (
     "actors",
     "device",
     "cache_bytes",
+    "cache_policy",
     "ray_address",
     "ray_num_cpus",
     "max_batch_wait_ms",

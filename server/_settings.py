@@ -42,6 +42,11 @@ class Settings(BaseSettings):
     cache_bytes: int = Field(
         default=256 * 1024 * 1024, ge=1, description="expert cache budget per actor, bytes"
     )
+    cache_policy: Literal["lru", "tinylfu"] = Field(
+        default="tinylfu",
+        description="tinylfu: LRU victims, but a newcomer must be more popular than the victim"
+        " to displace it (keeps hot experts on skewed traffic); lru: plain recency",
+    )
     actor_max_restarts: int = Field(default=3, ge=0)
     actor_resource: str | None = Field(
         default=None,

@@ -121,7 +121,8 @@ def test_missing_file_is_a_load_error(make_store: MakeStore) -> None:
 
 def test_prefetch_evicts_only_experts_no_arrived_call_needs(make_store: MakeStore) -> None:
     store = Store.open(make_store(K=8, n=2, width=4, out=1))
-    core = ActorCore(store, name="a0", budget_bytes=2 * store.expert_nbytes(0))
+    # lru, so that the victim order is plain recency.
+    core = ActorCore(store, name="a0", budget_bytes=2 * store.expert_nbytes(0), cache_policy="lru")
     core.run([(0, rows_for(2, 1, seed=0))])
     core.run([(1, rows_for(2, 1, seed=1))])
     assert sorted(core.prefetch([4])) == [1, 4]  # 0 was the least recently used

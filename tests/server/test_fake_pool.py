@@ -169,7 +169,7 @@ async def test_a_closed_pool_refuses_work(make_store: MakeStore) -> None:
 async def test_actors_report_residency_and_evictions(make_store: MakeStore) -> None:
     store = Store.open(make_store(K=6, n=3, width=6, out=2))
     nbytes = store.expert_nbytes(0)
-    pool = FakeExpertPool(store, Settings(actors=1, cache_bytes=2 * nbytes))
+    pool = FakeExpertPool(store, Settings(actors=1, cache_bytes=2 * nbytes, cache_policy="lru"))
     await pool.run(groups_for([0, 1, 2, 3], 3))
     [info] = pool.actors()
     assert (info.name, info.device, info.alive) == ("actor-0", "cpu", True)

@@ -42,8 +42,12 @@ def random_groups(rng: np.random.Generator, K: int, n: int, count: int) -> list[
     ]
 
 
-async def start(store: Store, **settings: int) -> RayExpertPool:
-    return await asyncio.to_thread(RayExpertPool.create, store.root, Settings(**settings))
+async def start(store: Store, **settings: int | str) -> RayExpertPool:
+    return await asyncio.to_thread(
+        RayExpertPool.create,
+        store.root,
+        Settings(**settings),  # type: ignore[arg-type]
+    )
 
 
 async def test_outputs_match_the_files_and_caches_stay_in_budget(make_store: MakeStore) -> None:
@@ -79,6 +83,25 @@ async def test_two_actors_never_load_an_expert_twice_while_it_fits(make_store: M
         assert set(misses.values()) == {1}
         # The two caches partition the experts: each is held by exactly one actor.
         assert all(len(actors) == 1 for actors in pool.residency().values())
+    finally:
+        await pool.close()
+
+
+@pytest.mark.parametrize("policy", ["tinylfu", "lru"])
+async def test_the_cache_policy_decides_whether_hot_experts_outlast_one_off_requests(
+    make_store: MakeStore, policy: str
+) -> None:
+    store = Store.open(make_store(K=24, n=3, width=8, out=2))
+    pool = await start(store, actors=1, cache_bytes=4 * store.expert_nbytes(0), cache_policy=policy)
+    rows = torch.ones(1, 3)
+    try:
+        for _ in range(4):
+            await pool.run([Group(e, rows) for e in (0, 1, 2)])
+        for one_off in range(3, 24):
+            await pool.run([Group(one_off, rows)])
+        hot = await pool.run([Group(e, rows) for e in (0, 1, 2)])
+        hits = [r.hit for r in hot]
+        assert hits == ([True] * 3 if policy == "tinylfu" else [False] * 3)
     finally:
         await pool.close()
 
