@@ -90,12 +90,12 @@ class Lease(Generic[T]):
 
 
 class _Entry(Generic[T]):
-    __slots__ = ("admitted", "error", "leases", "loading", "nbytes", "unused", "value", "waiters")
+    __slots__ = ("admitted", "awaited", "error", "leases", "loading", "nbytes", "value", "waiters")
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
         self.admitted = False  # False: in the window (or the only list, under lru)
-        self.unused = False  # tinylfu: prefetched and not leased yet
+        self.awaited = False  # tinylfu: prefetched for a queued request, not leased yet
         self.loading = True
         self.value: T | None = None
         self.error: BaseException | None = None
@@ -223,9 +223,7 @@ class ExpertCache(Generic[T]):
             if nbytes > self._max_entry or not self._make_room(nbytes, frozenset(keep)):
                 return False
             entry = self._reserve(expert_id, nbytes)
-            # A prefetched expert has a request queued for it but no count yet: it must not
-            # lose a popularity contest before that request arrives.
-            entry.unused = self._frequency is not None
+            entry.awaited = self._frequency is not None
         try:
             self._load(expert_id, entry, leases=0)
         except Exception:
@@ -268,7 +266,7 @@ class ExpertCache(Generic[T]):
                 entry = self._get(expert_id)
                 if entry is not None and not entry.loading:
                     entry.leases += 1
-                    entry.unused = False
+                    entry.awaited = False
                     self._touch(expert_id, entry)
                     if not missed:
                         self._stats.hits += 1
@@ -373,9 +371,6 @@ class ExpertCache(Generic[T]):
         def movable(item: tuple[int, _Entry[T]]) -> bool:
             return not item[1].pinned and item[0] not in keep
 
-        def contestant(item: tuple[int, _Entry[T]]) -> bool:
-            return movable(item) and not item[1].unused
-
         evictable = sum(item[1].nbytes for item in self._ordered() if movable(item))
         if free + evictable < nbytes:
             return False
@@ -383,35 +378,40 @@ class ExpertCache(Generic[T]):
         window_target = max(floor, self._largest, nbytes)
         main_target = self._budget - window_target
         while free < nbytes:
-            candidate = next(filter(contestant, self._window.items()), None)
+            candidate = next(filter(movable, self._window.items()), None)
             victim = next(filter(movable, self._main.items()), None)
-            if candidate is None and victim is None:
-                # Only prefetched experts still waiting for their request are left.
-                candidate = next(filter(movable, self._window.items()), None)
-            if candidate is not None and (
-                victim is None or self._window_bytes + nbytes > window_target
-            ):
-                cand_id, cand = candidate
-                if self._main_bytes + cand.nbytes <= main_target:
-                    self._admit(cand_id, cand)  # frees nothing: the loop goes on
-                    continue
-                if victim is not None and self._more_popular(cand_id, victim[0]):
-                    self._drop(*victim)
-                    free += victim[1].nbytes
-                    # The winner takes the room now: left in the window, it would have to
-                    # queue behind younger newcomers for the next free place.
-                    if self._main_bytes + cand.nbytes <= main_target:
-                        self._admit(cand_id, cand)
-                    continue
-                if self._frequency is not None:
-                    self._stats.rejections += 1
-                self._drop(cand_id, cand)
-                free += cand.nbytes
+            window_full = self._window_bytes + nbytes > window_target
+            if candidate is not None and (victim is None or window_full):
+                free += self._settle(*candidate, victim, main_target)
             else:
                 assert victim is not None  # `evictable` covers nbytes - free
-                self._drop(*victim)
-                free += victim[1].nbytes
+                free += self._drop(*victim)
         return True
+
+    def _settle(
+        self,
+        expert_id: int,
+        entry: _Entry[T],
+        victim: tuple[int, _Entry[T]] | None,
+        main_target: int,
+    ) -> int:
+        """The window's oldest expert leaves it: admitted if there is room, else it contests
+        ``victim`` and the loser is dropped. Returns the bytes freed."""
+        if self._main_bytes + entry.nbytes <= main_target:
+            self._admit(expert_id, entry)
+            return 0
+        # A prefetched expert's request is queued but not counted yet: it wins, or it would be
+        # dropped just before the request that wants it.
+        if victim is not None and (entry.awaited or self._more_popular(expert_id, victim[0])):
+            freed = self._drop(*victim)
+            # The winner takes the room now: left in the window, it would queue behind
+            # younger newcomers for the next free place.
+            if self._main_bytes + entry.nbytes <= main_target:
+                self._admit(expert_id, entry)
+            return freed
+        if self._frequency is not None:
+            self._stats.rejections += 1
+        return self._drop(expert_id, entry)
 
     def _admit(self, expert_id: int, entry: _Entry[T]) -> None:
         self._unlink(expert_id, entry)
@@ -424,11 +424,12 @@ class ExpertCache(Generic[T]):
         frequency = self._frequency
         return frequency is not None and frequency.estimate(candidate) > frequency.estimate(victim)
 
-    def _drop(self, expert_id: int, entry: _Entry[T]) -> None:
+    def _drop(self, expert_id: int, entry: _Entry[T]) -> int:
         self._unlink(expert_id, entry)
         self._resident -= entry.nbytes
         self._stats.evictions += 1
         logger.debug("evicted expert %s (%s bytes)", expert_id, entry.nbytes)
+        return entry.nbytes
 
     def _wait(self, deadline: float | None) -> bool:
         """Wait for a change; False once the deadline has passed (checked on the clock)."""

@@ -211,12 +211,22 @@ def test_the_window_climbs_while_the_hit_rate_improves_and_turns_back_when_it_dr
 def test_a_prefetched_expert_waits_for_its_request_instead_of_losing_a_contest() -> None:
     loader = FakeLoader({i: 10 for i in range(10)})
     cache: ExpertCache[str] = ExpertCache(40, loader, policy="tinylfu")
-    _lease_all(cache, [0, 1, 2] * 3)  # popular, admitted
+    _lease_all(cache, [0, 1, 2] * 3)  # popular
     assert cache.prefetch(5)  # its request is queued behind the one for 6
-    # Room for 6 had to come from an admitted expert (0, the least recently used): the window
-    # held only 5, which waits for its request.
+    # 5 has no count yet but wins its place: the least recently used popular expert (0) goes.
     assert _lease_all(cache, [6, 5]) == [False, True]
     assert loader.loads[5] == 1 and 0 not in cache.resident()
-    # Once used it is an ordinary newcomer again and loses the next contest.
-    _lease_all(cache, [7])
-    assert 5 not in cache.resident() and {1, 2, 7} <= set(cache.resident())
+    assert {1, 2} <= set(cache.resident())
+
+
+def test_a_prefetched_expert_whose_request_never_comes_is_not_kept_for_ever() -> None:
+    loader = FakeLoader({i: 10 for i in range(100)})
+    cache: ExpertCache[str] = ExpertCache(40, loader, policy="tinylfu")
+    _lease_all(cache, [0, 1, 2] * 3)
+    assert cache.prefetch(5)  # its request is cancelled: 5 is never leased
+    _lease_all(cache, list(range(10, 60)))  # one-off requests
+    assert {1, 2} <= set(cache.resident())
+    # Once the popular experts were used again, 5 is the least recently used admitted expert,
+    # and with no count it loses to the next newcomer.
+    _lease_all(cache, [1, 2, 70, 71])
+    assert 5 not in cache.resident() and {1, 2} <= set(cache.resident())
