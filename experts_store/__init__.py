@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from experts_store._arch import ExpertArch, paper_parameter_count
-    from experts_store._cache import (
+    from experts_store._cache import ExpertCache
+    from experts_store._cache_types import (
         CACHE_POLICIES,
         CachePolicy,
         CacheStats,
         Clock,
-        ExpertCache,
         ExpertLoader,
         Lease,
         MonotonicClock,
@@ -84,14 +84,14 @@ __all__ = [
 _HOMES = {
     "ExpertArch": "experts_store._arch",
     "paper_parameter_count": "experts_store._arch",
-    "CACHE_POLICIES": "experts_store._cache",
-    "CachePolicy": "experts_store._cache",
-    "CacheStats": "experts_store._cache",
-    "Clock": "experts_store._cache",
+    "CACHE_POLICIES": "experts_store._cache_types",
+    "CachePolicy": "experts_store._cache_types",
+    "CacheStats": "experts_store._cache_types",
+    "Clock": "experts_store._cache_types",
     "ExpertCache": "experts_store._cache",
-    "ExpertLoader": "experts_store._cache",
-    "Lease": "experts_store._cache",
-    "MonotonicClock": "experts_store._cache",
+    "ExpertLoader": "experts_store._cache_types",
+    "Lease": "experts_store._cache_types",
+    "MonotonicClock": "experts_store._cache_types",
     "CacheBusy": "experts_store._exceptions",
     "CacheError": "experts_store._exceptions",
     "ExpertChecksumError": "experts_store._exceptions",

@@ -95,7 +95,13 @@ class RayExpertPool(DispatchingPool):
                 cache_policy=settings.cache_policy,
             )
         ray.get([handle.get_pid.remote() for handle in handles.values()])
-        logger.info("started %s %s actor(s) of %s bytes", count, device, settings.cache_bytes)
+        logger.info(
+            "started %s %s actor(s) of %s bytes (%s cache)",
+            count,
+            device,
+            settings.cache_bytes,
+            settings.cache_policy,
+        )
         return cls(handles, device=device, settings=settings, clock=clock)
 
     def handle(self, actor: str) -> Any:

@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from experts_store import CachePolicy
+
 __all__ = ["Settings"]
 
 
@@ -42,7 +44,7 @@ class Settings(BaseSettings):
     cache_bytes: int = Field(
         default=256 * 1024 * 1024, ge=1, description="expert cache budget per actor, bytes"
     )
-    cache_policy: Literal["lru", "tinylfu"] = Field(
+    cache_policy: CachePolicy = Field(
         default="tinylfu",
         description="tinylfu: LRU victims, but a newcomer must be more popular than the victim"
         " to displace it (keeps hot experts on skewed traffic); lru: plain recency",
