@@ -33,9 +33,8 @@ from experts_store._cache_types import (
     Lease,
     MonotonicClock,
 )
-from experts_store._climber import WindowClimber
 from experts_store._exceptions import CacheBusy, ExpertTooLarge
-from experts_store._frequency import FrequencyCounter
+from experts_store._frequency import Admission
 
 __all__ = ["ExpertCache"]
 
@@ -88,16 +87,14 @@ class ExpertCache(Generic[T]):
             budget_bytes if max_entry_bytes is None else min(max_entry_bytes, budget_bytes)
         )
         self.policy = policy
-        # Under lru the window is the whole cache and nothing is ever admitted past it.
-        self._climber = (
-            WindowClimber(budget_bytes, initial_fraction=window_fraction)
-            if policy == "tinylfu"
-            else None
-        )
+        # Under lru (no admission) the window is the whole cache and nothing is ever admitted
+        # past it.
+        self._admission: Admission | None = None
+        if policy == "tinylfu":
+            self._admission = Admission(budget_bytes, window_fraction=window_fraction)
         # The window also keeps room for the largest expert seen, so that a newcomer always
         # lands there and never pushes an admitted expert out without a contest.
         self._largest = 0
-        self._frequency = FrequencyCounter(per_entry=20) if policy == "tinylfu" else None
         self._cond = threading.Condition()
         # Insertion order is recency order, oldest first, in both lists.
         self._window: OrderedDict[int, _Entry[T]] = OrderedDict()
@@ -175,10 +172,10 @@ class ExpertCache(Generic[T]):
         with self._cond:
             if self._get(expert_id) is not None:
                 return True
-            if nbytes > self._max_entry or not self._make_room(nbytes, frozenset(keep)):
+            if nbytes > self._max_entry or not self._make_room(nbytes, keep):
                 return False
             entry = self._reserve(expert_id, nbytes)
-            entry.awaited = self._frequency is not None
+            entry.awaited = self._admission is not None
         try:
             self._load(expert_id, entry, leases=0)
         except Exception:
@@ -209,15 +206,17 @@ class ExpertCache(Generic[T]):
         deadline = None if timeout is None else start + timeout
         missed = False
         nbytes: int | None = None
-        with self._cond:
-            if self._frequency is not None and self._climber is not None:
-                entries = len(self._window) + len(self._main)
-                self._frequency.record(expert_id, entries=entries)
-                self._climber.observe(
-                    hits=self._stats.hits, misses=self._stats.misses, entries=entries
-                )
+        counted = self._admission is None
         while True:
             with self._cond:
+                if not counted and self._admission is not None:
+                    counted = True
+                    self._admission.record(
+                        expert_id,
+                        hits=self._stats.hits,
+                        misses=self._stats.misses,
+                        entries=len(self._window) + len(self._main),
+                    )
                 entry = self._get(expert_id)
                 if entry is not None and not entry.loading:
                     entry.leases += 1
@@ -316,7 +315,7 @@ class ExpertCache(Generic[T]):
         self._reserved += nbytes
         return entry
 
-    def _make_room(self, nbytes: int, keep: frozenset[int] = frozenset()) -> bool:
+    def _make_room(self, nbytes: int, keep: Collection[int] = ()) -> bool:
         """Evict until ``nbytes`` fit; evict nothing if they cannot (leased and ``keep``
         experts are never evicted)."""
         free = self._budget - self._resident - self._reserved
@@ -329,7 +328,8 @@ class ExpertCache(Generic[T]):
         evictable = sum(item[1].nbytes for item in self._ordered() if movable(item))
         if free + evictable < nbytes:
             return False
-        floor = self._budget if self._climber is None else self._climber.window_bytes
+        admission = self._admission
+        floor = self._budget if admission is None else admission.climber.window_bytes
         window_target = max(floor, self._largest, nbytes)
         main_target = self._budget - window_target
         while free < nbytes:
@@ -357,14 +357,17 @@ class ExpertCache(Generic[T]):
             return 0
         # A prefetched expert's request is queued but not counted yet: it wins, or it would be
         # dropped just before the request that wants it.
-        if victim is not None and (entry.awaited or self._more_popular(expert_id, victim[0])):
+        admission = self._admission
+        if victim is not None and (
+            entry.awaited or (admission is not None and admission.admits(expert_id, victim[0]))
+        ):
             freed = self._drop(*victim)
             # The winner takes the room now: left in the window, it would queue behind
             # younger newcomers for the next free place.
             if self._main_bytes + entry.nbytes <= main_target:
                 self._admit(expert_id, entry)
             return freed
-        if self._frequency is not None:
+        if self._admission is not None:
             self._stats.rejections += 1
         return self._drop(expert_id, entry)
 
@@ -373,11 +376,6 @@ class ExpertCache(Generic[T]):
         entry.admitted = True
         self._main[expert_id] = entry
         self._main_bytes += entry.nbytes
-
-    def _more_popular(self, candidate: int, victim: int) -> bool:
-        # Ties keep the admitted expert: it has been useful for longer.
-        frequency = self._frequency
-        return frequency is not None and frequency.estimate(candidate) > frequency.estimate(victim)
 
     def _drop(self, expert_id: int, entry: _Entry[T]) -> int:
         self._unlink(expert_id, entry)

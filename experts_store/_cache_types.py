@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Generic, Literal, Protocol, TypeVar
+from typing import Generic, Literal, Protocol, TypeVar, get_args
 
 __all__ = [
     "CACHE_POLICIES",
@@ -17,7 +17,7 @@ __all__ = [
 ]
 
 CachePolicy = Literal["lru", "tinylfu"]
-CACHE_POLICIES: tuple[CachePolicy, ...] = ("lru", "tinylfu")
+CACHE_POLICIES: tuple[CachePolicy, ...] = get_args(CachePolicy)
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)

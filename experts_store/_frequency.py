@@ -7,7 +7,9 @@ halved, so an expert that stops being asked for loses its standing within a few 
 
 from __future__ import annotations
 
-__all__ = ["FrequencyCounter"]
+from experts_store._climber import WindowClimber
+
+__all__ = ["Admission", "FrequencyCounter"]
 
 
 class FrequencyCounter:
@@ -45,3 +47,20 @@ class FrequencyCounter:
         self._counts = {k: v >> 1 for k, v in self._counts.items() if v > 1}
         self._seen = 0
         self.halvings += 1
+
+
+class Admission:
+    """The tinylfu policy's state: recent popularity, and the window's size."""
+
+    def __init__(self, budget_bytes: int, *, window_fraction: float) -> None:
+        self.frequency = FrequencyCounter(per_entry=20)
+        self.climber = WindowClimber(budget_bytes, initial_fraction=window_fraction)
+
+    def record(self, expert_id: int, *, hits: int, misses: int, entries: int) -> None:
+        """One lease asked for; `hits` and `misses` are the cache's totals before it."""
+        self.frequency.record(expert_id, entries=entries)
+        self.climber.observe(hits=hits, misses=misses, entries=entries)
+
+    def admits(self, candidate: int, victim: int) -> bool:
+        # Ties keep the admitted expert: it has been useful for longer.
+        return self.frequency.estimate(candidate) > self.frequency.estimate(victim)
