@@ -45,17 +45,21 @@ from experts_store import (  # noqa: E402
     ExpertArch,
     ExpertCache,
     ExpertMLP,
+    ExpertRef,
     Store,
     StoreWriter,
     load_expert,
 )
 from router import PrototypeTree  # noqa: E402
-from server._actor import ActorCore  # noqa: E402
-from server._batcher import Batcher  # noqa: E402
-from server._dispatch import rendezvous_rank  # noqa: E402
-from server._fake_pool import FakeExpertPool  # noqa: E402
-from server._runtime_types import ExpertPool, Group  # noqa: E402
 from server._settings import Settings  # noqa: E402
+from server.batching import Batcher  # noqa: E402
+from server.pool import (  # noqa: E402
+    ActorCore,
+    ExpertPool,
+    FakeExpertPool,
+    Group,
+    rendezvous_rank,
+)
 
 MACHINE = "2-core x86-64 VM, no GPU, shared with other work"
 
@@ -102,6 +106,7 @@ async def _drive(batcher: Batcher, xs: torch.Tensor, concurrency: int) -> float:
 async def _batching(
     pool: ExpertPool,
     tree: PrototypeTree,
+    refs: list[ExpertRef],
     prototypes: torch.Tensor,
     args: argparse.Namespace,
     pool_kind: str,
@@ -113,7 +118,7 @@ async def _batching(
     noise = torch.randn(requests, prototypes.shape[1], generator=generator)
     xs = prototypes[picks] + 0.05 * noise
     # Warm every expert so that both modes measure batching, not loading.
-    await pool.run([Group(e, prototypes[e : e + 1]) for e in range(prototypes.shape[0])])
+    await pool.run([Group(refs[e], prototypes[e : e + 1]) for e in range(prototypes.shape[0])])
     modes = {
         "batched": Settings(max_batch_wait_ms=2.0, max_batch_rows=4096, prefetch=False),
         "one_request_per_batch": Settings(
@@ -124,7 +129,7 @@ async def _batching(
     batches: dict[str, int] = {}
     for _ in range(1 if args.quick else 3):
         for mode, settings in modes.items():
-            batcher = Batcher(tree, pool, settings)
+            batcher = Batcher(tree, pool, settings, experts=refs)
             seconds = await _drive(batcher, xs, concurrency)
             batches[mode] = batcher.batches
             await batcher.close()
@@ -371,16 +376,16 @@ async def _miss_latency(args: argparse.Namespace, workdir: Path, pool_kind: str)
     raw, miss, hit, cache_load = [], [], [], []
     for _ in range(rounds):
         # A fresh Store per round: every miss verifies the checksum, as the raw load does.
-        core = ActorCore(Store.open(root), name="bench", budget_bytes=nbytes)
+        core = ActorCore(name="bench", budget_bytes=nbytes)
         for e in range(experts):
             entry = store.expert_entry(e)
             path = root / entry.file
             raw.append(_timed(load_expert, path, expected_sha256=entry.sha256)[0])
-            seconds, reply = _timed(core.run, [(e, row.numpy())])
+            seconds, reply = _timed(core.run, [(store.expert_ref(e), row.numpy())])
             assert not reply.results[0].hit
             miss.append(seconds)
             cache_load.append(reply.results[0].load_ms / 1000.0)
-            seconds, reply = _timed(core.run, [(e, row.numpy())])
+            seconds, reply = _timed(core.run, [(store.expert_ref(e), row.numpy())])
             assert reply.results[0].hit
             hit.append(seconds)
         core.close()
@@ -398,7 +403,7 @@ async def _miss_latency(args: argparse.Namespace, workdir: Path, pool_kind: str)
 
 
 async def _ray_miss_latency(root: Path, experts: int, rounds: int) -> None:
-    from server._ray_pool import RayExpertPool
+    from server.pool import RayExpertPool
 
     store = Store.open(root)
     nbytes = store.expert_nbytes(0)
@@ -406,7 +411,7 @@ async def _ray_miss_latency(root: Path, experts: int, rounds: int) -> None:
     # Budget of one expert: a request for another expert always misses. The actor's Store
     # checks a file's checksum on its first read only, so after the first round the raw
     # reference is a plain load_expert.
-    pool = RayExpertPool.create(root, Settings(actors=1, cache_bytes=nbytes))
+    pool = RayExpertPool.create(Settings(actors=1, cache_bytes=nbytes))
     raw, miss, hit = [], [], []
     try:
         for r in range(rounds + 1):
@@ -414,11 +419,11 @@ async def _ray_miss_latency(root: Path, experts: int, rounds: int) -> None:
                 entry = store.expert_entry(e)
                 raw_s = _timed(load_expert, root / entry.file)[0]
                 t0 = time.perf_counter()
-                [result] = await pool.run([Group(e, row)])
+                [result] = await pool.run([Group(store.expert_ref(e), row)])
                 miss_s = time.perf_counter() - t0
                 assert not result.hit
                 t0 = time.perf_counter()
-                [again] = await pool.run([Group(e, row)])
+                [again] = await pool.run([Group(store.expert_ref(e), row)])
                 hit_s = time.perf_counter() - t0
                 assert again.hit
                 if r > 0:
@@ -457,12 +462,12 @@ def _cuda(args: argparse.Namespace, workdir: Path) -> None:
         return
     root, _ = build_store(workdir / "cuda", K=4, n=64, width=1024, hidden=4, out=8)
     store = Store.open(root)
-    core = ActorCore(store, name="cuda", device="cuda", budget_bytes=store.expert_nbytes(0))
+    core = ActorCore(name="cuda", device="cuda", budget_bytes=store.expert_nbytes(0))
     misses = []
     for r in range(4):
         for e in range(4):
             rows = np.random.default_rng(r).standard_normal((256, 64)).astype(np.float32)
-            reply = core.run([(e, rows)])
+            reply = core.run([(store.expert_ref(e), rows)])
             misses.append(reply.results[0])
     emit({
         "bench": "pool.cuda", "device": torch.cuda.get_device_name(),
@@ -491,17 +496,19 @@ async def main_async(args: argparse.Namespace) -> None:
                 root, prototypes = build_store(
                     workdir / "small", K=32, n=8, width=128, hidden=2, out=1
                 )
-                tree = PrototypeTree.load(Store.open(root).router_path)
+                opened = Store.open(root)
+                tree = PrototypeTree.load(opened.router_path)
+                refs = [opened.expert_ref(e.id) for e in opened.manifest.experts]
                 settings = Settings(actors=1, cache_bytes=10**9)
                 pool: ExpertPool
                 if args.pool == "ray":
-                    from server._ray_pool import RayExpertPool
+                    from server.pool import RayExpertPool
 
-                    pool = RayExpertPool.create(root, settings)
+                    pool = RayExpertPool.create(settings)
                 else:
-                    pool = FakeExpertPool(root, settings)
+                    pool = FakeExpertPool(settings)
                 try:
-                    await _batching(pool, tree, prototypes, args, args.pool)
+                    await _batching(pool, tree, refs, prototypes, args, args.pool)
                 finally:
                     await pool.close()
             if "miss_latency" in only:

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from experts_store._load import load_expert, load_frozen_expert
     from experts_store._manifest import ExpertEntry, Manifest
     from experts_store._model import ExpertMLP
+    from experts_store._ref import ExpertRef, ExpertRefLoader
     from experts_store._store import Store, StoreExpertLoader, StoreProblem
     from experts_store._writer import StoreWriter
 
@@ -61,6 +62,8 @@ __all__ = [
     "ExpertLoadError",
     "ExpertLoader",
     "ExpertMLP",
+    "ExpertRef",
+    "ExpertRefLoader",
     "ExpertTooLarge",
     "FrozenExpert",
     "HostBufferPool",
@@ -113,6 +116,8 @@ _HOMES = {
     "ExpertEntry": "experts_store._manifest",
     "Manifest": "experts_store._manifest",
     "ExpertMLP": "experts_store._model",
+    "ExpertRef": "experts_store._ref",
+    "ExpertRefLoader": "experts_store._ref",
     "Store": "experts_store._store",
     "StoreExpertLoader": "experts_store._store",
     "StoreProblem": "experts_store._store",

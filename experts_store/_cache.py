@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Hashable, Iterator
 from typing import Generic, TypeVar, cast
 
 from experts_store._cache_types import (
@@ -32,6 +32,7 @@ from experts_store._cache_types import (
     ExpertLoader,
     Lease,
     MonotonicClock,
+    key_label,
 )
 from experts_store._exceptions import CacheBusy, ExpertTooLarge
 from experts_store._frequency import Admission
@@ -97,8 +98,8 @@ class ExpertCache(Generic[T]):
         self._largest = 0
         self._cond = threading.Condition()
         # Insertion order is recency order, oldest first, in both lists.
-        self._window: OrderedDict[int, _Entry[T]] = OrderedDict()
-        self._main: OrderedDict[int, _Entry[T]] = OrderedDict()
+        self._window: OrderedDict[Hashable, _Entry[T]] = OrderedDict()
+        self._main: OrderedDict[Hashable, _Entry[T]] = OrderedDict()
         self._window_bytes = 0  # resident and reserved
         self._main_bytes = 0
         self._resident = 0
@@ -137,26 +138,26 @@ class ExpertCache(Generic[T]):
         with self._cond:
             return self._waiting
 
-    def resident(self) -> dict[int, int]:
-        """expert_id -> bytes of every loaded expert, in the order victims are considered:
+    def resident(self) -> dict[Hashable, int]:
+        """key -> bytes of every loaded expert, in the order victims are considered:
         the window oldest first, then admitted experts least recently used first."""
         with self._cond:
             return {i: e.nbytes for i, e in self._ordered() if not e.loading}
 
-    def leased(self) -> dict[int, int]:
-        """expert_id -> number of leases held now."""
+    def leased(self) -> dict[Hashable, int]:
+        """key -> number of leases held now."""
         with self._cond:
             return {i: e.leases for i, e in self._ordered() if e.leases}
 
     @contextlib.contextmanager
-    def lease(self, expert_id: int, *, timeout: float | None = 30.0) -> Iterator[Lease[T]]:
-        """Hold ``expert_id`` loaded for the ``with`` block, loading it on a miss.
+    def lease(self, key: Hashable, *, timeout: float | None = 30.0) -> Iterator[Lease[T]]:
+        """Hold ``key`` loaded for the ``with`` block, loading it on a miss.
 
         Raises ExpertTooLarge when it can never fit, CacheBusy when no room frees up within
         ``timeout`` seconds, and whatever the loader raised when the load fails (every
         caller waiting on that load gets the same error).
         """
-        held, entry = self._acquire(expert_id, timeout)
+        held, entry = self._acquire(key, timeout)
         try:
             yield held
         finally:
@@ -164,44 +165,44 @@ class ExpertCache(Generic[T]):
                 entry.leases -= 1
                 self._cond.notify_all()
 
-    def prefetch(self, expert_id: int, *, keep: Collection[int] = ()) -> bool:
-        """Load ``expert_id`` now if room can be made without waiting, without evicting a
+    def prefetch(self, key: Hashable, *, keep: Collection[Hashable] = ()) -> bool:
+        """Load ``key`` now if room can be made without waiting, without evicting a
         leased expert and without evicting one in ``keep`` (experts soon needed). True when
         it is resident (or being loaded) afterwards."""
-        nbytes = self._loader.nbytes(expert_id)
+        nbytes = self._loader.nbytes(key)
         with self._cond:
-            if self._get(expert_id) is not None:
+            if self._get(key) is not None:
                 return True
             if nbytes > self._max_entry or not self._make_room(nbytes, keep):
                 return False
-            entry = self._reserve(expert_id, nbytes)
+            entry = self._reserve(key, nbytes)
             entry.awaited = self._admission is not None
         try:
-            self._load(expert_id, entry, leases=0)
+            self._load(key, entry, leases=0)
         except Exception:
-            logger.warning("prefetch of expert %s failed", expert_id, exc_info=True)
+            logger.warning("prefetch of expert %s failed", key, exc_info=True)
             return False
         return True
 
-    def evict(self, expert_id: int) -> bool:
-        """Drop ``expert_id`` if it is resident and not in use."""
+    def evict(self, key: Hashable) -> bool:
+        """Drop ``key`` if it is resident and not in use."""
         with self._cond:
-            entry = self._get(expert_id)
+            entry = self._get(key)
             if entry is None or entry.pinned:
                 return False
-            self._drop(expert_id, entry)
+            self._drop(key, entry)
             self._cond.notify_all()
             return True
 
     def clear(self) -> None:
         """Drop every expert not in use."""
         with self._cond:
-            for expert_id, entry in list(self._ordered()):
+            for key, entry in list(self._ordered()):
                 if not entry.pinned:
-                    self._drop(expert_id, entry)
+                    self._drop(key, entry)
             self._cond.notify_all()
 
-    def _acquire(self, expert_id: int, timeout: float | None) -> tuple[Lease[T], _Entry[T]]:
+    def _acquire(self, key: Hashable, timeout: float | None) -> tuple[Lease[T], _Entry[T]]:
         start = self._clock.now()
         deadline = None if timeout is None else start + timeout
         missed = False
@@ -212,21 +213,21 @@ class ExpertCache(Generic[T]):
                 if not counted and self._admission is not None:
                     counted = True
                     self._admission.record(
-                        expert_id,
+                        key,
                         hits=self._stats.hits,
                         misses=self._stats.misses,
                         entries=len(self._window) + len(self._main),
                     )
-                entry = self._get(expert_id)
+                entry = self._get(key)
                 if entry is not None and not entry.loading:
                     entry.leases += 1
                     entry.awaited = False
-                    self._touch(expert_id, entry)
+                    self._touch(key, entry)
                     if not missed:
                         self._stats.hits += 1
                     waited = self._clock.now() - start if missed else 0.0
                     value = cast(T, entry.value)
-                    return Lease(expert_id, value, not missed, waited, entry.nbytes), entry
+                    return Lease(key, value, not missed, waited, entry.nbytes), entry
                 if entry is not None:
                     # Someone else is loading it: wait for that load instead of loading twice.
                     if not missed:
@@ -236,7 +237,7 @@ class ExpertCache(Generic[T]):
                     try:
                         while entry.loading:
                             if not self._wait(deadline):
-                                raise CacheBusy(expert_id=expert_id, timeout=timeout)
+                                raise CacheBusy(expert_id=key_label(key), timeout=timeout)
                     finally:
                         entry.waiters -= 1
                     if entry.error is not None:
@@ -245,31 +246,31 @@ class ExpertCache(Generic[T]):
                 if nbytes is not None:
                     if nbytes > self._max_entry:
                         raise ExpertTooLarge(
-                            expert_id=expert_id, nbytes=nbytes, budget_bytes=self._max_entry
+                            expert_id=key_label(key), nbytes=nbytes, budget_bytes=self._max_entry
                         )
                     if self._make_room(nbytes):
                         if not missed:
                             self._stats.misses += 1
-                        entry = self._reserve(expert_id, nbytes)
+                        entry = self._reserve(key, nbytes)
                         break
                     if not self._wait(deadline):
-                        raise CacheBusy(expert_id=expert_id, timeout=timeout)
+                        raise CacheBusy(expert_id=key_label(key), timeout=timeout)
                     continue
             # Asked outside the lock: a loader may consult a file or a manifest.
-            nbytes = self._loader.nbytes(expert_id)
-        seconds = self._load(expert_id, entry, leases=1)
-        return Lease(expert_id, cast(T, entry.value), False, seconds, nbytes), entry
+            nbytes = self._loader.nbytes(key)
+        seconds = self._load(key, entry, leases=1)
+        return Lease(key, cast(T, entry.value), False, seconds, nbytes), entry
 
-    def _load(self, expert_id: int, entry: _Entry[T], *, leases: int) -> float:
+    def _load(self, key: Hashable, entry: _Entry[T], *, leases: int) -> float:
         started = self._clock.now()
         try:
-            value = self._loader.load(expert_id)
+            value = self._loader.load(key)
         except BaseException as exc:
             with self._cond:
                 entry.error = exc
                 entry.loading = False
                 self._reserved -= entry.nbytes
-                self._unlink(expert_id, entry)
+                self._unlink(key, entry)
                 self._cond.notify_all()
             raise
         seconds = self._clock.now() - started
@@ -279,50 +280,50 @@ class ExpertCache(Generic[T]):
             entry.leases += leases
             self._reserved -= entry.nbytes
             self._resident += entry.nbytes
-            self._touch(expert_id, entry)
+            self._touch(key, entry)
             self._stats.loads += 1
             self._stats.bytes_loaded += entry.nbytes
             self._stats.load_seconds += seconds
             self._cond.notify_all()
-        logger.debug("loaded expert %s (%s bytes) in %.4f s", expert_id, entry.nbytes, seconds)
+        logger.debug("loaded expert %s (%s bytes) in %.4f s", key, entry.nbytes, seconds)
         return seconds
 
-    def _get(self, expert_id: int) -> _Entry[T] | None:
-        entry = self._window.get(expert_id)
-        return entry if entry is not None else self._main.get(expert_id)
+    def _get(self, key: Hashable) -> _Entry[T] | None:
+        entry = self._window.get(key)
+        return entry if entry is not None else self._main.get(key)
 
-    def _ordered(self) -> Iterator[tuple[int, _Entry[T]]]:
+    def _ordered(self) -> Iterator[tuple[Hashable, _Entry[T]]]:
         """Every entry in the order victims are considered (window, then admitted)."""
         yield from list(self._window.items())
         yield from list(self._main.items())
 
-    def _touch(self, expert_id: int, entry: _Entry[T]) -> None:
-        (self._main if entry.admitted else self._window).move_to_end(expert_id)
+    def _touch(self, key: Hashable, entry: _Entry[T]) -> None:
+        (self._main if entry.admitted else self._window).move_to_end(key)
 
-    def _unlink(self, expert_id: int, entry: _Entry[T]) -> None:
+    def _unlink(self, key: Hashable, entry: _Entry[T]) -> None:
         if entry.admitted:
-            del self._main[expert_id]
+            del self._main[key]
             self._main_bytes -= entry.nbytes
         else:
-            del self._window[expert_id]
+            del self._window[key]
             self._window_bytes -= entry.nbytes
 
-    def _reserve(self, expert_id: int, nbytes: int) -> _Entry[T]:
+    def _reserve(self, key: Hashable, nbytes: int) -> _Entry[T]:
         self._largest = max(self._largest, nbytes)
         entry: _Entry[T] = _Entry(nbytes)
-        self._window[expert_id] = entry
+        self._window[key] = entry
         self._window_bytes += nbytes
         self._reserved += nbytes
         return entry
 
-    def _make_room(self, nbytes: int, keep: Collection[int] = ()) -> bool:
+    def _make_room(self, nbytes: int, keep: Collection[Hashable] = ()) -> bool:
         """Evict until ``nbytes`` fit; evict nothing if they cannot (leased and ``keep``
         experts are never evicted)."""
         free = self._budget - self._resident - self._reserved
         if nbytes <= free:
             return True
 
-        def movable(item: tuple[int, _Entry[T]]) -> bool:
+        def movable(item: tuple[Hashable, _Entry[T]]) -> bool:
             return not item[1].pinned and item[0] not in keep
 
         evictable = sum(item[1].nbytes for item in self._ordered() if movable(item))
@@ -345,43 +346,43 @@ class ExpertCache(Generic[T]):
 
     def _settle(
         self,
-        expert_id: int,
+        key: Hashable,
         entry: _Entry[T],
-        victim: tuple[int, _Entry[T]] | None,
+        victim: tuple[Hashable, _Entry[T]] | None,
         main_target: int,
     ) -> int:
         """The window's oldest expert leaves it: admitted if there is room, else it contests
         ``victim`` and the loser is dropped. Returns the bytes freed."""
         if self._main_bytes + entry.nbytes <= main_target:
-            self._admit(expert_id, entry)
+            self._admit(key, entry)
             return 0
         # A prefetched expert's request is queued but not counted yet: it wins, or it would be
         # dropped just before the request that wants it.
         admission = self._admission
         if victim is not None and (
-            entry.awaited or (admission is not None and admission.admits(expert_id, victim[0]))
+            entry.awaited or (admission is not None and admission.admits(key, victim[0]))
         ):
             freed = self._drop(*victim)
             # The winner takes the room now: left in the window, it would queue behind
             # younger newcomers for the next free place.
             if self._main_bytes + entry.nbytes <= main_target:
-                self._admit(expert_id, entry)
+                self._admit(key, entry)
             return freed
         if self._admission is not None:
             self._stats.rejections += 1
-        return self._drop(expert_id, entry)
+        return self._drop(key, entry)
 
-    def _admit(self, expert_id: int, entry: _Entry[T]) -> None:
-        self._unlink(expert_id, entry)
+    def _admit(self, key: Hashable, entry: _Entry[T]) -> None:
+        self._unlink(key, entry)
         entry.admitted = True
-        self._main[expert_id] = entry
+        self._main[key] = entry
         self._main_bytes += entry.nbytes
 
-    def _drop(self, expert_id: int, entry: _Entry[T]) -> int:
-        self._unlink(expert_id, entry)
+    def _drop(self, key: Hashable, entry: _Entry[T]) -> int:
+        self._unlink(key, entry)
         self._resident -= entry.nbytes
         self._stats.evictions += 1
-        logger.debug("evicted expert %s (%s bytes)", expert_id, entry.nbytes)
+        logger.debug("evicted expert %s (%s bytes)", key, entry.nbytes)
         return entry.nbytes
 
     def _wait(self, deadline: float | None) -> bool:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Generic, Literal, Protocol, TypeVar, get_args
+from typing import Any, Generic, Literal, Protocol, TypeVar, get_args
 
 __all__ = [
     "CACHE_POLICIES",
@@ -14,6 +15,7 @@ __all__ = [
     "ExpertLoader",
     "Lease",
     "MonotonicClock",
+    "key_label",
 ]
 
 CachePolicy = Literal["lru", "tinylfu"]
@@ -24,9 +26,17 @@ T_co = TypeVar("T_co", covariant=True)
 
 
 class ExpertLoader(Protocol[T_co]):
-    def nbytes(self, expert_id: int) -> int: ...
+    """Sizes and loads what a cache key names. Keys are opaque to the cache: an expert id,
+    an `ExpertRef` (content-addressed), or any other hashable a loader understands."""
 
-    def load(self, expert_id: int) -> T_co: ...
+    def nbytes(self, key: Any) -> int: ...
+
+    def load(self, key: Any) -> T_co: ...
+
+
+def key_label(key: Hashable) -> Any:
+    """What errors name for a key: its expert id when it carries one, else the key itself."""
+    return getattr(key, "expert_id", key)
 
 
 class Clock(Protocol):
@@ -55,7 +65,7 @@ class CacheStats:
 class Lease(Generic[T]):
     """A held expert: ``value`` stays resident until the lease's ``with`` block ends."""
 
-    expert_id: int
+    key: Hashable
     value: T
     hit: bool
     load_seconds: float

@@ -7,6 +7,8 @@ halved, so an expert that stops being asked for loses its standing within a few 
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 from experts_store._climber import WindowClimber
 
 __all__ = ["Admission", "FrequencyCounter"]
@@ -25,21 +27,21 @@ class FrequencyCounter:
             raise ValueError(f"per_entry and minimum must be >= 1, got {per_entry}, {minimum}")
         self._per_entry = per_entry
         self._minimum = minimum
-        self._counts: dict[int, int] = {}
+        self._counts: dict[Hashable, int] = {}
         self._seen = 0
         self.halvings = 0
 
     def sample_size(self, entries: int) -> int:
         return max(self._minimum, self._per_entry * entries)
 
-    def record(self, key: int, *, entries: int) -> None:
+    def record(self, key: Hashable, *, entries: int) -> None:
         """One access to `key`, while `entries` experts are resident."""
         self._counts[key] = self._counts.get(key, 0) + 1
         self._seen += 1
         if self._seen >= self.sample_size(entries):
             self._halve()
 
-    def estimate(self, key: int) -> int:
+    def estimate(self, key: Hashable) -> int:
         return self._counts.get(key, 0)
 
     def _halve(self) -> None:
@@ -56,11 +58,11 @@ class Admission:
         self.frequency = FrequencyCounter(per_entry=20)
         self.climber = WindowClimber(budget_bytes, initial_fraction=window_fraction)
 
-    def record(self, expert_id: int, *, hits: int, misses: int, entries: int) -> None:
+    def record(self, key: Hashable, *, hits: int, misses: int, entries: int) -> None:
         """One lease asked for; `hits` and `misses` are the cache's totals before it."""
-        self.frequency.record(expert_id, entries=entries)
+        self.frequency.record(key, entries=entries)
         self.climber.observe(hits=hits, misses=misses, entries=entries)
 
-    def admits(self, candidate: int, victim: int) -> bool:
+    def admits(self, candidate: Hashable, victim: Hashable) -> bool:
         # Ties keep the admitted expert: it has been useful for longer.
         return self.frequency.estimate(candidate) > self.frequency.estimate(victim)

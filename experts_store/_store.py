@@ -25,6 +25,7 @@ from experts_store._hostbuf import HostBufferPool
 from experts_store._load import load_expert, load_frozen_expert
 from experts_store._manifest import ExpertEntry, Manifest
 from experts_store._model import ExpertMLP
+from experts_store._ref import ExpertRef
 from experts_store._writer import MANIFEST_NAME, REPORT_NAME
 
 __all__ = ["Store", "StoreExpertLoader", "StoreProblem"]
@@ -91,6 +92,16 @@ class Store:
 
     def expert_path(self, expert_id: int) -> Path:
         return self.root / self.expert_entry(expert_id).file
+
+    def expert_ref(self, expert_id: int) -> ExpertRef:
+        """The content-addressed handle a serving actor loads this expert by."""
+        entry = self.expert_entry(expert_id)
+        return ExpertRef(
+            sha256=entry.sha256,
+            path=str(self.root / entry.file),
+            nbytes=entry.expert_arch.nbytes(),
+            expert_id=entry.id,
+        )
 
     def expert_nbytes(self, expert_id: int) -> int:
         """Bytes the expert's parameters and buffers occupy on a device once loaded."""

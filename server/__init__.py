@@ -1,5 +1,10 @@
 """momlp's server: settings, the expert pool runtime, the FastAPI app and the `momlp` CLI.
 
+Four floors, each importing only the ones below it: `server.pool` (Ray actors and their
+content-keyed caches), `server.batching` (requests merged, routed and grouped by expert),
+`server.serving` (store versions as data over one pool, hot swap) and `server.http` (the
+FastAPI app); the process runner and the CLI sit on top.
+
 Names are imported on first use: `momlp` (whose entry point lives in this package) must start
 fast and must work for `momlp loadtest` where torch and ray are not installed.
 """
@@ -10,8 +15,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from server._app import create_app
-    from server._batcher import Batcher
     from server._exceptions import (
         ActorFailed,
         ExpertUnavailable,
@@ -22,19 +25,19 @@ if TYPE_CHECKING:
         RequestTimeout,
         ServerError,
     )
-    from server._fake_pool import FakeExpertPool
-    from server._metrics import Metrics
-    from server._ray_pool import RayExpertPool
     from server._runner import run_server
-    from server._runtime_types import (
+    from server._settings import Settings
+    from server.batching import BatchAnswer, Batcher, ExpertStat
+    from server.http import Metrics, create_app
+    from server.pool import (
         ActorInfo,
-        BatchAnswer,
         ExpertPool,
-        ExpertStat,
+        FakeExpertPool,
         Group,
         GroupResult,
+        RayExpertPool,
+        ray_session,
     )
-    from server._settings import Settings
 
 __all__ = [
     "ActorFailed",
@@ -57,19 +60,26 @@ __all__ = [
     "ServerError",
     "Settings",
     "create_app",
+    "ray_session",
     "run_server",
 ]
 
 _HOMES = {
-    "create_app": "server._app",
-    "Batcher": "server._batcher",
-    "FakeExpertPool": "server._fake_pool",
-    "RayExpertPool": "server._ray_pool",
+    "create_app": "server.http",
+    "Metrics": "server.http",
+    **{name: "server.batching" for name in ("BatchAnswer", "Batcher", "ExpertStat")},
     **{
-        name: "server._runtime_types"
-        for name in ("ActorInfo", "BatchAnswer", "ExpertPool", "ExpertStat", "Group", "GroupResult")
+        name: "server.pool"
+        for name in (
+            "ActorInfo",
+            "ExpertPool",
+            "FakeExpertPool",
+            "Group",
+            "GroupResult",
+            "RayExpertPool",
+            "ray_session",
+        )
     },
-    "Metrics": "server._metrics",
     "run_server": "server._runner",
     "Settings": "server._settings",
     **{

@@ -6,6 +6,7 @@
      ├── NotReady               store or pool not up yet (or shutting down): 503
      ├── PoolClosed             the pool was closed while work was pending: 503
      ├── ActorFailed            an actor died and the retry failed too: 503
+     ├── PoolStartFailed        the actors could not be placed at startup (a startup error)
      ├── RequestTimeout         the answer did not come in time: 504
      └── InvalidRequest         a request the router or pool refuses: 422
 """
@@ -21,6 +22,7 @@ __all__ = [
     "NotReady",
     "PoolClosed",
     "PoolSaturated",
+    "PoolStartFailed",
     "RequestTimeout",
     "ServerError",
 ]
@@ -70,6 +72,11 @@ class PoolClosed(ServerError):
 class ActorFailed(ServerError):
     def __init__(self, *, actor: str, reason: str) -> None:
         super().__init__(f"actor {actor} failed: {reason}", actor=actor, reason=reason)
+
+
+class PoolStartFailed(ServerError):
+    def __init__(self, *, reason: str) -> None:
+        super().__init__(f"the actor pool could not start: {reason}", reason=reason)
 
 
 class RequestTimeout(ServerError):

@@ -1,59 +1,27 @@
 """Run the app under uvicorn: Ray up first, the URL logged when ready, clean exit on a signal.
 
-uvicorn's graceful shutdown lets in-flight requests finish, then the lifespan closes the pool;
-Ray is shut down last, and only if this process started (or connected) it.
+uvicorn's graceful shutdown lets in-flight requests finish (each is bounded by
+`request_timeout_s`), then the lifespan closes the pool; Ray is shut down last, and only if
+this process started (or connected) it (`server.pool.ray_session`). So a SIGTERM stops the
+server within `request_timeout_s` plus a few seconds, whatever is in flight.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import socket
 import threading
-import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 from server._settings import Settings
 
-__all__ = ["ensure_ray", "run_server", "shutdown_ray"]
+__all__ = ["run_server"]
 
 logger = logging.getLogger(__name__)
-
-_GRACE_S = 10.0
-
-
-def ensure_ray(settings: Settings) -> bool:
-    """Start an embedded Ray, or connect to `settings.ray_address`; False if Ray was already up."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    if settings.ray_address:
-        logger.info("connecting to the Ray cluster at %s", settings.ray_address)
-        ray.init(address=settings.ray_address, configure_logging=False, log_to_driver=False)
-    else:
-        # address="local": a bare ray.init() would attach to any cluster `ray start` left behind.
-        logger.info("starting an embedded Ray")
-        ray.init(
-            address="local",
-            num_cpus=settings.ray_num_cpus,
-            include_dashboard=False,
-            configure_logging=False,
-            log_to_driver=False,
-        )
-    return True
-
-
-def shutdown_ray() -> None:
-    import ray
-
-    if ray.is_initialized():
-        started = time.monotonic()
-        ray.shutdown()
-        logger.info("Ray shut down in %.1f s", time.monotonic() - started)
-
 
 def _bound_url(server: Any, settings: Settings) -> str:
     for srv in getattr(server, "servers", []):
@@ -70,10 +38,10 @@ def run_server(settings: Settings, *, app_factory: Callable[[Settings], Any] | N
     """Serve until SIGINT/SIGTERM; 0 after a clean shutdown, 1 if startup failed."""
     import uvicorn
 
-    from server._app import create_app
+    from server.http import create_app
+    from server.pool import ray_session
 
-    started_ray = ensure_ray(settings)
-    try:
+    with ray_session(address=settings.ray_address, num_cpus=settings.ray_num_cpus):
         app = (app_factory or create_app)(settings)
 
         class _Server(uvicorn.Server):
@@ -91,7 +59,9 @@ def run_server(settings: Settings, *, app_factory: Callable[[Settings], Any] | N
             port=settings.port,
             log_config=None,
             lifespan="on",
-            timeout_graceful_shutdown=int(max(_GRACE_S, settings.request_timeout_s)),
+            # Requests end by request_timeout_s on their own; past it, nothing is worth waiting
+            # for.
+            timeout_graceful_shutdown=max(1, math.ceil(settings.request_timeout_s)),
         )
         server = _Server(config)
         received: list[int] = []
@@ -114,6 +84,3 @@ def run_server(settings: Settings, *, app_factory: Callable[[Settings], Any] | N
             return 1
         logger.info("momlp stopped")
         return 0
-    finally:
-        if started_ray:
-            shutdown_ray()

@@ -147,7 +147,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from server._runner import ensure_ray, shutdown_ray
+    from server.pool import ray_session
 
     if args.store is None:
         args.store = DEMO_STORE
@@ -161,14 +161,10 @@ def _demo(args: argparse.Namespace) -> int:
     from trainer import build_store, quick_demo_config
 
     # One Ray for the build and the server: starting a second one costs tens of seconds here.
-    started_ray = ensure_ray(settings)
-    try:
+    with ray_session(address=settings.ray_address, num_cpus=settings.ray_num_cpus):
         logger.info("building the demo store (2-D Ackley, 16 experts) into %s", store)
         build_store(quick_demo_config(store))
         return _run(settings)
-    finally:
-        if started_ray:
-            shutdown_ray()
 
 
 def register(subparsers: Any) -> None:

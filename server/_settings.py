@@ -50,6 +50,9 @@ class Settings(BaseSettings):
         " to displace it (keeps hot experts on skewed traffic); lru: plain recency",
     )
     actor_max_restarts: int = Field(default=3, ge=0)
+    actor_start_timeout_s: float = Field(
+        default=60.0, gt=0.0, description="the actors must all be placed and up within this"
+    )
     actor_resource: str | None = Field(
         default=None,
         description="Ray resource each actor takes one of (e.g. momlp_worker): one actor a node",

@@ -16,19 +16,16 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
+# The deployment's shape, not a roomier one: two CPUs, so two pool actors take every CPU
+# of the cluster, as one actor per GPU takes every GPU of a GPU node.
+RAY_TEST_CPUS = 2
+
+
 @pytest.fixture(scope="session")
 def ray_session() -> Iterator[None]:
-    """Start Ray once per test session (about 5 s) and shut it down at the end."""
-    import ray
+    """Start Ray once per test session (about 5 s) through the server's one owner of Ray,
+    and shut it down at the end."""
+    from server.pool import ray_session as owned_ray
 
-    if not ray.is_initialized():
-        # address="local": never attach to a cluster some other `ray start` left running.
-        ray.init(
-            address="local",
-            num_cpus=4,
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
-    yield
-    ray.shutdown()
+    with owned_ray(num_cpus=RAY_TEST_CPUS):
+        yield

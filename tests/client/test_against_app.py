@@ -37,7 +37,7 @@ def build_store(root: Path, *, num_experts: int = 16, dim: int = 3) -> Path:
 @pytest.fixture
 async def app_transport(tmp_path: Path) -> AsyncIterator[httpx.ASGITransport]:
     from server import Settings, create_app
-    from server._fake_pool import FakeExpertPool
+    from server.pool import FakeExpertPool
 
     settings = Settings(
         store=build_store(tmp_path / "store"),
@@ -46,7 +46,7 @@ async def app_transport(tmp_path: Path) -> AsyncIterator[httpx.ASGITransport]:
         cache_bytes=2048,
         max_batch_wait_ms=0.0,
     )
-    app = create_app(settings, pool_factory=lambda s, store: FakeExpertPool(store, s))
+    app = create_app(settings, pool_factory=FakeExpertPool)
     async with app.router.lifespan_context(app):
         yield httpx.ASGITransport(app=app)
 

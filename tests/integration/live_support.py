@@ -110,8 +110,13 @@ class GatedPool:
         self.events.append("answered")
         return results
 
-    async def prefetch(self, expert_ids: list[int]) -> None:
-        await self.inner.prefetch(expert_ids)
+    @property
+    def budget_bytes(self) -> int:
+        budget: int = self.inner.budget_bytes
+        return budget
+
+    async def prefetch(self, experts: Any) -> None:
+        await self.inner.prefetch(experts)
 
     def residency(self) -> Any:
         return self.inner.residency()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import socket
 import threading
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -30,8 +29,8 @@ def test_in_flight_request_finishes_before_the_pool_closes(tmp_path: Path) -> No
     store = build_store(tmp_path / "store")
     pools: list[GatedPool] = []
 
-    def factory(settings: Settings, opened: Any) -> GatedPool:
-        pools.append(GatedPool(FakeExpertPool(opened, settings)))
+    def factory(settings: Settings) -> GatedPool:
+        pools.append(GatedPool(FakeExpertPool(settings)))
         return pools[-1]
 
     settings = Settings(store=store, port=0, watch_store=False, cache_bytes=1 << 20)

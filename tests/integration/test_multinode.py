@@ -107,11 +107,12 @@ def cluster() -> Iterator[Cluster]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _home(expert_id: int, actors: list[str]) -> str:
-    """Rendezvous (highest random weight) hashing, computed here independently."""
+def _home(key: str, actors: list[str]) -> str:
+    """Rendezvous (highest random weight) hashing of an expert's cache key (its file's
+    sha256), computed here independently."""
 
     def score(actor: str) -> int:
-        digest = hashlib.blake2b(f"{expert_id}\x00{actor}".encode(), digest_size=8).digest()
+        digest = hashlib.blake2b(f"{key}\x00{actor}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "big")
 
     return max(sorted(actors), key=score)
@@ -156,6 +157,11 @@ def test_two_worker_nodes_share_the_experts_and_survive_losing_one(
     rng = np.random.default_rng(0)
     # Rows at the prototypes route (exact mode) to every expert.
     protos = local.prototypes.astype(np.float32)
+
+    def sha(expert_id: int) -> str:
+        key: str = local.manifest["experts"][expert_id]["sha256"]
+        return key
+
     sessions = cluster.worker_sessions()
     assert sorted(sessions) == ["worker-1", "worker-2"]
     # One actor on each worker node.
@@ -181,10 +187,10 @@ def test_two_worker_nodes_share_the_experts_and_survive_losing_one(
             used.update(check(answer, x))
         # Requests are spread over both actors, each expert on its rendezvous home.
         assert set(used.values()) == set(ACTORS)
-        assert used == {e: _home(e, list(ACTORS)) for e in used}
+        assert used == {e: _home(sha(e), list(ACTORS)) for e in used}
         info = http.get("/v1/experts").json()
         for expert in info["experts"]:
-            assert expert["actors"] in ([], [_home(expert["id"], list(ACTORS))]), expert
+            assert expert["actors"] in ([], [_home(sha(expert["id"]), list(ACTORS))]), expert
         assert all(a["resident_bytes"] <= a["budget_bytes"] for a in info["actors"])
 
         # A stream of requests, two at a time, through a worker node's death.

@@ -17,10 +17,9 @@ import numpy as np
 import torch
 from fastapi import FastAPI
 
-from experts_store import ExpertArch, ExpertMLP, Store, StoreWriter, load_expert
+from experts_store import ExpertArch, ExpertMLP, StoreWriter, load_expert
 from server import Settings, create_app
-from server._fake_pool import FakeExpertPool
-from server._runtime_types import ExpertPool
+from server.pool import ExpertPool, FakeExpertPool
 
 K, N, WIDTH, OUT = 8, 4, 16, 2
 
@@ -88,8 +87,8 @@ def settings_for(store: Path, **overrides: Any) -> Settings:
     return Settings(**values)
 
 
-def fake_pool(settings: Settings, store: Store) -> ExpertPool:
-    return FakeExpertPool(store, settings)
+def fake_pool(settings: Settings) -> ExpertPool:
+    return FakeExpertPool(settings)
 
 
 def fake_app(store: Path, **overrides: Any) -> FastAPI:

@@ -87,7 +87,7 @@ async def test_actors_killed_during_load_lose_no_request(tmp_path: Path) -> None
     budget = 3 * Store.open(store).expert_nbytes(0)
     app = fake_app(store, cache_bytes=budget)
     async with running(app) as client:
-        pool = app.state.serving.generation.pool
+        pool = app.state.serving.pool
         kills = 0
 
         async def kill_now_and_then(seq: int) -> None:

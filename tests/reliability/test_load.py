@@ -156,7 +156,7 @@ def test_a_ray_actor_killed_mid_load_loses_no_request(
 
     url, store, app = loaded_server
     reference = Reference(store)
-    pool = app.state.serving.generation.pool
+    pool = app.state.serving.pool
     results: list[tuple[int, int]] = []
     failures: list[str] = []
     peak: dict[str, int] = {}

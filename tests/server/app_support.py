@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -14,10 +14,9 @@ import numpy as np
 import torch
 from fastapi import FastAPI
 
-from experts_store import ExpertArch, ExpertMLP, Store, StoreWriter, load_expert
+from experts_store import ExpertArch, ExpertMLP, ExpertRef, StoreWriter, load_expert
 from server import Settings, create_app
-from server._fake_pool import FakeExpertPool
-from server._runtime_types import ActorInfo, ExpertPool, Group, GroupResult
+from server.pool import ActorInfo, ExpertPool, FakeExpertPool, Group, GroupResult
 
 
 def app_settings(store: Path, **overrides: Any) -> Settings:
@@ -32,8 +31,8 @@ def app_settings(store: Path, **overrides: Any) -> Settings:
     return Settings(**values)
 
 
-def fake_pool(settings: Settings, store: Store) -> ExpertPool:
-    return FakeExpertPool(store, settings)
+def fake_pool(settings: Settings) -> ExpertPool:
+    return FakeExpertPool(settings)
 
 
 def fake_app(store: Path, **overrides: Any) -> FastAPI:
@@ -112,22 +111,31 @@ def error_of(response: httpx.Response) -> dict[str, Any]:
 
 
 class BlockingPool:
-    """Delegates to a real pool, but `run` waits until the test opens the gate."""
+    """Delegates to a real pool, but the first `blocked` runs wait until the test opens the
+    gate (all of them when `blocked` is None)."""
 
-    def __init__(self, inner: ExpertPool) -> None:
+    def __init__(self, inner: ExpertPool, *, blocked: int | None = None) -> None:
         self.inner = inner
         self.gate = asyncio.Event()
         self.entered = asyncio.Event()
+        self._blocked = blocked
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.inner.budget_bytes
 
     async def run(self, groups: list[Group]) -> list[GroupResult]:
-        self.entered.set()
-        await self.gate.wait()
+        if self._blocked is None or self._blocked > 0:
+            if self._blocked is not None:
+                self._blocked -= 1
+            self.entered.set()
+            await self.gate.wait()
         return await self.inner.run(groups)
 
-    async def prefetch(self, expert_ids: list[int]) -> None:
-        await self.inner.prefetch(expert_ids)
+    async def prefetch(self, experts: Sequence[ExpertRef]) -> None:
+        await self.inner.prefetch(experts)
 
-    def residency(self) -> dict[int, list[str]]:
+    def residency(self) -> dict[str, list[str]]:
         return self.inner.residency()
 
     def actors(self) -> list[ActorInfo]:

@@ -1,20 +1,49 @@
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 from experts_store import Store, load_expert
-from server._actor import ActorCore, activation_peak_bytes
+from server.pool import ActorCore, ActorInfo, ActorReply, activation_peak_bytes
 
 pytestmark = pytest.mark.unit
 
 MakeStore = Callable[..., Path]
+
+
+class IdCore:
+    """An `ActorCore` addressed by one store's expert ids, as the server addresses it through
+    that store's `ExpertRef`s; resident experts are reported back as ids."""
+
+    def __init__(self, store: Store, **kwargs: Any) -> None:
+        self.store = store
+        self.core = ActorCore(**kwargs)
+        self.ids = {store.expert_ref(e.id).sha256: e.id for e in store.manifest.experts}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.core, name)
+
+    def _ids(self, resident: dict[str, int]) -> dict[int, int]:
+        return {self.ids[key]: nbytes for key, nbytes in resident.items()}
+
+    def run(self, groups: Sequence[tuple[int, np.ndarray]]) -> ActorReply:
+        reply = self.core.run([(self.store.expert_ref(e), rows) for e, rows in groups])
+        return dataclasses.replace(reply, resident=self._ids(reply.resident))  # type: ignore[arg-type]
+
+    def prefetch(self, experts: Sequence[int]) -> dict[int, int]:
+        return self._ids(self.core.prefetch([self.store.expert_ref(e) for e in experts]))
+
+    def info(self) -> ActorInfo:
+        info = self.core.info()
+        return dataclasses.replace(info, resident=sorted(self.ids[k] for k in info.resident))  # type: ignore[arg-type]
 
 
 def direct(store: Store, expert_id: int, rows: np.ndarray) -> np.ndarray:
@@ -31,7 +60,7 @@ def rows_for(n: int, m: int, seed: int) -> np.ndarray:
 
 def test_outputs_equal_a_direct_forward_with_hit_and_miss_stats(make_store: MakeStore) -> None:
     store = Store.open(make_store(K=6, n=5, width=12, out=3))
-    core = ActorCore(store, name="a0", budget_bytes=10**8)
+    core = IdCore(store, name="a0", budget_bytes=10**8)
     groups = [(e, rows_for(5, 4 + e, seed=e)) for e in (0, 3, 5)]
     first = core.run(groups)
     second = core.run(groups)
@@ -51,7 +80,7 @@ def test_outputs_equal_a_direct_forward_with_hit_and_miss_stats(make_store: Make
 
 def test_activation_bytes_are_the_largest_layer_input_plus_output(make_store: MakeStore) -> None:
     store = Store.open(make_store(K=2, n=3, width=40, out=2, hidden_layers=2))
-    core = ActorCore(store, name="a0", budget_bytes=10**8)
+    core = IdCore(store, name="a0", budget_bytes=10**8)
     [outcome] = core.run([(1, rows_for(3, 17, seed=0))]).results
     # Layers 3->40, 40->40, 40->2 and PReLUs on 40: the biggest holds 40+40 floats per row.
     assert outcome.activation_bytes == 17 * 4 * 80 == activation_peak_bytes((3, 40, 40, 2), 17)
@@ -62,7 +91,7 @@ def test_resident_bytes_never_exceed_the_budget(make_store: MakeStore) -> None:
     store = Store.open(make_store(K=30, n=4, width=8, out=2))
     per_expert = store.expert_nbytes(0)
     budget = 5 * per_expert
-    core = ActorCore(store, name="a0", budget_bytes=budget)
+    core = IdCore(store, name="a0", budget_bytes=budget)
     rng = np.random.default_rng(1)
     misses = 0
     for step in range(40):
@@ -79,7 +108,7 @@ def test_resident_bytes_never_exceed_the_budget(make_store: MakeStore) -> None:
 
 def test_a_budget_of_one_expert_still_serves_many(make_store: MakeStore) -> None:
     store = Store.open(make_store(K=4, n=2, width=4, out=1))
-    core = ActorCore(store, name="a0", budget_bytes=store.expert_nbytes(0))
+    core = IdCore(store, name="a0", budget_bytes=store.expert_nbytes(0))
     groups = [(e, rows_for(2, 2, seed=e)) for e in range(4)]
     reply = core.run(groups)
     for (expert_id, rows), outcome in zip(groups, reply.results, strict=True):
@@ -100,7 +129,7 @@ def corrupt(store: Store, expert_id: int) -> Path:
 def test_a_corrupted_expert_fails_only_its_group(make_store: MakeStore) -> None:
     store = Store.open(make_store(K=3, n=2, width=4, out=1))
     corrupt(store, 1)
-    core = ActorCore(store, name="a0", budget_bytes=10**8)
+    core = IdCore(store, name="a0", budget_bytes=10**8)
     reply = core.run([(e, rows_for(2, 2, seed=e)) for e in range(3)])
     good0, bad, good2 = reply.results
     assert good0.error is None and good2.error is None
@@ -113,7 +142,7 @@ def test_a_corrupted_expert_fails_only_its_group(make_store: MakeStore) -> None:
 def test_missing_file_is_a_load_error(make_store: MakeStore) -> None:
     store = Store.open(make_store(K=2, n=2, width=4, out=1))
     store.expert_path(0).unlink()
-    core = ActorCore(store, name="a0", budget_bytes=10**8)
+    core = IdCore(store, name="a0", budget_bytes=10**8)
     [outcome] = core.run([(0, rows_for(2, 1, seed=0))]).results
     assert outcome.error_kind == "load"
     core.close()
@@ -122,7 +151,7 @@ def test_missing_file_is_a_load_error(make_store: MakeStore) -> None:
 def test_prefetch_evicts_only_experts_no_arrived_call_needs(make_store: MakeStore) -> None:
     store = Store.open(make_store(K=8, n=2, width=4, out=1))
     # lru, so that the victim order is plain recency.
-    core = ActorCore(store, name="a0", budget_bytes=2 * store.expert_nbytes(0), cache_policy="lru")
+    core = IdCore(store, name="a0", budget_bytes=2 * store.expert_nbytes(0), cache_policy="lru")
     core.run([(0, rows_for(2, 1, seed=0))])
     core.run([(1, rows_for(2, 1, seed=1))])
     assert sorted(core.prefetch([4])) == [1, 4]  # 0 was the least recently used
@@ -144,14 +173,14 @@ def test_prefetch_skips_what_cannot_fit_without_evicting_needed_experts(
     make_store: MakeStore,
 ) -> None:
     store = Store.open(make_store(K=4, n=2, width=4, out=1))
-    core = ActorCore(store, name="a0", budget_bytes=2 * store.expert_nbytes(0))
+    core = IdCore(store, name="a0", budget_bytes=2 * store.expert_nbytes(0))
     assert sorted(core.prefetch([0, 1, 2])) == [0, 1]  # 2 would evict 0 or 1, both asked for
     core.close()
 
 
 def test_read_only_rows_are_accepted(make_store: MakeStore) -> None:
     store = Store.open(make_store(K=1, n=2, width=4, out=1))
-    core = ActorCore(store, name="a0", budget_bytes=10**8)
+    core = IdCore(store, name="a0", budget_bytes=10**8)
     rows = rows_for(2, 3, seed=0)
     rows.flags.writeable = False  # as Ray hands them over from its object store
     [outcome] = core.run([(0, rows)]).results

@@ -18,7 +18,7 @@ from app_support import (
 )
 
 from server import create_app
-from server._admin import is_loopback
+from server.http import is_loopback
 
 pytestmark = pytest.mark.unit
 

@@ -19,11 +19,10 @@ from app_support import (
     running,
 )
 
-from experts_store import Store
 from server import create_app
-from server._generation import ServingState, _store_version
-from server._runtime_types import ExpertPool
 from server._settings import Settings
+from server.pool import ExpertPool
+from server.serving import ServingState, read_store_version
 
 pytestmark = pytest.mark.unit
 
@@ -37,7 +36,7 @@ async def test_reload_swaps_to_the_new_version_and_its_experts(tmp_path: Path) -
         serving: ServingState = app.state.serving
         assert not await serving.reload()  # nothing new on disk
         new_version = republish(store, seed=42)
-        assert new_version != old_version and _store_version(store) == new_version
+        assert new_version != old_version and read_store_version(store) == new_version
         assert await serving.reload()
         ready = (await client.get("/readyz")).json()
         answer = (await client.post("/v1/predict", json={"inputs": x.tolist()})).json()
@@ -55,10 +54,10 @@ async def test_requests_in_flight_finish_on_the_old_generation(tmp_path: Path) -
     old_version = manifest(store)["store_version"]
     pools: list[Any] = []
 
-    def factory(settings: Settings, opened: Store) -> ExpertPool:
-        pool = fake_pool(settings, opened)
-        # Only the first generation's pool blocks, so a request can be caught in flight.
-        pools.append(BlockingPool(pool) if not pools else pool)
+    def factory(settings: Settings) -> ExpertPool:
+        # One pool serves every version; its first run blocks, so that the first request is
+        # caught in flight on the old version.
+        pools.append(BlockingPool(fake_pool(settings), blocked=1))
         return pools[-1]  # type: ignore[no-any-return]
 
     app = create_app(app_settings(store), pool_factory=factory)
@@ -69,7 +68,7 @@ async def test_requests_in_flight_finish_on_the_old_generation(tmp_path: Path) -
         await pools[0].entered.wait()
         new_version = republish(store, seed=7)
         swapping = asyncio.create_task(serving.reload())
-        while serving.generation is None or serving.generation.version != new_version:
+        while serving.version is None or serving.version.version != new_version:
             await asyncio.sleep(0)
         after = (await client.post("/v1/predict", json={"inputs": row})).json()
         assert not swapping.done()  # the old generation still has a request inside
@@ -111,9 +110,9 @@ async def test_the_store_watcher_reloads_when_the_manifest_changes(tmp_path: Pat
 
     serving.sleep = controlled_sleep
     async with running(app) as client:
-        first = serving.generation
+        first = serving.version
         await poll_once()
-        assert serving.generation is first  # nothing changed on disk
+        assert serving.version is first  # nothing changed on disk
         new_version = republish(store, seed=3)
         await poll_once()
         ready = (await client.get("/readyz")).json()

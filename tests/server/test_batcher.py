@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -9,13 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from experts_store import Store, load_expert
-from server._actor import activation_peak_bytes
-from server._batcher import Batcher
+from experts_store import ExpertRef, Store, load_expert
 from server._exceptions import ExpertUnavailable, InvalidRequest, PoolClosed, PoolSaturated
-from server._fake_pool import FakeExpertPool
-from server._runtime_types import ActorInfo, Group, GroupResult
 from server._settings import Settings
+from server.batching import Batcher
+from server.pool import ActorInfo, FakeExpertPool, Group, GroupResult, activation_peak_bytes
 
 pytestmark = pytest.mark.unit
 
@@ -86,10 +84,14 @@ class GatedPool:
         await self.gate.wait()
         return await self.inner.run(groups)
 
-    async def prefetch(self, expert_ids: list[int]) -> None:
-        self.prefetched.append(list(expert_ids))
+    @property
+    def budget_bytes(self) -> int:
+        return self.inner.budget_bytes
 
-    def residency(self) -> dict[int, list[str]]:
+    async def prefetch(self, experts: Sequence[ExpertRef]) -> None:
+        self.prefetched.append([ref.expert_id for ref in experts])
+
+    def residency(self) -> dict[str, list[str]]:
         return self.inner.residency()
 
     def actors(self) -> list[ActorInfo]:
@@ -97,6 +99,10 @@ class GatedPool:
 
     async def close(self) -> None:
         await self.inner.close()
+
+
+def refs(store: Store) -> list[ExpertRef]:
+    return [store.expert_ref(e.id) for e in store.manifest.experts]
 
 
 def inputs(experts: list[int], n: int, seed: int = 0) -> torch.Tensor:
@@ -132,9 +138,9 @@ def setup(make_store: MakeStore) -> Setup:
         fields.update(settings_kwargs)
         settings = Settings(**fields)  # type: ignore[arg-type]
         clock = FakeClock()
-        pool = GatedPool(FakeExpertPool(store, settings, clock=clock))
+        pool = GatedPool(FakeExpertPool(settings, clock=clock))
         router = TableRouter(dim=3, num_prototypes=6)
-        batcher = Batcher(router, pool, settings, clock, sleep=clock.sleep)
+        batcher = Batcher(router, pool, settings, clock, sleep=clock.sleep, experts=refs(store))
         return store, batcher, pool, router, clock
 
     return build
@@ -387,9 +393,9 @@ async def test_a_request_the_router_refuses_does_not_fail_its_batch(
 
     store = Store.open(make_store(K=6, n=3, width=8, out=2))
     settings = Settings(max_batch_wait_ms=0.0)
-    pool = FakeExpertPool(store, settings)
+    pool = FakeExpertPool(settings)
     tree = PrototypeTree.load(store.router_path)
-    batcher = Batcher(tree, pool, settings)
+    batcher = Batcher(tree, pool, settings, experts=refs(store))
     good = inputs([0, 0], 3, seed=5)
     huge = torch.full((1, 3), 1e20)  # finite, but beyond what the router accepts
     a, b = await asyncio.gather(batcher.submit(good), batcher.submit(huge), return_exceptions=True)

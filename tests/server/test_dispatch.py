@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from server._dispatch import Dispatcher, rendezvous_rank
+from server.pool import Dispatcher, rendezvous_rank
 
 pytestmark = pytest.mark.unit
 

@@ -8,13 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from pool_support import IdGroup, IdPool
 
-from experts_store import ExpertTooLarge, Store, load_expert
+from experts_store import ExpertRef, ExpertTooLarge, Store, load_expert
 from server._exceptions import PoolClosed
-from server._fake_pool import FakeExpertPool
-from server._pool import ActorDied
-from server._runtime_types import ActorReply, Group
 from server._settings import Settings
+from server.pool import ActorDied, ActorReply, FakeExpertPool
 
 pytestmark = pytest.mark.unit
 
@@ -29,12 +28,12 @@ class StepClock:
         return self.t
 
 
-def groups_for(experts: list[int], n: int, rows: int = 2, seed: int = 0) -> list[Group]:
+def groups_for(experts: list[int], n: int, rows: int = 2, seed: int = 0) -> list[IdGroup]:
     generator = torch.Generator().manual_seed(seed)
-    return [Group(e, torch.randn(rows, n, generator=generator)) for e in experts]
+    return [IdGroup(e, torch.randn(rows, n, generator=generator)) for e in experts]
 
 
-def expected(store: Store, group: Group) -> torch.Tensor:
+def expected(store: Store, group: IdGroup) -> torch.Tensor:
     entry = store.expert_entry(group.expert_id)
     module = load_expert(store.root / entry.file, expected_sha256=entry.sha256)
     with torch.no_grad():
@@ -46,7 +45,7 @@ async def test_results_come_back_in_group_order_and_fill_the_residency_table(
     make_store: MakeStore,
 ) -> None:
     store = Store.open(make_store(K=12, n=3, width=6, out=2))
-    pool = FakeExpertPool(store, Settings(actors=3, cache_bytes=10**6))
+    pool = IdPool(store, FakeExpertPool(Settings(actors=3, cache_bytes=10**6)))
     groups = groups_for([7, 0, 11, 3, 5], 3)
     results = await pool.run(groups)
     assert [r.expert_id for r in results] == [7, 0, 11, 3, 5]
@@ -68,7 +67,7 @@ async def test_an_actor_dying_mid_call_is_retried_elsewhere_exactly_once(
     make_store: MakeStore,
 ) -> None:
     store = Store.open(make_store(K=12, n=3, width=6, out=2))
-    pool = FakeExpertPool(store, Settings(actors=3, cache_bytes=10**6))
+    pool = IdPool(store, FakeExpertPool(Settings(actors=3, cache_bytes=10**6)))
     groups = groups_for(list(range(12)), 3, seed=4)
     pool.kill("actor-1")
     results = await pool.run(groups)
@@ -92,7 +91,9 @@ class RetryTargetDies(FakeExpertPool):
     first_died = False
     second_doomed = False
 
-    async def _call_run(self, actor: str, payload: list[tuple[int, np.ndarray]]) -> ActorReply:
+    async def _call_run(
+        self, actor: str, payload: list[tuple[ExpertRef, np.ndarray]]
+    ) -> ActorReply:
         if self.first_died and not self.second_doomed and actor != "actor-0":
             self.second_doomed = True
             self.kill(actor)
@@ -105,7 +106,7 @@ class RetryTargetDies(FakeExpertPool):
 
 async def test_the_retry_survives_its_own_actor_dying_too(make_store: MakeStore) -> None:
     store = Store.open(make_store(K=12, n=3, width=6, out=2))
-    pool = RetryTargetDies(store, Settings(actors=3, cache_bytes=10**6))
+    pool = IdPool(store, RetryTargetDies(Settings(actors=3, cache_bytes=10**6)))
     groups = groups_for(list(range(12)), 3, seed=5)
     pool.kill("actor-0")
     results = await pool.run(groups)
@@ -119,7 +120,7 @@ async def test_the_retry_survives_its_own_actor_dying_too(make_store: MakeStore)
 
 async def test_a_dead_actor_comes_back_after_its_restart(make_store: MakeStore) -> None:
     store = Store.open(make_store(K=8, n=3, width=6, out=2))
-    pool = FakeExpertPool(store, Settings(actors=2, cache_bytes=10**6))
+    pool = IdPool(store, FakeExpertPool(Settings(actors=2, cache_bytes=10**6)))
     pool.kill("actor-0")
     await pool.run(groups_for(list(range(8)), 3))
     for _ in range(50):  # the revival probe runs in the background
@@ -137,7 +138,7 @@ async def test_a_failed_load_is_remembered_for_a_while(make_store: MakeStore) ->
     path.unlink()
     clock = StepClock()
     settings = Settings(actors=1, cache_bytes=10**6)
-    pool = FakeExpertPool(store, settings, clock=clock, failure_ttl_s=5)
+    pool = IdPool(store, FakeExpertPool(settings, clock=clock, failure_ttl_s=5))
     first = await pool.run(groups_for([1, 2], 3))
     assert first[0].error is None
     assert first[1].error is not None and first[1].error_kind == "load"
@@ -154,13 +155,13 @@ async def test_a_failed_load_is_remembered_for_a_while(make_store: MakeStore) ->
 async def test_an_expert_larger_than_the_budget_is_a_startup_error(make_store: MakeStore) -> None:
     store = Store.open(make_store(K=2, n=3, width=6, out=2))
     with pytest.raises(ExpertTooLarge) as info:
-        FakeExpertPool(store, Settings(cache_bytes=store.expert_nbytes(0) - 1))
+        IdPool(store, FakeExpertPool(Settings(cache_bytes=store.expert_nbytes(0) - 1)))
     assert info.value.expert_id == 0
 
 
 async def test_a_closed_pool_refuses_work(make_store: MakeStore) -> None:
     store = Store.open(make_store(K=2, n=3, width=6, out=2))
-    pool = FakeExpertPool(store, Settings())
+    pool = IdPool(store, FakeExpertPool(Settings()))
     await pool.close()
     with pytest.raises(PoolClosed):
         await pool.run(groups_for([0], 3))
@@ -169,7 +170,8 @@ async def test_a_closed_pool_refuses_work(make_store: MakeStore) -> None:
 async def test_actors_report_residency_and_evictions(make_store: MakeStore) -> None:
     store = Store.open(make_store(K=6, n=3, width=6, out=2))
     nbytes = store.expert_nbytes(0)
-    pool = FakeExpertPool(store, Settings(actors=1, cache_bytes=2 * nbytes, cache_policy="lru"))
+    settings = Settings(actors=1, cache_bytes=2 * nbytes, cache_policy="lru")
+    pool = IdPool(store, FakeExpertPool(settings))
     await pool.run(groups_for([0, 1, 2, 3], 3))
     [info] = pool.actors()
     assert (info.name, info.device, info.alive) == ("actor-0", "cpu", True)
@@ -181,7 +183,7 @@ async def test_actors_report_residency_and_evictions(make_store: MakeStore) -> N
 
 async def test_a_single_actor_that_dies_is_retried_once_restarted(make_store: MakeStore) -> None:
     store = Store.open(make_store(K=4, n=3, width=6, out=2))
-    pool = FakeExpertPool(store, Settings(actors=1, cache_bytes=10**6))
+    pool = IdPool(store, FakeExpertPool(Settings(actors=1, cache_bytes=10**6)))
     groups = groups_for([0, 1, 2, 3], 3)
     pool.kill("actor-0")
     results = await pool.run(groups)
@@ -194,7 +196,7 @@ async def test_a_single_actor_that_dies_is_retried_once_restarted(make_store: Ma
 
 async def test_prefetch_warms_each_expert_on_its_home_actor(make_store: MakeStore) -> None:
     store = Store.open(make_store(K=8, n=3, width=6, out=2))
-    pool = FakeExpertPool(store, Settings(actors=2, cache_bytes=10**6))
+    pool = IdPool(store, FakeExpertPool(Settings(actors=2, cache_bytes=10**6)))
     await pool.prefetch([1, 6, 1])
     await asyncio.gather(*pool._background)  # prefetch returns at once; let it finish
     homes = {e: pool.dispatcher.home(e) for e in (1, 6)}

@@ -23,10 +23,9 @@ from app_support import (
 )
 from fastapi import FastAPI
 
-from experts_store import Store
 from server import create_app
-from server._runtime_types import ExpertPool
 from server._settings import Settings
+from server.pool import ExpertPool
 
 pytestmark = pytest.mark.unit
 
@@ -220,8 +219,8 @@ async def test_api_key_is_required_except_on_healthz(
 def _blocking_app(store: Path, **overrides: Any) -> tuple[FastAPI, list[BlockingPool]]:
     pools: list[BlockingPool] = []
 
-    def factory(settings: Settings, opened: Store) -> ExpertPool:
-        pools.append(BlockingPool(fake_pool(settings, opened)))
+    def factory(settings: Settings) -> ExpertPool:
+        pools.append(BlockingPool(fake_pool(settings)))
         return pools[-1]
 
     return create_app(app_settings(store, **overrides), pool_factory=factory), pools

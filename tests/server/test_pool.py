@@ -12,21 +12,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from pool_support import IdGroup, IdPool
 
 from experts_store import ExpertTooLarge, Store, load_expert
 from router import PrototypeTree
-from server._batcher import Batcher
 from server._exceptions import ExpertUnavailable
-from server._ray_pool import RayExpertPool
-from server._runtime_types import Group
 from server._settings import Settings
+from server.batching import Batcher
+from server.pool import RayExpertPool
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_session")]
 
 MakeStore = Callable[..., Path]
 
 
-def reference(store: Store, group: Group) -> torch.Tensor:
+def reference(store: Store, group: IdGroup) -> torch.Tensor:
     entry = store.expert_entry(group.expert_id)
     module = load_expert(store.root / entry.file, expected_sha256=entry.sha256)
     with torch.no_grad():
@@ -34,20 +34,20 @@ def reference(store: Store, group: Group) -> torch.Tensor:
     return out
 
 
-def random_groups(rng: np.random.Generator, K: int, n: int, count: int) -> list[Group]:
+def random_groups(rng: np.random.Generator, K: int, n: int, count: int) -> list[IdGroup]:
     experts = rng.choice(K, size=count, replace=False)
     return [
-        Group(int(e), torch.from_numpy(rng.standard_normal((int(rng.integers(1, 9)), n))).float())
+        IdGroup(int(e), torch.from_numpy(rng.standard_normal((int(rng.integers(1, 9)), n))).float())
         for e in experts
     ]
 
 
-async def start(store: Store, **settings: int | str) -> RayExpertPool:
-    return await asyncio.to_thread(
+async def start(store: Store, **settings: int | str) -> IdPool:
+    pool = await asyncio.to_thread(
         RayExpertPool.create,
-        store.root,
         Settings(**settings),  # type: ignore[arg-type]
     )
+    return IdPool(store, pool)
 
 
 async def test_outputs_match_the_files_and_caches_stay_in_budget(make_store: MakeStore) -> None:
@@ -96,10 +96,10 @@ async def test_the_cache_policy_decides_whether_hot_experts_outlast_one_off_requ
     rows = torch.ones(1, 3)
     try:
         for _ in range(4):
-            await pool.run([Group(e, rows) for e in (0, 1, 2)])
+            await pool.run([IdGroup(e, rows) for e in (0, 1, 2)])
         for one_off in range(3, 24):
-            await pool.run([Group(one_off, rows)])
-        hot = await pool.run([Group(e, rows) for e in (0, 1, 2)])
+            await pool.run([IdGroup(one_off, rows)])
+        hot = await pool.run([IdGroup(e, rows) for e in (0, 1, 2)])
         hits = [r.hit for r in hot]
         assert hits == ([True] * 3 if policy == "tinylfu" else [False] * 3)
     finally:
@@ -141,8 +141,9 @@ async def test_a_corrupted_expert_fails_only_the_requests_that_need_it(
     path = store.expert_path(5)
     path.write_bytes(path.read_bytes()[:-4] + b"\x00\x01\x02\x03")
     settings = Settings(actors=2, cache_bytes=10**7, max_batch_wait_ms=5.0)
-    pool = await asyncio.to_thread(RayExpertPool.create, store.root, settings)
-    batcher = Batcher(router, pool, settings)
+    pool = await asyncio.to_thread(RayExpertPool.create, settings)
+    refs = [store.expert_ref(e.id) for e in store.manifest.experts]
+    batcher = Batcher(router, pool, settings, experts=refs)
     try:
         xs = [torch.randn(3, 2, generator=torch.Generator().manual_seed(s)) for s in range(40)]
         answers = await asyncio.gather(*(batcher.submit(x) for x in xs), return_exceptions=True)
@@ -155,7 +156,7 @@ async def test_a_corrupted_expert_fails_only_the_requests_that_need_it(
                 assert not isinstance(answer, BaseException)
                 routed = router.route(x).experts[:, 0]
                 expected = torch.cat(
-                    [reference(store, Group(int(e), x[i : i + 1])) for i, e in enumerate(routed)]
+                    [reference(store, IdGroup(int(e), x[i : i + 1])) for i, e in enumerate(routed)]
                 )
                 torch.testing.assert_close(answer.outputs, expected)
     finally:
@@ -163,7 +164,12 @@ async def test_a_corrupted_expert_fails_only_the_requests_that_need_it(
         await pool.close()
 
 
-def test_an_expert_larger_than_the_budget_refuses_to_start(make_store: MakeStore) -> None:
+async def test_an_expert_larger_than_the_budget_refuses_to_start(make_store: MakeStore) -> None:
     store = Store.open(make_store(K=3, n=2, width=8, out=1))
-    with pytest.raises(ExpertTooLarge):
-        RayExpertPool.create(store.root, Settings(cache_bytes=store.expert_nbytes(0) // 2))
+    settings = Settings(cache_bytes=store.expert_nbytes(0) // 2)
+    pool = await asyncio.to_thread(RayExpertPool.create, settings)
+    try:
+        with pytest.raises(ExpertTooLarge):
+            IdPool(store, pool)
+    finally:
+        await pool.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from app_support import build_small_store
 
 import server._runner
+import server.pool
 import trainer
 from server._cli import build_parser, main
 from server._serve_cli import CliError, parse_bytes, settings_from_args
@@ -99,7 +101,7 @@ def _record_runs(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
     monkeypatch.setattr(server._runner, "run_server", fake_run)
     # The demo shares one Ray between build and serve; these tests build and serve nothing real.
-    monkeypatch.setattr(server._runner, "ensure_ray", lambda settings: False)
+    monkeypatch.setattr(server.pool, "ray_session", lambda **kwargs: contextlib.nullcontext(False))
     return runs
 
 

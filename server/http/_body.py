@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
-from server._http_models import PredictRequest, RouteRequest
+from server.http._models import PredictRequest, RouteRequest
 
 __all__ = [
     "HttpError",

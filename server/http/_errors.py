@@ -30,7 +30,7 @@ from server._exceptions import (
     RequestTimeout,
     ServerError,
 )
-from server._http_body import HttpError
+from server.http._body import HttpError
 
 __all__ = ["CatchAllMiddleware", "error_response", "install_error_handlers"]
 

@@ -8,14 +8,17 @@ rows were sent.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from ._exceptions import ExpertUnavailable
-from ._runtime_types import BatchAnswer, ExpertStat, Group, GroupResult
+from experts_store import ExpertRef
+from server._exceptions import ExpertUnavailable
+from server.batching._types import BatchAnswer, ExpertStat
+from server.pool import Group, GroupResult
 
 __all__ = [
     "RoutingSlice",
@@ -51,9 +54,10 @@ def concat_routings(parts: list[Any]) -> RoutingSlice:
 
 
 def expert_groups(
-    x: torch.Tensor, experts: torch.Tensor
+    x: torch.Tensor, experts: torch.Tensor, refs: Sequence[ExpertRef]
 ) -> tuple[list[Group], list[torch.Tensor]]:
-    """One group per distinct expert of experts [B, top_k], in expert order, and its pairs."""
+    """One group per distinct expert of experts [B, top_k], in expert order, and its pairs;
+    `refs[e]` names expert e's file in the store version the batch entered."""
     top_k = experts.shape[1]
     flat = experts.reshape(-1)
     pair_rows = torch.arange(x.shape[0]).repeat_interleave(top_k)
@@ -61,7 +65,7 @@ def expert_groups(
     unique, counts = torch.unique_consecutive(flat[order], return_counts=True)
     group_pairs = list(torch.split(order, counts.tolist()))
     groups = [
-        Group(expert_id=int(e), rows=x[pair_rows[pairs]])
+        Group(expert=refs[int(e)], rows=x[pair_rows[pairs]])
         for e, pairs in zip(unique.tolist(), group_pairs, strict=True)
     ]
     return groups, group_pairs

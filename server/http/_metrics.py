@@ -39,6 +39,7 @@ class PoolSnapshot:
     """What the pool looks like at scrape time."""
 
     resident_bytes: dict[str, int] = field(default_factory=dict)
+    budget_bytes: dict[str, int] = field(default_factory=dict)
     evictions: int | None = None
     queue_rows: int = 0
 
@@ -55,6 +56,12 @@ class _PoolCollector(Collector):
         for actor, nbytes in sorted(snap.resident_bytes.items()):
             resident.add_metric([actor], float(nbytes))
         yield resident
+        budget = GaugeMetricFamily(
+            "momlp_budget_bytes", "expert cache budget of each actor", labels=["actor"]
+        )
+        for actor, nbytes in sorted(snap.budget_bytes.items()):
+            budget.add_metric([actor], float(nbytes))
+        yield budget
         yield GaugeMetricFamily(
             "momlp_queue_rows", "rows waiting to be batched or computed", value=snap.queue_rows
         )

@@ -2,7 +2,8 @@
 
 The dispatcher is pure bookkeeping (no Ray, no asyncio), so both pools share it and it is
 tested on its own. It keeps three things per actor: whether it is alive, the rows dispatched
-to it and not yet answered, and the experts its last reply said were resident.
+to it and not yet answered, and the experts its last reply said were resident. Experts are
+named by their cache keys (content hashes when served), which it treats as opaque.
 """
 
 from __future__ import annotations
@@ -10,25 +11,26 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import Any
 
 __all__ = ["Dispatcher", "rendezvous_rank"]
 
 logger = logging.getLogger(__name__)
 
 
-def _score(expert_id: int, actor: str) -> int:
-    digest = hashlib.blake2b(f"{expert_id}\x00{actor}".encode(), digest_size=8).digest()
+def _score(key: Hashable, actor: str) -> int:
+    digest = hashlib.blake2b(f"{key}\x00{actor}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")
 
 
-def rendezvous_rank(expert_id: int, actors: Iterable[str]) -> list[str]:
+def rendezvous_rank(key: Hashable, actors: Iterable[str]) -> list[str]:
     """Actors ordered by highest-random-weight for this expert; the first is its home.
 
     Removing an actor only moves the experts whose home it was, so the caches of the other
     actors stay warm when one dies.
     """
-    return sorted(actors, key=lambda actor: (-_score(expert_id, actor), actor))
+    return sorted(actors, key=lambda actor: (-_score(key, actor), actor))
 
 
 class Dispatcher:
@@ -49,7 +51,7 @@ class Dispatcher:
         self._lock = threading.Lock()
         self._alive = dict.fromkeys(self._names, True)
         self._queued = dict.fromkeys(self._names, 0)
-        self._resident: dict[str, dict[int, int]] = {name: {} for name in self._names}
+        self._resident: dict[str, dict[Hashable, int]] = {name: {} for name in self._names}
 
     @property
     def names(self) -> list[str]:
@@ -67,21 +69,21 @@ class Dispatcher:
         with self._lock:
             return self._queued[actor]
 
-    def home(self, expert_id: int, *, exclude: Iterable[str] = ()) -> str | None:
+    def home(self, key: Hashable, *, exclude: Iterable[str] = ()) -> str | None:
         """The expert's home among live actors not in `exclude` (None if there is none)."""
         with self._lock:
-            return self._home_locked(expert_id, set(exclude))
+            return self._home_locked(key, set(exclude))
 
-    def _home_locked(self, expert_id: int, exclude: set[str]) -> str | None:
+    def _home_locked(self, key: Hashable, exclude: set[str]) -> str | None:
         candidates = [n for n in self._names if self._alive[n] and n not in exclude]
         if not candidates:
             return None
-        return rendezvous_rank(expert_id, candidates)[0]
+        return rendezvous_rank(key, candidates)[0]
 
     def place(
-        self, expert_rows: Sequence[tuple[int, int]], *, exclude: Iterable[str] = ()
+        self, expert_rows: Sequence[tuple[Hashable, int]], *, exclude: Iterable[str] = ()
     ) -> list[str | None]:
-        """Choose an actor for each (expert_id, rows) and count the rows as queued there.
+        """Choose an actor for each (key, rows) and count the rows as queued there.
 
         Returns one actor name per entry (None when no live actor is left). Callers must call
         `complete(actor, rows)` once the actor answered (or failed).
@@ -90,18 +92,18 @@ class Dispatcher:
         chosen: list[str | None] = []
         with self._lock:
             live = [n for n in self._names if self._alive[n] and n not in excluded]
-            for expert_id, rows in expert_rows:
-                actor = self._choose_locked(expert_id, live)
+            for key, rows in expert_rows:
+                actor = self._choose_locked(key, live)
                 if actor is not None:
                     self._queued[actor] += rows
                 chosen.append(actor)
         return chosen
 
-    def _choose_locked(self, expert_id: int, live: list[str]) -> str | None:
+    def _choose_locked(self, key: Hashable, live: list[str]) -> str | None:
         if not live:
             return None
-        holders = [n for n in live if expert_id in self._resident[n]]
-        ranked = rendezvous_rank(expert_id, live)
+        holders = [n for n in live if key in self._resident[n]]
+        ranked = rendezvous_rank(key, live)
         if holders:
             actor = min(holders, key=lambda n: (self._queued[n], ranked.index(n)))
         else:
@@ -111,7 +113,7 @@ class Dispatcher:
             # choice keeps spills of one expert on one other actor instead of all of them.
             others = [n for n in ranked if n != actor]
             if others and self._queued[others[0]] < self._queued[actor]:
-                logger.debug("expert %s spills from %s to %s", expert_id, actor, others[0])
+                logger.debug("expert %s spills from %s to %s", key, actor, others[0])
                 actor = others[0]
         return actor
 
@@ -119,15 +121,10 @@ class Dispatcher:
         with self._lock:
             self._queued[actor] = max(0, self._queued[actor] - rows)
 
-    def update_residency(self, actor: str, resident: dict[int, int]) -> None:
+    def update_residency(self, actor: str, resident: Mapping[Any, int]) -> None:
         """Replace what `actor` holds with what its latest reply reported."""
         with self._lock:
             self._resident[actor] = dict(resident)
-
-    def note_loading(self, actor: str, expert_id: int, nbytes: int) -> None:
-        """Record an expert as (about to be) resident before the actor's reply confirms it."""
-        with self._lock:
-            self._resident[actor].setdefault(expert_id, nbytes)
 
     def mark_dead(self, actor: str) -> None:
         """The actor died: whatever it held is gone, and nothing goes there until it is back."""
@@ -141,17 +138,17 @@ class Dispatcher:
             self._alive[actor] = True
             self._resident[actor] = {}
 
-    def residency(self) -> dict[int, list[str]]:
-        """expert_id -> actors holding it, as of their latest replies."""
-        table: dict[int, list[str]] = {}
+    def residency(self) -> dict[Hashable, list[str]]:
+        """key -> actors holding it, as of their latest replies."""
+        table: dict[Hashable, list[str]] = {}
         with self._lock:
             for name in self._names:
                 if not self._alive[name]:
                     continue
-                for expert_id in self._resident[name]:
-                    table.setdefault(expert_id, []).append(name)
-        return {expert_id: sorted(names) for expert_id, names in sorted(table.items())}
+                for key in self._resident[name]:
+                    table.setdefault(key, []).append(name)
+        return {key: sorted(names) for key, names in table.items()}
 
-    def resident(self, actor: str) -> dict[int, int]:
+    def resident(self, actor: str) -> dict[Hashable, int]:
         with self._lock:
             return dict(self._resident[actor])

@@ -6,17 +6,16 @@ Ray is imported inside the methods, so importing this module does not start or n
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from experts_store import Clock, Store
-
-from ._actor import ExpertActor, resolve_device
-from ._pool import ActorDied, DispatchingPool, check_budget
-from ._runtime_types import ActorInfo, ActorReply
-from ._settings import Settings
+from experts_store import Clock, ExpertRef
+from server._exceptions import PoolStartFailed
+from server._settings import Settings
+from server.pool._actor import ExpertActor, resolve_device
+from server.pool._base import ActorDied, DispatchingPool
+from server.pool._types import ActorInfo, ActorReply
 
 __all__ = ["RayExpertPool"]
 
@@ -24,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 
 class RayExpertPool(DispatchingPool):
-    """One Ray actor per device (per GPU on CUDA, `settings.actors` on CPU)."""
+    """One Ray actor per device (per GPU on CUDA, `settings.actors` on CPU), created once and
+    kept for the server's lifetime: a new store version never creates an actor."""
 
     def __init__(
         self,
@@ -48,7 +48,6 @@ class RayExpertPool(DispatchingPool):
     @classmethod
     def create(
         cls,
-        store_root: Path | str,
         settings: Settings,
         *,
         clock: Clock | None = None,
@@ -56,15 +55,15 @@ class RayExpertPool(DispatchingPool):
         num_cpus_per_actor: float = 1.0,
         max_concurrency: int = 4,
     ) -> RayExpertPool:
-        """Start the actors and wait until each has opened the store (blocking).
+        """Start the actors and wait until each is up (blocking).
 
-        Ray must already be initialised by the caller. Raises `ExpertTooLarge` if some expert
-        can never fit in `settings.cache_bytes`.
+        Ray must already be initialised by the caller. Raises `PoolStartFailed` when the
+        actors cannot all be placed within `settings.actor_start_timeout_s` (the cluster
+        lacks the CPUs, GPUs or custom resources they ask for); none is left behind then.
         """
         import ray
+        from ray.exceptions import GetTimeoutError
 
-        store = Store.open(Path(store_root))
-        check_budget(store, settings.cache_bytes)
         device = resolve_device(settings.device)
         if device.startswith("cuda"):
             gpus = ray.cluster_resources().get("GPU", 0)  # type: ignore[no-untyped-call]
@@ -87,14 +86,25 @@ class RayExpertPool(DispatchingPool):
                 max_concurrency=max_concurrency,
                 **resources,
             ).remote(
-                str(store.root),
                 name,
                 device,
                 settings.cache_bytes,
                 torch_threads,
                 cache_policy=settings.cache_policy,
             )
-        ray.get([handle.get_pid.remote() for handle in handles.values()])
+        try:
+            ray.get(
+                [handle.get_pid.remote() for handle in handles.values()],
+                timeout=settings.actor_start_timeout_s,
+            )
+        except GetTimeoutError:
+            for handle in handles.values():
+                ray.kill(handle, no_restart=True)
+            available = ray.available_resources()  # type: ignore[no-untyped-call]
+            raise PoolStartFailed(
+                reason=f"{count} actor(s) asking {resources} each were not all placed within "
+                f"{settings.actor_start_timeout_s:g} s; the cluster has {available} free",
+            ) from None
         logger.info(
             "started %s %s actor(s) of %s bytes (%s cache)",
             count,
@@ -108,7 +118,9 @@ class RayExpertPool(DispatchingPool):
         """The Ray actor handle (for fault-injection tests and tooling)."""
         return self._handles[actor]
 
-    async def _call_run(self, actor: str, payload: list[tuple[int, np.ndarray]]) -> ActorReply:
+    async def _call_run(
+        self, actor: str, payload: list[tuple[ExpertRef, np.ndarray]]
+    ) -> ActorReply:
         from ray.exceptions import RayActorError
 
         try:
@@ -117,11 +129,11 @@ class RayExpertPool(DispatchingPool):
             raise ActorDied(actor) from exc
         return reply
 
-    async def _call_prefetch(self, actor: str, expert_ids: list[int]) -> dict[int, int]:
+    async def _call_prefetch(self, actor: str, experts: list[ExpertRef]) -> dict[str, int]:
         from ray.exceptions import RayActorError
 
         try:
-            resident: dict[int, int] = await self._handles[actor].prefetch.remote(expert_ids)
+            resident: dict[str, int] = await self._handles[actor].prefetch.remote(experts)
         except RayActorError as exc:
             raise ActorDied(actor) from exc
         return resident

@@ -17,26 +17,26 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from experts_store import Clock, MonotonicClock
+from experts_store import Clock, ExpertRef, MonotonicClock
 from router import RouterInputError
-
-from ._assemble import (
+from server._exceptions import InvalidRequest, PoolClosed, PoolSaturated
+from server._settings import Settings
+from server.batching._assemble import (
     concat_routings,
     expert_groups,
     gather_outputs,
     request_answers,
     slice_routing,
 )
-from ._exceptions import InvalidRequest, PoolClosed, PoolSaturated
-from ._runtime_types import BatchAnswer, ExpertPool, RouterLike
-from ._settings import Settings
+from server.batching._types import BatchAnswer, RouterLike
+from server.pool import ExpertPool
 
 __all__ = ["Batcher"]
 
@@ -66,9 +66,10 @@ class _Pending:
 class Batcher:
     """Turns single requests into batched router and pool calls; see the module docstring.
 
+    One batcher serves one store version: `router` and `experts` (its `ExpertRef`s, indexed by
+    expert id) are that version's, so every request it answers is served by one version.
     `sleep` is injectable with `clock` so that tests drive the batch window without waiting.
-    The batcher does not own the pool: `close()` stops batching, the lifespan closes the pool.
-    `on_batch(rows)` is called as each batch is dispatched (the batch-size histogram).
+    The batcher does not own the pool: `close()` stops batching, the server closes the pool.
     """
 
     def __init__(
@@ -78,11 +79,16 @@ class Batcher:
         settings: Settings,
         clock: Clock | None = None,
         *,
+        experts: Sequence[ExpertRef],
         sleep: Callable[[float], Awaitable[None]] | None = None,
         max_inflight_batches: int = 2,
-        on_batch: Callable[[int], None] | None = None,
     ) -> None:
+        if len(experts) != router.num_prototypes:
+            raise ValueError(
+                f"{len(experts)} experts for a router of {router.num_prototypes} prototypes"
+            )
         self._router = router
+        self._experts = list(experts)
         self._pool = pool
         self._settings = settings
         self._clock: Clock = clock if clock is not None else MonotonicClock()
@@ -96,7 +102,6 @@ class Batcher:
         self._collector: asyncio.Task[None] | None = None
         self._inflight: set[asyncio.Task[None]] = set()
         self._rows_per_s: float | None = None
-        self._on_batch = on_batch
         self._prefetching: asyncio.Task[None] | None = None
         self._closed = False
         self.batches = 0  # batches dispatched so far (for tests and metrics)
@@ -238,7 +243,7 @@ class Batcher:
                 item.routing = slice_routing(routing, start, stop)
                 start = stop
             experts = torch.unique(routing.experts.reshape(-1)).tolist()
-            await self._pool.prefetch([int(e) for e in experts])
+            await self._pool.prefetch([self._experts[int(e)] for e in experts])
         except Exception:
             # Prefetch is only a hint: the batch routes (and reports bad input) for itself.
             logger.debug("prefetch of %s queued requests failed", len(items), exc_info=True)
@@ -297,8 +302,6 @@ class Batcher:
     async def _process(self, batch: list[_Pending]) -> None:
         started = self._clock.now()
         self.batches += 1
-        if self._on_batch is not None:
-            self._on_batch(sum(item.rows for item in batch))
         try:
             answers = await self._run_batch(batch, started)
         except RouterInputError as exc:
@@ -346,7 +349,7 @@ class Batcher:
         route_ms = (self._clock.now() - started) * 1000.0
         experts = routing.experts.to(torch.int64).reshape(x.shape[0], top_k)
         weights = routing.weights.to(torch.float32).reshape(x.shape[0], top_k)
-        groups, group_pairs = expert_groups(x, experts)
+        groups, group_pairs = expert_groups(x, experts, self._experts)
         results = await self._pool.run(groups)
         outputs = gather_outputs(results, group_pairs, weights)
         return request_answers(

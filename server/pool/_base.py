@@ -1,7 +1,9 @@
 """The shared dispatch/retry logic of expert pools (`DispatchingPool`).
 
-Subclasses: `RayExpertPool` (_ray_pool, real actors) and `FakeExpertPool` (_fake_pool,
-in-process, for tests of the layers above). This module does not import Ray.
+Subclasses: `RayExpertPool` (_ray, real actors) and `FakeExpertPool` (_fake, in-process, for
+tests of the layers above). This module does not import Ray. Experts are placed, remembered
+as failed and reported resident by their content hash, so all of it carries over from one
+store version to the next.
 """
 
 from __future__ import annotations
@@ -9,18 +11,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from experts_store import Clock, ExpertTooLarge, MonotonicClock, Store
-
-from ._actor import ERROR_LOAD
-from ._dispatch import Dispatcher
-from ._exceptions import ActorFailed, PoolClosed
-from ._runtime_types import ActorInfo, ActorReply, Group, GroupResult
+from experts_store import Clock, ExpertRef, ExpertTooLarge, MonotonicClock
+from server._exceptions import ActorFailed, PoolClosed
+from server.pool._actor import ERROR_LOAD
+from server.pool._dispatch import Dispatcher
+from server.pool._types import ActorInfo, ActorReply, Group, GroupResult
 
 __all__ = ["ActorDied", "DispatchingPool", "check_budget"]
 
@@ -41,12 +42,13 @@ class ActorDied(Exception):
         self.actor = actor
 
 
-def check_budget(store: Store, budget_bytes: int) -> None:
-    """Refuse to start when some expert can never fit in one actor's cache."""
-    for entry in store.manifest.experts:
-        nbytes = store.expert_nbytes(entry.id)
-        if nbytes > budget_bytes:
-            raise ExpertTooLarge(expert_id=entry.id, nbytes=nbytes, budget_bytes=budget_bytes)
+def check_budget(experts: Iterable[ExpertRef], budget_bytes: int) -> None:
+    """Refuse a store version in which some expert can never fit in one actor's cache."""
+    for ref in experts:
+        if ref.nbytes > budget_bytes:
+            raise ExpertTooLarge(
+                expert_id=ref.expert_id, nbytes=ref.nbytes, budget_bytes=budget_bytes
+            )
 
 
 def _to_tensor(array: np.ndarray | None) -> torch.Tensor:
@@ -80,7 +82,9 @@ class DispatchingPool(ABC):
         self._clock: Clock = clock if clock is not None else MonotonicClock()
         self._failure_ttl_s = failure_ttl_s
         self._revive_timeout_s = revive_timeout_s
-        self._failures: dict[int, tuple[str, float]] = {}
+        # Content hash -> (reason, until when): a bad file is not read again for a while. A
+        # republished fix has another hash, so it is tried at once.
+        self._failures: dict[str, tuple[str, float]] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._reviving: dict[str, asyncio.Task[Any]] = {}
         self._evictions: dict[str, int] = {}
@@ -90,12 +94,18 @@ class DispatchingPool(ABC):
     def dispatcher(self) -> Dispatcher:
         return self._dispatcher
 
+    @property
+    def budget_bytes(self) -> int:
+        return self._budget_bytes
+
     @abstractmethod
-    async def _call_run(self, actor: str, payload: list[tuple[int, np.ndarray]]) -> ActorReply:
+    async def _call_run(
+        self, actor: str, payload: list[tuple[ExpertRef, np.ndarray]]
+    ) -> ActorReply:
         """Run the groups on `actor`; raise `ActorDied` if it died."""
 
     @abstractmethod
-    async def _call_prefetch(self, actor: str, expert_ids: list[int]) -> dict[int, int]:
+    async def _call_prefetch(self, actor: str, experts: list[ExpertRef]) -> dict[str, int]:
         """Warm `actor`'s cache; returns its resident experts."""
 
     @abstractmethod
@@ -116,7 +126,7 @@ class DispatchingPool(ABC):
         todo: list[int] = []
         now = self._clock.now()
         for index, group in enumerate(groups):
-            remembered = self._failures.get(group.expert_id)
+            remembered = self._failures.get(group.expert.sha256)
             if remembered is not None and remembered[1] > now:
                 results[index] = _failed(group.expert_id, remembered[0], ERROR_LOAD, actor="")
             else:
@@ -142,7 +152,7 @@ class DispatchingPool(ABC):
             await self._await_revival()
             exclude = frozenset()
         placement = self._dispatcher.place(
-            [(groups[i].expert_id, int(groups[i].rows.shape[0])) for i in indices],
+            [(groups[i].expert.sha256, int(groups[i].rows.shape[0])) for i in indices],
             exclude=exclude,
         )
         by_actor: dict[str, list[int]] = {}
@@ -179,7 +189,7 @@ class DispatchingPool(ABC):
     ) -> None:
         rows = sum(int(groups[i].rows.shape[0]) for i in indices)
         payload = [
-            (groups[i].expert_id, groups[i].rows.detach().to(torch.float32).contiguous().numpy())
+            (groups[i].expert, groups[i].rows.detach().to(torch.float32).contiguous().numpy())
             for i in indices
         ]
         try:
@@ -205,7 +215,8 @@ class DispatchingPool(ABC):
         now = self._clock.now()
         for index, outcome in zip(indices, reply.results, strict=True):
             if outcome.error_kind == ERROR_LOAD and outcome.error is not None:
-                self._failures[outcome.expert_id] = (outcome.error, now + self._failure_ttl_s)
+                key = groups[index].expert.sha256
+                self._failures[key] = (outcome.error, now + self._failure_ttl_s)
             results[index] = GroupResult(
                 expert_id=outcome.expert_id,
                 outputs=_to_tensor(outcome.outputs),
@@ -252,36 +263,33 @@ class DispatchingPool(ABC):
             await asyncio.shield(task)
         return self._dispatcher.alive(actor)
 
-    def forget_failures(self) -> None:
-        """Let experts that failed to load be tried again (e.g. after the store was fixed)."""
-        self._failures.clear()
-
-    async def prefetch(self, expert_ids: list[int]) -> None:
+    async def prefetch(self, experts: Sequence[ExpertRef]) -> None:
         """Ask each expert's home actor to start loading it; returns without waiting."""
         if self._closed:
             return
         residency = self._dispatcher.residency()
         now = self._clock.now()
-        by_actor: dict[str, list[int]] = {}
-        for expert_id in dict.fromkeys(expert_ids):
-            failed = self._failures.get(expert_id)
-            if expert_id in residency or (failed is not None and failed[1] > now):
+        by_actor: dict[str, list[ExpertRef]] = {}
+        for ref in dict.fromkeys(experts):
+            failed = self._failures.get(ref.sha256)
+            if ref.sha256 in residency or (failed is not None and failed[1] > now):
                 continue
-            home = self._dispatcher.home(expert_id)
+            home = self._dispatcher.home(ref.sha256)
             if home is not None:
-                by_actor.setdefault(home, []).append(expert_id)
-        for actor, ids in by_actor.items():
-            self._spawn(self._prefetch_on(actor, ids))
+                by_actor.setdefault(home, []).append(ref)
+        for actor, refs in by_actor.items():
+            self._spawn(self._prefetch_on(actor, refs))
 
-    async def _prefetch_on(self, actor: str, expert_ids: list[int]) -> None:
+    async def _prefetch_on(self, actor: str, experts: list[ExpertRef]) -> None:
         try:
-            resident = await self._call_prefetch(actor, expert_ids)
+            resident = await self._call_prefetch(actor, experts)
         except ActorDied:
             return  # the next run on that actor notices and retries
         self._dispatcher.update_residency(actor, resident)
 
-    def residency(self) -> dict[int, list[str]]:
-        return self._dispatcher.residency()
+    def residency(self) -> dict[str, list[str]]:
+        """Content hash -> actors holding that expert, as of their latest replies."""
+        return {str(key): actors for key, actors in self._dispatcher.residency().items()}
 
     def actors(self) -> list[ActorInfo]:
         infos = []
@@ -293,7 +301,7 @@ class DispatchingPool(ABC):
                     device=self._device,
                     resident_bytes=sum(resident.values()),
                     budget_bytes=self._budget_bytes,
-                    resident=sorted(resident),
+                    resident=sorted(str(key) for key in resident),
                     alive=self._dispatcher.alive(name),
                     evictions=self._evictions.get(name, 0),
                 )

@@ -7,33 +7,28 @@ each call on a worker thread; `kill` simulates an actor dying mid-call and being
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import numpy as np
 
-from experts_store import Clock, Store
-
-from ._actor import ActorCore, resolve_device
-from ._pool import ActorDied, DispatchingPool, check_budget
-from ._runtime_types import ActorInfo, ActorReply
-from ._settings import Settings
+from experts_store import Clock, ExpertRef
+from server._settings import Settings
+from server.pool._actor import ActorCore, resolve_device
+from server.pool._base import ActorDied, DispatchingPool
+from server.pool._types import ActorInfo, ActorReply
 
 __all__ = ["FakeExpertPool"]
 
 
 class FakeExpertPool(DispatchingPool):
-    """`ExpertPool` without Ray: `settings.actors` in-process actors over one store."""
+    """`ExpertPool` without Ray: `settings.actors` in-process actors."""
 
     def __init__(
         self,
-        store: Store | Path | str,
         settings: Settings,
         *,
         clock: Clock | None = None,
         failure_ttl_s: float = 30.0,
     ) -> None:
-        self._store = store if isinstance(store, Store) else Store.open(Path(store))
-        check_budget(self._store, settings.cache_bytes)
         device = resolve_device(settings.device)
         names = [f"actor-{index}" for index in range(settings.actors)]
         super().__init__(
@@ -52,7 +47,6 @@ class FakeExpertPool(DispatchingPool):
 
     def _new_core(self, name: str) -> ActorCore:
         return ActorCore(
-            self._store,
             name=name,
             device=self._device,
             budget_bytes=self._settings.cache_bytes,
@@ -68,8 +62,10 @@ class FakeExpertPool(DispatchingPool):
         """The actor's next call dies mid-way; the actor comes back with an empty cache."""
         self._doomed.add(actor)
 
-    async def _call_run(self, actor: str, payload: list[tuple[int, np.ndarray]]) -> ActorReply:
-        self.calls.append((actor, [expert_id for expert_id, _ in payload]))
+    async def _call_run(
+        self, actor: str, payload: list[tuple[ExpertRef, np.ndarray]]
+    ) -> ActorReply:
+        self.calls.append((actor, [ref.expert_id for ref, _ in payload]))
         if actor in self._doomed:
             self._doomed.discard(actor)
             old = self._cores[actor]
@@ -88,8 +84,8 @@ class FakeExpertPool(DispatchingPool):
             raise ActorDied(actor)
         return reply
 
-    async def _call_prefetch(self, actor: str, expert_ids: list[int]) -> dict[int, int]:
-        return await asyncio.to_thread(self._cores[actor].prefetch, expert_ids)
+    async def _call_prefetch(self, actor: str, experts: list[ExpertRef]) -> dict[str, int]:
+        return await asyncio.to_thread(self._cores[actor].prefetch, experts)
 
     async def _call_info(self, actor: str) -> ActorInfo:
         return self._cores[actor].info()

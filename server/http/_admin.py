@@ -1,22 +1,28 @@
 """Operator endpoints: `POST /v1/admin/reload` swaps in the store published on disk now.
 
-The swap is the one the store watcher does (`ServingState.reload`): requests already inside
-the old generation finish on it. With an API key set, the key middleware guards this route
-like every other; without one, only loopback clients may reload, so an open server cannot be
-made to rebuild its pool by anyone who can reach it.
+The swap is the one the store watcher does (`ServingState.swap`): it compares versions
+first and answers at once when nothing changed; otherwise it opens the new store (data only,
+no actor is touched) and makes it current, and requests already inside the old version finish
+on it. The answer never waits past `request_timeout_s`: a swap still running then (a store
+on a hung file system) is answered 504 and goes on in the background.
+
+With an API key set, the key middleware guards this route like every other; without one,
+only loopback clients may reload, so an open server cannot be made to reload by anyone who can
+reach it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel
 
-from server._generation import ServingState
-from server._http_body import HttpError
-from server._http_models import ErrorResponse
+from server.http._body import HttpError
+from server.http._models import ErrorResponse
+from server.serving import ServingState
 
 __all__ = ["ReloadResponse", "add_admin_routes", "is_loopback"]
 
@@ -50,6 +56,7 @@ def add_admin_routes(app: FastAPI) -> None:
             401: {"model": ErrorResponse, "description": "missing or wrong bearer key"},
             403: {"model": ErrorResponse, "description": "no key set and not a loopback client"},
             503: {"model": ErrorResponse, "description": "not ready, or the new store is broken"},
+            504: {"model": ErrorResponse, "description": "the swap did not finish in time"},
         },
         summary="Reload the store from disk now (atomic swap; requests in flight finish)",
     )
@@ -63,10 +70,18 @@ def add_admin_routes(app: FastAPI) -> None:
                 "without an API key, the store can be reloaded only from this machine",
             )
         previous = serving.current().version
+        timeout_s = serving.settings.request_timeout_s
         try:
-            reloaded = await serving.reload()
+            reloaded = await asyncio.wait_for(serving.swap(), timeout_s)
+        except TimeoutError:
+            raise HttpError(
+                504,
+                "timeout",
+                f"the swap did not finish within {timeout_s:g} s; it goes on in the background",
+                detail={"timeout_s": timeout_s, "store_version": previous},
+            ) from None
         except Exception as exc:
-            # The serving generation is untouched: reload() swaps only a fully built one.
+            # The serving version is untouched: swap() installs only a fully opened one.
             logger.error("admin reload failed: %s", exc)
             raise HttpError(
                 503,

@@ -2,6 +2,11 @@
 
 `ActorCore` is the plain-Python logic (tested without Ray and used in-process by the fake pool);
 `ExpertActor` is the body of the Ray actor, a thin wrapper that owns one `ActorCore`.
+
+An actor belongs to the server, not to a store version: it opens no store. Each call names
+its experts by `ExpertRef` (the file and its content hash), and the cache is keyed by content,
+so experts unchanged between two versions stay resident across a swap and the versions share
+one budget without counting anything twice.
 """
 
 from __future__ import annotations
@@ -14,7 +19,6 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,13 +31,13 @@ from experts_store import (
     Clock,
     ExpertCache,
     ExpertLoadError,
+    ExpertRef,
+    ExpertRefLoader,
     FrozenExpert,
     MonotonicClock,
-    Store,
     StoreError,
 )
-
-from ._runtime_types import ActorInfo, ActorReply, GroupOutcome
+from server.pool._types import ActorInfo, ActorReply, GroupOutcome
 
 __all__ = ["ActorCore", "ExpertActor", "activation_peak_bytes", "resolve_device"]
 
@@ -64,11 +68,10 @@ def activation_peak_bytes(widths: Sequence[int], rows: int, element_size: int = 
 
 
 class _DeviceLoader:
-    """`ExpertLoader` that reads an expert file straight onto this actor's device."""
+    """`ExpertLoader` that reads an `ExpertRef`'s file straight onto this actor's device."""
 
-    def __init__(self, store: Store, device: str) -> None:
-        self._store = store
-        self._device = device
+    def __init__(self, device: str) -> None:
+        self._files = ExpertRefLoader(device)
         self._cuda = device.startswith("cuda")
         # A side stream lets a host->device copy overlap another expert's forward on the
         # default stream; only exists on CUDA (unmeasured on the CPU-only dev machine).
@@ -76,22 +79,19 @@ class _DeviceLoader:
             torch.cuda.Stream(device=device) if self._cuda else None  # type: ignore[no-untyped-call]
         )
 
-    def nbytes(self, expert_id: int) -> int:
-        return self._store.expert_nbytes(expert_id)
+    def nbytes(self, ref: ExpertRef) -> int:
+        return ref.nbytes
 
-    def load(self, expert_id: int) -> FrozenExpert:
+    def load(self, ref: ExpertRef) -> FrozenExpert:
         # FrozenExpert, not ExpertMLP: serving never trains, and building the nn.Module
         # skeleton would cost as much as reading a small expert's file.
-        if self._cuda:
-            return self._load_cuda(expert_id)
-        return self._store.load_frozen(expert_id, device=self._device)
-
-    def _load_cuda(self, expert_id: int) -> FrozenExpert:
-        # load_frozen reads the file into pinned memory and copies it non-blocking on the
+        if not self._cuda:
+            return self._files.load(ref)
+        # The load reads the file into pinned memory and copies it non-blocking on the
         # current stream, then waits for that stream: here the side stream, so only this
         # loader thread waits while the default stream keeps computing.
         with torch.cuda.stream(self._copy_stream):
-            return self._store.load_frozen(expert_id, device=self._device)
+            return self._files.load(ref)
 
 
 class ActorCore:
@@ -105,7 +105,6 @@ class ActorCore:
 
     def __init__(
         self,
-        store: Store,
         *,
         name: str,
         device: str = "cpu",
@@ -116,15 +115,14 @@ class ActorCore:
     ) -> None:
         self.name = name
         self.device = resolve_device(device)
-        self._store = store
         self._clock: Clock = clock if clock is not None else MonotonicClock()
         self._lease_timeout_s = lease_timeout_s
         self._cache: ExpertCache[FrozenExpert] = ExpertCache(
-            budget_bytes, _DeviceLoader(store, self.device), clock=self._clock, policy=cache_policy
+            budget_bytes, _DeviceLoader(self.device), clock=self._clock, policy=cache_policy
         )
         self._compute_lock = threading.Lock()
         # Experts of run calls that arrived and have not finished: a prefetch never evicts them.
-        self._wanted: Counter[int] = Counter()
+        self._wanted: Counter[ExpertRef] = Counter()
         self._wanted_lock = threading.Lock()
         self._lookahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-lease")
 
@@ -135,9 +133,9 @@ class ActorCore:
     def close(self) -> None:
         self._lookahead.shutdown(wait=True)
 
-    def run(self, groups: Sequence[tuple[int, np.ndarray]]) -> ActorReply:
-        """Forward each (expert_id, rows [m, n] float32) group; one outcome per group, in order."""
-        wanted = [expert_id for expert_id, _ in groups]
+    def run(self, groups: Sequence[tuple[ExpertRef, np.ndarray]]) -> ActorReply:
+        """Forward each (expert, rows [m, n] float32) group; one outcome per group, in order."""
+        wanted = [ref for ref, _ in groups]
         with self._wanted_lock:
             self._wanted.update(wanted)
         try:
@@ -151,37 +149,41 @@ class ActorCore:
             actor=self.name,
             results=outcomes,
             device_bytes=self._cache.resident_bytes,
-            resident=self._cache.resident(),
+            resident=self.resident(),
             evictions=self._cache.stats.evictions,
         )
 
-    def _run_locked(self, groups: Sequence[tuple[int, np.ndarray]]) -> list[GroupOutcome]:
+    def resident(self) -> dict[str, int]:
+        """Content hash -> bytes of every expert loaded in this actor's cache."""
+        return {_content(key): nbytes for key, nbytes in self._cache.resident().items()}
+
+    def _run_locked(self, groups: Sequence[tuple[ExpertRef, np.ndarray]]) -> list[GroupOutcome]:
         # Only a miss is worth a helper thread: a hit's lease takes microseconds, and handing
         # work to a thread costs more than that on a busy machine.
         resident = self._cache.resident()
         outcomes: list[GroupOutcome] = []
         pending: Future[_Leased] | None = None
         try:
-            for index, (expert_id, rows) in enumerate(groups):
+            for index, (ref, rows) in enumerate(groups):
                 if pending is not None:
                     leased = pending.result()
                     pending = None
                 else:
-                    leased = self._open_lease(expert_id)
+                    leased = self._open_lease(ref)
                 if index + 1 < len(groups) and groups[index + 1][0] not in resident:
                     pending = self._lookahead.submit(self._open_lease, groups[index + 1][0])
-                outcomes.append(self._compute(expert_id, rows, leased))
+                outcomes.append(self._compute(ref.expert_id, rows, leased))
         finally:
             if pending is not None:
                 pending.result().release()
         return outcomes
 
-    def _open_lease(self, expert_id: int) -> _Leased:
-        manager = self._cache.lease(expert_id, timeout=self._lease_timeout_s)
+    def _open_lease(self, ref: ExpertRef) -> _Leased:
+        manager = self._cache.lease(ref, timeout=self._lease_timeout_s)
         try:
             lease = manager.__enter__()
         except ExpertLoadError as exc:
-            logger.warning("actor %s cannot load expert %s: %s", self.name, expert_id, exc)
+            logger.warning("actor %s cannot load expert %s: %s", self.name, ref.expert_id, exc)
             return _Leased(None, None, ERROR_LOAD, str(exc))
         except CacheBusy as exc:
             return _Leased(None, None, ERROR_BUSY, str(exc))
@@ -237,7 +239,7 @@ class ActorCore:
             out = y.to("cpu").numpy()
         return out, activation
 
-    def prefetch(self, expert_ids: Sequence[int]) -> dict[int, int]:
+    def prefetch(self, experts: Sequence[ExpertRef]) -> dict[str, int]:
         """Start loading these experts so a later run finds them; returns what is resident.
 
         The cache makes room by its policy but never evicts an expert that an arrived run
@@ -245,17 +247,17 @@ class ActorCore:
         is skipped: the run will load it on demand.
         """
         with self._wanted_lock:
-            keep = set(expert_ids) | set(self._wanted)
-        for expert_id in expert_ids:
+            keep = set(experts) | set(self._wanted)
+        for ref in experts:
             try:
-                self._cache.prefetch(expert_id, keep=keep)
+                self._cache.prefetch(ref, keep=keep)
             except (StoreError, CacheError) as exc:
                 # The failure is reported by the run that needs the expert.
-                logger.info("actor %s: prefetch of %s failed: %s", self.name, expert_id, exc)
-        return self._cache.resident()
+                logger.info("actor %s: prefetch of %s failed: %s", self.name, ref.expert_id, exc)
+        return self.resident()
 
     def info(self) -> ActorInfo:
-        resident = self._cache.resident()
+        resident = self.resident()
         return ActorInfo(
             name=self.name,
             device=self.device,
@@ -265,6 +267,10 @@ class ActorCore:
             alive=True,
             evictions=self._cache.stats.evictions,
         )
+
+
+def _content(key: object) -> str:
+    return key.sha256 if isinstance(key, ExpertRef) else str(key)
 
 
 @dataclass
@@ -287,7 +293,6 @@ class ExpertActor:
 
     def __init__(
         self,
-        store_root: str,
         name: str,
         device: str,
         budget_bytes: int,
@@ -297,18 +302,17 @@ class ExpertActor:
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
         self._core = ActorCore(
-            Store.open(Path(store_root)),
             name=name,
             device=device,
             budget_bytes=budget_bytes,
             cache_policy=cache_policy,
         )
 
-    def run(self, groups: list[tuple[int, np.ndarray]]) -> ActorReply:
+    def run(self, groups: list[tuple[ExpertRef, np.ndarray]]) -> ActorReply:
         return self._core.run(groups)
 
-    def prefetch(self, expert_ids: list[int]) -> dict[int, int]:
-        return self._core.prefetch(expert_ids)
+    def prefetch(self, experts: list[ExpertRef]) -> dict[str, int]:
+        return self._core.prefetch(experts)
 
     def info(self) -> ActorInfo:
         return self._core.info()

@@ -1,0 +1,79 @@
+"""ExpertRef: a content-addressed handle on one expert file, and the loader that reads it.
+
+A serving actor does not open a store: each call names the experts it needs by `ExpertRef`,
+built by the server from the store version the request entered. The ref is also the key of
+the actor's cache. Its equality and hash are the file's sha256 alone, so one expert published
+unchanged in two store versions (or under another id) is one cache entry, counted once
+against the budget and warm across the swap, while a changed expert is a new key that cannot
+be confused with the old one.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from experts_store._exceptions import ExpertFormatError
+from experts_store._frozen import FrozenExpert
+from experts_store._hostbuf import HostBufferPool
+from experts_store._load import load_frozen_expert
+
+__all__ = ["ExpertRef", "ExpertRefLoader"]
+
+
+@dataclass(frozen=True)
+class ExpertRef:
+    """One expert as a cache key (its sha256) plus what it takes to load it."""
+
+    sha256: str
+    path: str = field(compare=False)
+    nbytes: int = field(compare=False)  # bytes on the device once loaded
+    expert_id: int = field(compare=False)  # named by errors; ids are per store version
+    checksum: str | None = field(default=None, compare=False)  # fast checksum, when published
+
+    @property
+    def key(self) -> str:
+        return self.sha256
+
+
+class ExpertRefLoader:
+    """The `ExpertLoader` of a serving actor's cache: reads an `ExpertRef` onto `device`.
+
+    The first load of each content is verified against its sha256, so a corrupted or swapped
+    file is refused naming the expert; later loads of the same content trust the
+    content-addressed file, as a `Store` does. CPU loads of large experts recycle freed host
+    buffers; the pool parks at most two of the largest expert seen.
+    """
+
+    def __init__(self, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+        self._verified: set[str] = set()
+        self._lock = threading.Lock()
+        self._host_pool = HostBufferPool(0) if self.device.type == "cpu" else None
+
+    def nbytes(self, ref: ExpertRef) -> int:
+        return ref.nbytes
+
+    def load(self, ref: ExpertRef) -> FrozenExpert:
+        with self._lock:
+            verified = ref.sha256 in self._verified
+            if self._host_pool is not None:
+                self._host_pool.max_bytes = max(self._host_pool.max_bytes, 2 * ref.nbytes)
+        expert = load_frozen_expert(
+            Path(ref.path),
+            self.device,
+            expected_sha256=None if verified else ref.sha256,
+            expert_id=ref.expert_id,
+            host_pool=self._host_pool,
+        )
+        if expert.arch.nbytes() != ref.nbytes:
+            raise ExpertFormatError(
+                expert_id=ref.expert_id, reason="file's arch differs from the manifest's"
+            )
+        if not verified:
+            with self._lock:
+                self._verified.add(ref.sha256)
+        return expert

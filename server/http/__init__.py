@@ -1,0 +1,24 @@
+"""The HTTP floor: the FastAPI app, its lifespan, body parsing, errors, auth and metrics.
+
+It sits on the serving floor (`server.serving`) and is the only floor that knows HTTP.
+"""
+
+from __future__ import annotations
+
+from server.http._admin import ReloadResponse, is_loopback
+from server.http._app import create_app, pool_snapshot
+from server.http._body import HttpError
+from server.http._errors import error_response
+from server.http._metrics import CONTENT_TYPE, Metrics, PoolSnapshot
+
+__all__ = [
+    "CONTENT_TYPE",
+    "HttpError",
+    "Metrics",
+    "PoolSnapshot",
+    "ReloadResponse",
+    "create_app",
+    "error_response",
+    "is_loopback",
+    "pool_snapshot",
+]

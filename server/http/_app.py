@@ -1,0 +1,98 @@
+"""The FastAPI app: `create_app(settings, pool_factory=...)`; the lifespan owns every resource.
+
+The lifespan builds the actor pool once and opens the store's current version; the store
+watcher (when enabled) swaps newer versions in as data, and each request keeps the version it
+entered until it has answered (`server.serving`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from experts_store import Clock, MonotonicClock
+from server._settings import Settings
+from server.http._admin import add_admin_routes
+from server.http._auth import ApiKeyMiddleware
+from server.http._errors import CatchAllMiddleware, install_error_handlers
+from server.http._metrics import Metrics, MetricsMiddleware, PoolSnapshot
+from server.http._routes import add_routes
+from server.serving import BatcherFactory, PoolFactory, ServingState
+
+__all__ = ["create_app", "pool_snapshot"]
+
+logger = logging.getLogger(__name__)
+
+
+def pool_snapshot(serving: ServingState) -> PoolSnapshot | None:
+    """What the pool looks like now, for the metrics scrape."""
+    pool, version = serving.pool, serving.version
+    if pool is None:
+        return None
+    actors = pool.actors()
+    queued = getattr(version.batcher, "queued_rows", 0) if version is not None else 0
+    return PoolSnapshot(
+        resident_bytes={a.name: a.resident_bytes for a in actors},
+        budget_bytes={a.name: a.budget_bytes for a in actors},
+        # The actors count their own evictions exactly (each since it last started).
+        evictions=sum(a.evictions for a in actors),
+        queue_rows=int(queued),
+    )
+
+
+def create_app(
+    settings: Settings,
+    *,
+    pool_factory: PoolFactory | None = None,
+    batcher_factory: BatcherFactory | None = None,
+    clock: Clock | None = None,
+    metrics: Metrics | None = None,
+) -> FastAPI:
+    """A momlp app serving `settings.store`.
+
+    `pool_factory(settings)` builds the expert pool (default: Ray actors in the Ray this
+    process runs, see `server.pool.ray_session`; tests pass the in-process `FakeExpertPool`);
+    nothing is built until the lifespan starts.
+    """
+    metrics = metrics or Metrics()
+    serving = ServingState(
+        settings=settings,
+        clock=clock or MonotonicClock(),
+        pool_factory=pool_factory,
+        batcher_factory=batcher_factory,
+        on_batch=metrics.observe_batch,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await serving.start()
+        try:
+            yield
+        finally:
+            await serving.stop()
+
+    app = FastAPI(
+        title="momlp",
+        version="1",
+        summary="A mixture of expert MLPs routed by a prototype tree.",
+        lifespan=lifespan,
+    )
+    app.state.serving = serving
+    app.state.metrics = metrics
+    metrics.set_snapshot(lambda: pool_snapshot(serving))
+    install_error_handlers(app)
+    add_routes(app)
+    add_admin_routes(app)
+    # Starlette runs the last added middleware first: metrics see every answer, the catch-all
+    # answers whatever escaped, and the key check runs before any route or body is touched.
+    app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(CatchAllMiddleware)
+    app.add_middleware(
+        MetricsMiddleware,
+        metrics=metrics,
+        known_paths=[getattr(r, "path", "") for r in app.routes],
+    )
+    return app

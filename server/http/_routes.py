@@ -1,0 +1,291 @@
+"""The v1 endpoints: predict, route, model, experts, health, readiness and metrics.
+
+Each request body is parsed and checked once here (`_body.parse_inputs`) into typed rows and
+options; the layers below trust them. Each response is the pydantic model the schema
+documents, serialised by pydantic's own JSON encoder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Annotated, Any, Literal, NamedTuple
+
+import numpy as np
+import torch
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.responses import Response
+from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
+
+from server._exceptions import NotReady, RequestTimeout
+from server._settings import Settings
+from server.http._body import HttpError, parse_inputs
+from server.http._metrics import CONTENT_TYPE, Metrics
+from server.http._models import (
+    ActorInfoModel,
+    ErrorResponse,
+    ExpertInfoModel,
+    ExpertsResponse,
+    ExpertStatModel,
+    HealthResponse,
+    ModelResponse,
+    PredictRequest,
+    PredictResponse,
+    PredictStats,
+    ReadyResponse,
+    RouteRequest,
+    RouteResponse,
+)
+from server.serving import ServingState, StoreVersion
+
+__all__ = ["ERROR_RESPONSES", "add_routes", "model_response"]
+
+_MAX_PROTOTYPE_VALUES = 10_000_000
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": text}
+    for status, text in (
+        (401, "missing or wrong bearer key"),
+        (413, "too many rows or bytes"),
+        (415, "unsupported Content-Type"),
+        (422, "bad shape, dimension, number or option"),
+        (429, "queue full; see Retry-After"),
+        (503, "an expert cannot be loaded, or not ready"),
+        (504, "no answer in time"),
+    )
+}
+_BINARY = {"schema": {"type": "string", "format": "binary"}}
+Mode = Literal["tree", "exact"]
+
+
+def model_response(model: BaseModel) -> Response:
+    """`model` as the JSON body (pydantic's encoder: the documented shape, no second dict)."""
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
+def _body_doc(model: type[RouteRequest]) -> dict[str, Any]:
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": model.model_json_schema()},
+                "application/x-npy": _BINARY,
+                "application/octet-stream": _BINARY,
+            },
+        }
+    }
+
+
+def _serving(request: Request) -> ServingState:
+    state: ServingState = request.app.state.serving
+    return state
+
+
+def _metrics(request: Request) -> Metrics:
+    metrics: Metrics = request.app.state.metrics
+    return metrics
+
+
+Serving = Annotated[ServingState, Depends(_serving)]
+AppMetrics = Annotated[Metrics, Depends(_metrics)]
+
+
+class _Inputs(NamedTuple):
+    x: np.ndarray[Any, np.dtype[np.float32]]
+    top_k: int
+    mode: Mode
+    return_stats: bool
+
+
+async def _inputs(
+    request: Request,
+    version: StoreVersion,
+    settings: Settings,
+    model: type[RouteRequest],
+    top_k: int | None,
+    mode: Mode | None,
+    return_stats: bool,
+) -> _Inputs:
+    parsed = await parse_inputs(
+        request,
+        max_bytes=settings.max_body_bytes,
+        max_rows=settings.max_rows,
+        input_dim=version.manifest.input_dim,
+        top_k=top_k,
+        mode=mode,
+        return_stats=return_stats,
+        model=model,
+        body_timeout_s=settings.body_timeout_s,
+    )
+    k = parsed.top_k or settings.default_top_k
+    num_experts = version.manifest.num_experts
+    if k > num_experts:
+        raise HttpError(
+            422,
+            "invalid_input",
+            f"top_k={k} exceeds the {num_experts} experts of this model",
+            detail={"top_k": k, "num_experts": num_experts},
+        )
+    mode = parsed.mode or settings.default_mode or version.default_mode
+    return _Inputs(parsed.x, k, mode, parsed.return_stats)
+
+
+def add_routes(app: FastAPI) -> None:
+    @app.post(
+        "/v1/predict",
+        response_model=PredictResponse,
+        responses=ERROR_RESPONSES,
+        openapi_extra=_body_doc(PredictRequest),
+        summary="Predict: route each row to its expert(s) and run them",
+    )
+    async def predict(
+        request: Request,
+        serving: Serving,
+        metrics: AppMetrics,
+        top_k: Annotated[int | None, Query(ge=1, description="binary bodies only")] = None,
+        mode: Annotated[Mode | None, Query(description="binary bodies only")] = None,
+        return_stats: Annotated[bool, Query(description="binary bodies only")] = False,
+    ) -> Response:
+        start = time.perf_counter()
+        settings = serving.settings
+        async with serving.use() as version:
+            parsed = await _inputs(
+                request, version, settings, PredictRequest, top_k, mode, return_stats
+            )
+            x = torch.from_numpy(parsed.x)
+            try:
+                answer = await asyncio.wait_for(
+                    version.batcher.submit(x, top_k=parsed.top_k, mode=parsed.mode),
+                    timeout=settings.request_timeout_s,
+                )
+            except TimeoutError:
+                raise RequestTimeout(timeout_s=settings.request_timeout_s) from None
+        metrics.observe_prediction(x.shape[0], [(s.cache, s.load_ms) for s in answer.stats])
+        stats = None
+        if parsed.return_stats:
+            stats = PredictStats.model_construct(
+                experts=[ExpertStatModel.model_construct(**vars(s)) for s in answer.stats],
+                vram_bytes=answer.vram_bytes,
+                device_bytes=dict(answer.device_bytes),
+                distance_evals=answer.distance_evals.tolist(),
+                route_ms=answer.route_ms,
+                queue_ms=answer.queue_ms,
+                total_ms=max(answer.total_ms, (time.perf_counter() - start) * 1000.0),
+            )
+        return model_response(
+            PredictResponse.model_construct(
+                outputs=answer.outputs.tolist(),
+                experts=answer.experts.tolist(),
+                weights=answer.weights.tolist(),
+                store_version=version.version,
+                stats=stats,
+            )
+        )
+
+    @app.post(
+        "/v1/route",
+        response_model=RouteResponse,
+        responses=ERROR_RESPONSES,
+        openapi_extra=_body_doc(RouteRequest),
+        summary="Route only: which experts, with which weights; loads nothing",
+    )
+    async def route(
+        request: Request,
+        serving: Serving,
+        top_k: Annotated[int | None, Query(ge=1, description="binary bodies only")] = None,
+        mode: Annotated[Mode | None, Query(description="binary bodies only")] = None,
+    ) -> Response:
+        async with serving.use() as version:
+            parsed = await _inputs(
+                request, version, serving.settings, RouteRequest, top_k, mode, False
+            )
+            x = torch.from_numpy(parsed.x)
+            routing = await run_in_threadpool(
+                version.router.route, x, mode=parsed.mode, top_k=parsed.top_k
+            )
+        return model_response(
+            RouteResponse.model_construct(
+                experts=routing.experts.tolist(),
+                weights=routing.weights.tolist(),
+                distances=routing.distances.tolist(),
+                distance_evals=routing.distance_evals.tolist(),
+                store_version=version.version,
+            )
+        )
+
+    @app.get("/v1/model", response_model=ModelResponse, responses=ERROR_RESPONSES)
+    async def model(
+        serving: Serving,
+        include_prototypes: Annotated[bool, Query()] = False,
+    ) -> Response:
+        version = serving.current()
+        m = version.manifest
+        prototypes = None
+        if include_prototypes and m.num_experts * m.input_dim <= _MAX_PROTOTYPE_VALUES:
+            prototypes = version.router.prototypes.tolist()
+        return model_response(
+            ModelResponse.model_construct(
+                store_version=m.store_version,
+                format_version=m.format_version,
+                task=m.task,
+                input_dim=m.input_dim,
+                output_dim=m.output_dim,
+                num_experts=m.num_experts,
+                branching=m.branching,
+                routing=m.routing,
+                temperature=m.temperature,
+                total_expert_bytes=m.total_expert_bytes,
+                max_expert_bytes=max((e.bytes for e in m.experts), default=0),
+                total_params=sum(e.params for e in m.experts),
+                prototypes=prototypes,
+            )
+        )
+
+    @app.get("/v1/experts", response_model=ExpertsResponse, responses=ERROR_RESPONSES)
+    async def experts(serving: Serving) -> Response:
+        version = serving.current()
+        pool = serving.pool
+        if pool is None:
+            raise NotReady(reason="the actor pool is not up")
+        # The pool knows experts by content; this version names them by id.
+        residency = pool.residency()
+        ids = version.expert_ids()
+        return model_response(
+            ExpertsResponse.model_construct(
+                experts=[
+                    ExpertInfoModel.model_construct(
+                        id=e.id,
+                        bytes=e.bytes,
+                        params=e.params,
+                        actors=sorted(residency.get(e.sha256, [])),
+                    )
+                    for e in version.manifest.experts
+                ],
+                actors=[
+                    ActorInfoModel.model_construct(
+                        name=a.name,
+                        device=a.device,
+                        resident_bytes=a.resident_bytes,
+                        budget_bytes=a.budget_bytes,
+                        resident=sorted(i for key in a.resident for i in ids.get(key, [])),
+                        alive=a.alive,
+                    )
+                    for a in pool.actors()
+                ],
+            )
+        )
+
+    @app.get("/healthz", response_model=HealthResponse)
+    async def healthz() -> HealthResponse:
+        return HealthResponse()
+
+    @app.get("/readyz", response_model=ReadyResponse, responses={503: ERROR_RESPONSES[503]})
+    async def readyz(serving: Serving) -> ReadyResponse:
+        version = serving.version
+        if version is None or serving.stopping:
+            raise NotReady(reason="the store and the pool are not up")
+        return ReadyResponse(store_version=version.version)
+
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})
+    async def metrics(metrics: AppMetrics) -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)

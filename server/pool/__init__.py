@@ -1,0 +1,45 @@
+"""The pool floor: Ray actors that hold experts in a byte-budgeted, content-keyed cache.
+
+Nothing here knows about HTTP, batching or store versions: the layer above hands it groups
+of rows, each named by an `ExpertRef`, and gets outputs back in the same order.
+"""
+
+from __future__ import annotations
+
+from server.pool._actor import ActorCore, ExpertActor, activation_peak_bytes, resolve_device
+from server.pool._base import ActorDied, DispatchingPool, check_budget
+from server.pool._dispatch import Dispatcher, rendezvous_rank
+from server.pool._fake import FakeExpertPool
+from server.pool._ray import RayExpertPool
+from server.pool._session import ray_session, start_ray, stop_ray
+from server.pool._types import (
+    ActorInfo,
+    ActorReply,
+    ExpertPool,
+    Group,
+    GroupOutcome,
+    GroupResult,
+)
+
+__all__ = [
+    "ActorCore",
+    "ActorDied",
+    "ActorInfo",
+    "ActorReply",
+    "Dispatcher",
+    "DispatchingPool",
+    "ExpertActor",
+    "ExpertPool",
+    "FakeExpertPool",
+    "Group",
+    "GroupOutcome",
+    "GroupResult",
+    "RayExpertPool",
+    "activation_peak_bytes",
+    "check_budget",
+    "ray_session",
+    "rendezvous_rank",
+    "resolve_device",
+    "start_ray",
+    "stop_ray",
+]

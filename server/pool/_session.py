@@ -1,0 +1,65 @@
+"""The one owner of Ray in a momlp process: start (or join) it, and stop it only if started here.
+
+`momlp serve`, `momlp demo` and the test suite all go through `ray_session`, so a process that
+joined someone else's cluster never shuts it down, and one that started an embedded Ray
+always does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = ["ray_session", "start_ray", "stop_ray"]
+
+logger = logging.getLogger(__name__)
+
+
+def start_ray(*, address: str | None = None, num_cpus: int | None = None) -> bool:
+    """Start an embedded Ray, or join `address`; False (and nothing done) if Ray is up."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address:
+        logger.info("connecting to the Ray cluster at %s", address)
+        ray.init(address=address, configure_logging=False, log_to_driver=False)
+        return True
+    # Ray maps 127.0.0.1 to the machine's outward address unless told it runs on one machine;
+    # set at run time (never at import) so an embedded Ray talks over loopback only.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    logger.info("starting an embedded Ray")
+    # address="local": a bare ray.init() would attach to any cluster `ray start` left behind.
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        configure_logging=False,
+        log_to_driver=False,
+    )
+    return True
+
+
+def stop_ray() -> None:
+    """Shut Ray down (its driver connection; an embedded cluster with it)."""
+    import ray
+
+    if ray.is_initialized():
+        started = time.monotonic()
+        ray.shutdown()
+        logger.info("Ray shut down in %.1f s", time.monotonic() - started)
+
+
+@contextmanager
+def ray_session(*, address: str | None = None, num_cpus: int | None = None) -> Iterator[bool]:
+    """Ray for the `with` block: yields True if this call started (or joined) it, and then
+    shuts it down on the way out; a Ray that was already up is left alone."""
+    started = start_ray(address=address, num_cpus=num_cpus)
+    try:
+        yield started
+    finally:
+        if started:
+            stop_ray()

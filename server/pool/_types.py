@@ -1,0 +1,118 @@
+"""Plain data passed between the batcher, the pools and the actors.
+
+Two layers: what crosses the Ray boundary (`GroupOutcome`, `ActorReply`: numpy arrays only, so
+Ray moves rows as out-of-band buffers and never pickles a tensor) and what the layer above sees
+(`Group`, `GroupResult`: torch tensors). Experts are named by `ExpertRef`: the cache key
+(content hash) plus what an actor needs to load the file; actors never open a store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from experts_store import ExpertRef
+
+__all__ = [
+    "ActorInfo",
+    "ActorReply",
+    "ExpertPool",
+    "Group",
+    "GroupOutcome",
+    "GroupResult",
+]
+
+
+@dataclass(frozen=True)
+class Group:
+    """All rows of one batch that go to one expert."""
+
+    expert: ExpertRef
+    rows: torch.Tensor  # [m, n] float32
+
+    @property
+    def expert_id(self) -> int:
+        return self.expert.expert_id
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    """The answer for one `Group`, in the order the groups were given.
+
+    `error` is set (and `outputs` empty) when the expert could not be served, e.g. a bad
+    checksum or a missing file: only the requests that need that expert fail.
+    """
+
+    expert_id: int
+    outputs: torch.Tensor  # [m, out]
+    hit: bool
+    load_ms: float
+    compute_ms: float
+    expert_bytes: int
+    activation_bytes: int
+    actor: str
+    device_bytes: int = 0  # resident expert bytes of the actor after the call
+    error: str | None = None
+    error_kind: str | None = None
+
+
+@dataclass(frozen=True)
+class GroupOutcome:
+    """An actor's answer for one group, as it crosses the Ray boundary (numpy only)."""
+
+    expert_id: int
+    outputs: np.ndarray | None
+    hit: bool = False
+    load_ms: float = 0.0
+    compute_ms: float = 0.0
+    expert_bytes: int = 0
+    activation_bytes: int = 0
+    error: str | None = None
+    error_kind: str | None = None  # "load" (bad file: remembered), "busy", "internal"
+
+
+@dataclass(frozen=True)
+class ActorReply:
+    """One actor call's answer: per-group outcomes plus the actor's cache after the call.
+
+    `resident` maps cache keys (expert content hashes) to bytes.
+    """
+
+    actor: str
+    results: list[GroupOutcome]
+    device_bytes: int
+    resident: dict[str, int]
+    evictions: int = 0  # experts this actor's cache evicted since it (re)started
+
+
+@dataclass(frozen=True)
+class ActorInfo:
+    """What the pool knows about one actor; `resident` lists cache keys (content hashes)."""
+
+    name: str
+    device: str
+    resident_bytes: int
+    budget_bytes: int
+    resident: list[str] = field(default_factory=list)
+    alive: bool = True
+    evictions: int = 0  # since the actor (re)started, as of its latest reply
+
+
+class ExpertPool(Protocol):
+    """The seam between the batcher and whatever runs experts (Ray actors or in-process).
+
+    A pool outlives store versions: it is built once per server and fed `ExpertRef`s of
+    whichever version a request entered.
+    """
+
+    @property
+    def budget_bytes(self) -> int: ...
+    async def run(self, groups: list[Group]) -> list[GroupResult]: ...
+    async def prefetch(self, experts: Sequence[ExpertRef]) -> None: ...
+    def residency(self) -> dict[str, list[str]]: ...
+    def actors(self) -> list[ActorInfo]: ...
+    async def close(self) -> None: ...

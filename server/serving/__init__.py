@@ -1,0 +1,27 @@
+"""The serving floor: store versions as data over one long-lived actor pool, and hot swap.
+
+It sits on the batching and pool floors and knows nothing of HTTP.
+"""
+
+from __future__ import annotations
+
+from server.serving._state import ObservedPool, PoolFactory, ServingState, in_daemon_thread
+from server.serving._version import (
+    BatcherFactory,
+    BatcherLike,
+    StoreVersion,
+    default_batcher,
+    read_store_version,
+)
+
+__all__ = [
+    "BatcherFactory",
+    "BatcherLike",
+    "ObservedPool",
+    "PoolFactory",
+    "ServingState",
+    "StoreVersion",
+    "default_batcher",
+    "in_daemon_thread",
+    "read_store_version",
+]

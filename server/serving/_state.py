@@ -1,0 +1,271 @@
+"""What the app's lifespan owns: the actor pool (for the server's lifetime) and the store
+version(s) it serves, with the store watcher and the hot swap.
+
+The pool is built once at start. A new store version is data: `swap()` reads the version on
+disk first and returns at once when it is the one served; otherwise it opens the new store
+and router (no actor is created, restarted or re-opened) and makes it current. Requests that
+entered the old version finish on it; then its batcher is closed. Blocking reads of the store
+run on daemon threads, so a read stuck on a bad file system never holds up shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from experts_store import Clock, ExpertRef, Store
+from router import PrototypeTree
+from server._exceptions import NotReady, PoolStartFailed
+from server._settings import Settings
+from server.pool import ActorInfo, ExpertPool, Group, GroupResult, check_budget
+from server.serving._version import (
+    BatcherFactory,
+    StoreVersion,
+    default_batcher,
+    read_store_version,
+)
+
+__all__ = ["ObservedPool", "PoolFactory", "ServingState", "in_daemon_thread"]
+
+logger = logging.getLogger(__name__)
+
+PoolFactory = Callable[[Settings], "Awaitable[ExpertPool] | ExpertPool"]
+R = TypeVar("R")
+
+# Closing the pool kills its actors; past this the server goes down without waiting further.
+_CLOSE_TIMEOUT_S = 3.0
+
+
+def in_daemon_thread(fn: Callable[..., R], *args: Any) -> asyncio.Future[R]:
+    """Run `fn(*args)` on a daemon thread; its result or exception lands in the future.
+
+    Unlike `asyncio.to_thread`, an abandoned call (a read stuck on a hung mount) neither
+    blocks the interpreter's exit nor occupies the default executor.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[R] = loop.create_future()
+
+    def deliver(setter: Callable[[Any], None], value: Any) -> None:
+        if not future.done():
+            setter(value)
+
+    def work() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # handed to the awaiting coroutine
+            outcome: tuple[Callable[[Any], None], Any] = (future.set_exception, exc)
+        else:
+            outcome = (future.set_result, result)
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is waiting
+            loop.call_soon_threadsafe(deliver, *outcome)
+
+    threading.Thread(target=work, name=f"momlp-{fn.__name__}", daemon=True).start()
+    return future
+
+
+async def _default_pool(settings: Settings) -> ExpertPool:
+    import ray
+
+    from server.pool import RayExpertPool
+
+    if not ray.is_initialized():
+        raise PoolStartFailed(reason="Ray is not running (start it with server.pool.ray_session)")
+    # create() blocks until every actor is up (or its start timeout).
+    pool: ExpertPool = await asyncio.to_thread(RayExpertPool.create, settings)
+    return pool
+
+
+class ObservedPool:
+    """The pool as one version's batcher sees it: each `run` is one batch, its rows counted."""
+
+    def __init__(self, pool: ExpertPool, on_batch: Callable[[int], None]) -> None:
+        self._pool = pool
+        self._on_batch = on_batch
+
+    @property
+    def budget_bytes(self) -> int:
+        return self._pool.budget_bytes
+
+    async def run(self, groups: list[Group]) -> list[GroupResult]:
+        self._on_batch(sum(int(group.rows.shape[0]) for group in groups))
+        return await self._pool.run(groups)
+
+    async def prefetch(self, experts: Any) -> None:
+        await self._pool.prefetch(experts)
+
+    def residency(self) -> dict[str, list[str]]:
+        return self._pool.residency()
+
+    def actors(self) -> list[ActorInfo]:
+        return self._pool.actors()
+
+    async def close(self) -> None:
+        """Nothing: the pool belongs to the server, not to a version's batcher."""
+
+
+def _open_version_files(root: Path) -> tuple[Store, PrototypeTree]:
+    store = Store.open(root)
+    return store, PrototypeTree.load(store.router_path)
+
+
+class ServingState:
+    """The resources of one app, built by `start()` and released by `stop()`."""
+
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        clock: Clock,
+        pool_factory: PoolFactory | None = None,
+        batcher_factory: BatcherFactory | None = None,
+        on_batch: Callable[[int], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.pool_factory: PoolFactory = pool_factory or _default_pool
+        self.batcher_factory: BatcherFactory = batcher_factory or default_batcher
+        self._on_batch = on_batch or (lambda rows: None)
+        self.pool: ExpertPool | None = None
+        self.version: StoreVersion | None = None
+        self.stopping = False
+        self._watcher: asyncio.Task[None] | None = None
+        self._swapping: asyncio.Task[StoreVersion | None] | None = None
+        self._retiring: set[asyncio.Task[None]] = set()
+        # Replaceable so that tests drive the store watcher without waiting.
+        self.sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+
+    async def start(self) -> None:
+        self.stopping = False
+        made = self.pool_factory(self.settings)
+        self.pool = await made if inspect.isawaitable(made) else made
+        try:
+            self.version = await self._open_version()
+        except BaseException:
+            await self._close_pool()
+            raise
+        logger.info(
+            "serving store %s version %s (%d experts)",
+            self.settings.store,
+            self.version.version,
+            self.version.manifest.num_experts,
+        )
+        if self.settings.watch_store:
+            self._watcher = asyncio.create_task(self._watch(), name="momlp-store-watcher")
+
+    async def stop(self) -> None:
+        """Release everything within a few seconds, whatever is in flight."""
+        self.stopping = True
+        tasks = [t for t in (self._watcher, self._swapping, *self._retiring) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        version, self.version = self.version, None
+        try:
+            if version is not None:
+                await version.close()
+        finally:
+            await self._close_pool()
+
+    async def _close_pool(self) -> None:
+        pool, self.pool = self.pool, None
+        if pool is None:
+            return
+        try:
+            await asyncio.wait_for(pool.close(), _CLOSE_TIMEOUT_S)
+        except TimeoutError:
+            logger.error("the actor pool did not close within %s s", _CLOSE_TIMEOUT_S)
+
+    async def _open_version(self) -> StoreVersion:
+        pool = self.pool
+        if pool is None:
+            raise NotReady(reason="the actor pool is not up")
+        store, router = await in_daemon_thread(_open_version_files, Path(self.settings.store))
+        experts: list[ExpertRef] = [store.expert_ref(e.id) for e in store.manifest.experts]
+        check_budget(experts, pool.budget_bytes)
+        observed = ObservedPool(pool, self._on_batch)
+        batcher = self.batcher_factory(router, observed, self.settings, self.clock, experts)
+        return StoreVersion(store, router, experts, batcher)
+
+    def current(self) -> StoreVersion:
+        version = self.version
+        if version is None or self.stopping:
+            raise NotReady(reason="the store and the pool are not up")
+        return version
+
+    @contextlib.asynccontextmanager
+    async def use(self) -> AsyncIterator[StoreVersion]:
+        """The current version, kept open until the caller is done with it."""
+        version = self.current()
+        version.in_flight += 1
+        version.drained.clear()
+        try:
+            yield version
+        finally:
+            version.in_flight -= 1
+            if version.in_flight == 0:
+                version.drained.set()
+
+    async def swap(self) -> bool:
+        """Make the store on disk current if its version is new; False if it is the one served.
+
+        Concurrent callers (the watcher, admin reloads) share one swap in progress.
+        """
+        task = self._swapping
+        if task is None or task.done():
+            task = self._swapping = asyncio.create_task(self._swap(), name="momlp-swap")
+        old = await asyncio.shield(task)
+        return old is not None
+
+    async def reload(self) -> bool:
+        """`swap()`, then wait until the replaced version's requests have finished."""
+        version = self.version
+        swapped = await self.swap()
+        if swapped and version is not None:
+            await self._drain(version)
+        return swapped
+
+    async def _swap(self) -> StoreVersion | None:
+        old = self.version
+        if old is None or self.stopping:
+            return None
+        on_disk = await in_daemon_thread(read_store_version, Path(self.settings.store))
+        if on_disk == old.version:
+            return None
+        new = await self._open_version()
+        if new.version == old.version or self.stopping:
+            await new.close()
+            return None
+        self.version = new
+        logger.info("store version %s replaces %s", new.version, old.version)
+        task = asyncio.create_task(self._retire(old), name="momlp-retire")
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+        return old
+
+    async def _drain(self, old: StoreVersion) -> None:
+        if old.in_flight:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(old.drained.wait(), self.settings.request_timeout_s)
+
+    async def _retire(self, old: StoreVersion) -> None:
+        # Requests that entered the old version finish on it; then its batcher is closed.
+        await self._drain(old)
+        await old.close()
+
+    async def _watch(self) -> None:
+        interval = self.settings.watch_interval_s
+        while True:
+            await self.sleep(interval)
+            if self.version is None:
+                continue
+            try:
+                await self.swap()
+            except Exception as exc:
+                # A half-written or broken new store must not take the serving one down.
+                logger.error("reloading the store failed: %s", exc)

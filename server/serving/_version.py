@@ -1,0 +1,98 @@
+"""One published store version as the server holds it: data, never actors.
+
+A `StoreVersion` is the manifest, the router, each expert's `ExpertRef` and the batcher that
+routes with that router. Requests enter one version and keep it until they have answered, so
+a request is served entirely by one version (its router and its experts) even while a newer
+one goes live; the pool underneath is shared by all of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Protocol
+
+import torch
+
+from experts_store import Clock, ExpertRef, Manifest, Store
+from router import PrototypeTree
+from server._settings import Settings
+from server.batching import BatchAnswer, Batcher
+from server.pool import ExpertPool
+
+__all__ = [
+    "BatcherFactory",
+    "BatcherLike",
+    "StoreVersion",
+    "default_batcher",
+    "read_store_version",
+]
+
+Mode = Literal["tree", "exact"]
+
+
+class BatcherLike(Protocol):
+    """What the server needs of `server.batching.Batcher`."""
+
+    async def submit(self, x: torch.Tensor, *, top_k: int, mode: Mode) -> BatchAnswer: ...
+    async def close(self) -> None: ...
+
+
+BatcherFactory = Callable[
+    [PrototypeTree, ExpertPool, Settings, Clock, list[ExpertRef]], BatcherLike
+]
+
+
+def default_batcher(
+    router: PrototypeTree,
+    pool: ExpertPool,
+    settings: Settings,
+    clock: Clock,
+    experts: list[ExpertRef],
+) -> BatcherLike:
+    return Batcher(router, pool, settings, clock, experts=experts)
+
+
+@dataclass
+class StoreVersion:
+    store: Store
+    router: PrototypeTree
+    experts: list[ExpertRef]  # indexed by expert id
+    batcher: BatcherLike
+    in_flight: int = 0
+    drained: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.store.manifest
+
+    @property
+    def version(self) -> str:
+        return self.manifest.store_version
+
+    @property
+    def default_mode(self) -> Mode:
+        return self.manifest.routing
+
+    def expert_ids(self) -> dict[str, list[int]]:
+        """Content hash -> this version's expert ids with that content."""
+        ids: dict[str, list[int]] = {}
+        for ref in self.experts:
+            ids.setdefault(ref.sha256, []).append(ref.expert_id)
+        return ids
+
+    async def close(self) -> None:
+        await self.batcher.close()
+
+
+def read_store_version(root: Path) -> str | None:
+    """The published store_version, read without opening the whole store (None if absent)."""
+    try:
+        with open(root / "manifest.json", encoding="utf-8") as fh:
+            version = json.load(fh).get("store_version")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(version) if version is not None else None
