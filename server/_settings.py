@@ -23,6 +23,11 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MOMLP_", extra="ignore")
 
     store: Path = Field(default=Path("./store"), description="store directory to serve")
+    model_name: str | None = Field(
+        default=None,
+        description="the model's name under /v2 (Open Inference Protocol); default: the store"
+        " directory's name",
+    )
     host: str = Field(default="127.0.0.1", description="address to bind")
     port: int = Field(default=8000, ge=0, le=65535, description="port to bind (0 picks a free one)")
     api_key: SecretStr | None = Field(

@@ -20,6 +20,7 @@ from server.http._auth import ApiKeyMiddleware
 from server.http._errors import CatchAllMiddleware, install_error_handlers
 from server.http._metrics import Metrics, MetricsMiddleware, PoolSnapshot
 from server.http._routes import add_routes
+from server.http._v2 import add_v2_routes
 from server.serving import BatcherFactory, PoolFactory, ServingState
 
 __all__ = ["create_app", "pool_snapshot"]
@@ -85,6 +86,7 @@ def create_app(
     metrics.set_snapshot(lambda: pool_snapshot(serving))
     install_error_handlers(app)
     add_routes(app)
+    add_v2_routes(app)
     add_admin_routes(app)
     # Starlette runs the last added middleware first: metrics see every answer, the catch-all
     # answers whatever escaped, and the key check runs before any route or body is touched.

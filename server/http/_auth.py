@@ -12,7 +12,8 @@ from server.http._body import HttpError
 
 __all__ = ["ApiKeyMiddleware", "OPEN_PATHS"]
 
-OPEN_PATHS = frozenset({"/healthz"})
+# Liveness stays open so that probes need no key; readiness tells more and is guarded.
+OPEN_PATHS = frozenset({"/healthz", "/v2/health/live"})
 
 
 class ApiKeyMiddleware:

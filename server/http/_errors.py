@@ -7,6 +7,7 @@ never a traceback to the client).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from typing import Any
@@ -32,7 +33,9 @@ from server._exceptions import (
 )
 from server.http._body import HttpError
 
-__all__ = ["CatchAllMiddleware", "error_response", "install_error_handlers"]
+__all__ = ["V2_PREFIX", "CatchAllMiddleware", "error_response", "install_error_handlers"]
+
+V2_PREFIX = "/v2"
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +104,24 @@ def _server_error(exc: ServerError) -> JSONResponse:
     return _json(500, "internal", "internal server error")
 
 
-def error_response(exc: BaseException) -> Response:
-    """The error JSON for `exc`; unexpected exceptions are logged and become 500 `internal`."""
+def error_response(exc: BaseException, path: str = "") -> Response:
+    """The error JSON for `exc`; unexpected exceptions are logged and become 500 `internal`.
+
+    Under `/v2` (the Open Inference Protocol) the body is the protocol's `{"error": "..."}`
+    and a refused input is 400, as its clients expect.
+    """
+    response = _v1_error_response(exc)
+    return _as_v2(response) if path.startswith(V2_PREFIX) else response
+
+
+def _as_v2(response: JSONResponse) -> Response:
+    body = json.loads(bytes(response.body))["error"]
+    headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
+    status = 400 if response.status_code == 422 else response.status_code
+    return JSONResponse({"error": body["message"]}, status_code=status, headers=headers)
+
+
+def _v1_error_response(exc: BaseException) -> JSONResponse:
     if isinstance(exc, HttpError):
         return _json(exc.status, exc.code, exc.message, exc.detail, exc.headers)
     if isinstance(exc, ServerError):
@@ -131,7 +150,7 @@ def error_response(exc: BaseException) -> Response:
 
 
 async def _handle(request: Request, exc: Exception) -> Response:
-    return error_response(exc)
+    return error_response(exc, request.url.path)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -176,4 +195,4 @@ class CatchAllMiddleware:
                 # Headers are out: nothing to answer with, the server closes the connection.
                 logger.error("error after the response started", exc_info=exc)
                 return
-            await error_response(exc)(scope, receive, send)
+            await error_response(exc, scope.get("path", ""))(scope, receive, send)

@@ -1,0 +1,195 @@
+"""Open Inference Protocol v2 (KServe / Triton REST) beside `/v1`.
+
+Same auth, body limits, batching and errors as `/v1` (errors in the protocol's
+`{"error": "..."}` shape, see `_errors`). The model is the store being served, named by
+`Settings.model_name` (default: the store directory's name); its version is the store version.
+Request `parameters` take `top_k` and `mode`; the response carries the expert ids and gate
+weights as extra output tensors, and the per-request VRAM and store version as parameters.
+No Content-Type is required: tritonclient's sync client may send none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from server._exceptions import RequestTimeout
+from server._settings import Settings
+from server.http._body import HttpError, read_body_limited
+from server.http._v2_codec import (
+    HEADER_LENGTH,
+    OutputTensor,
+    encode_response,
+    parse_infer,
+)
+from server.http._v2_models import (
+    LiveResponse,
+    ModelMetadata,
+    ReadyResponse,
+    ServerMetadata,
+    TensorMetadata,
+)
+from server.serving import ServingState, StoreVersion
+
+__all__ = ["INPUT_NAME", "add_v2_routes", "model_name"]
+
+INPUT_NAME = "input"
+_MODES = ("tree", "exact")
+
+
+def model_name(settings: Settings) -> str:
+    return settings.model_name or settings.store.resolve().name or "momlp"
+
+
+def _serving(request: Request) -> ServingState:
+    state: ServingState = request.app.state.serving
+    return state
+
+
+def _version_for(serving: ServingState, name: str, version: str | None) -> StoreVersion:
+    current = serving.current()
+    if name != model_name(serving.settings) or version not in (None, "", current.version):
+        raise HttpError(404, "not_found", f"unknown model {name!r} (version {version!r})")
+    return current
+
+
+def _options(
+    parameters: dict[str, Any], current: StoreVersion, settings: Settings
+) -> tuple[int, Literal["tree", "exact"]]:
+    top_k = parameters.get("top_k", settings.default_top_k)
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        raise HttpError(422, "invalid_input", "parameter top_k must be an integer")
+    if not 1 <= top_k <= current.manifest.num_experts:
+        raise HttpError(
+            422,
+            "invalid_input",
+            f"parameter top_k must be between 1 and {current.manifest.num_experts}",
+        )
+    mode = parameters.get("mode") or settings.default_mode or current.default_mode
+    if mode not in _MODES:
+        raise HttpError(422, "invalid_input", "parameter mode must be 'tree' or 'exact'")
+    return top_k, mode
+
+
+def _metadata(current: StoreVersion, name: str) -> ModelMetadata:
+    m = current.manifest
+    return ModelMetadata(
+        name=name,
+        versions=[current.version],
+        platform="momlp",
+        inputs=[TensorMetadata(name=INPUT_NAME, datatype="FP32", shape=[-1, m.input_dim])],
+        outputs=[
+            TensorMetadata(name="output", datatype="FP32", shape=[-1, m.output_dim]),
+            TensorMetadata(name="experts", datatype="INT64", shape=[-1, -1]),
+            TensorMetadata(name="weights", datatype="FP32", shape=[-1, -1]),
+        ],
+    )
+
+
+def add_v2_routes(app: FastAPI) -> None:
+    @app.get("/v2/health/live", response_model=LiveResponse, tags=["v2"])
+    async def live() -> LiveResponse:
+        return LiveResponse(live=True)
+
+    @app.get("/v2/health/ready", response_model=ReadyResponse, tags=["v2"])
+    async def ready(request: Request) -> ReadyResponse:
+        _serving(request).current()  # NotReady (503) until the store and the pool are up
+        return ReadyResponse(ready=True)
+
+    @app.get("/v2", response_model=ServerMetadata, tags=["v2"])
+    async def server_metadata() -> ServerMetadata:
+        return ServerMetadata(
+            name="momlp",
+            version=importlib.metadata.version("momlp"),
+            extensions=["binary_tensor_data"],
+        )
+
+    async def model_metadata(request: Request, name: str, version: str | None) -> ModelMetadata:
+        return _metadata(_version_for(_serving(request), name, version), name)
+
+    async def model_ready(request: Request, name: str, version: str | None) -> ReadyResponse:
+        _version_for(_serving(request), name, version)
+        return ReadyResponse(ready=True)
+
+    async def infer(request: Request, name: str, version: str | None) -> Response:
+        serving = _serving(request)
+        settings = serving.settings
+        async with serving.use() as current:
+            _version_for(serving, name, version)
+            body = await read_body_limited(
+                request, settings.max_body_bytes, settings.body_timeout_s
+            )
+            parsed = await asyncio.to_thread(
+                parse_infer,
+                body,
+                request.headers.get(HEADER_LENGTH),
+                input_name=INPUT_NAME,
+                input_dim=current.manifest.input_dim,
+                max_rows=settings.max_rows,
+            )
+            top_k, mode = _options(parsed.request.parameters, current, settings)
+            try:
+                answer = await asyncio.wait_for(
+                    current.batcher.submit(torch.from_numpy(parsed.x), top_k=top_k, mode=mode),
+                    timeout=settings.request_timeout_s,
+                )
+            except TimeoutError:
+                raise RequestTimeout(timeout_s=settings.request_timeout_s) from None
+        request.app.state.metrics.observe_prediction(
+            parsed.x.shape[0], [(s.cache, s.load_ms) for s in answer.stats]
+        )
+        outputs = [
+            OutputTensor("output", "FP32", answer.outputs.numpy().astype(np.float32)),
+            OutputTensor("experts", "INT64", answer.experts.numpy().astype(np.int64)),
+            OutputTensor("weights", "FP32", answer.weights.numpy().astype(np.float32)),
+        ]
+        content, header_length = encode_response(
+            parsed.request,
+            outputs,
+            model_name=name,
+            model_version=current.version,
+            parameters={"vram_bytes": answer.vram_bytes, "store_version": current.version},
+        )
+        if header_length is None:
+            return Response(content, media_type="application/json")
+        return Response(
+            content,
+            media_type="application/octet-stream",
+            headers={"Inference-Header-Content-Length": str(header_length)},
+        )
+
+    model_paths = (("/v2/models/{name}", ""), ("/v2/models/{name}/versions/{version}", "v"))
+    for path, version_part in model_paths:
+        app.add_api_route(
+            path, _bind(model_metadata, version_part), methods=["GET"],
+            response_model=ModelMetadata, tags=["v2"],
+        )
+        app.add_api_route(
+            f"{path}/ready", _bind(model_ready, version_part), methods=["GET"],
+            response_model=ReadyResponse, tags=["v2"],
+        )
+        app.add_api_route(
+            f"{path}/infer", _bind(infer, version_part), methods=["POST"], tags=["v2"],
+            summary="Open Inference Protocol infer (JSON or binary tensor data)",
+        )
+
+
+def _bind(handler: Any, version_part: str) -> Any:
+    """The endpoint for a path with (`version_part` set) or without a version segment."""
+    if version_part:
+
+        async def with_version(request: Request, name: str, version: str) -> Any:
+            return await handler(request, name, version)
+
+        return with_version
+
+    async def without_version(request: Request, name: str) -> Any:
+        return await handler(request, name, None)
+
+    return without_version

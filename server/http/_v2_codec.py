@@ -1,0 +1,193 @@
+"""The Open Inference Protocol v2 request and response bodies, JSON and binary.
+
+The binary tensor data extension: a body whose JSON header is `Inference-Header-Content-Length`
+bytes long, followed by the raw little-endian bytes of each input whose parameters carry
+`binary_data_size`, in input order. Outputs asked for in binary (per output
+`parameters.binary_data`, or `parameters.binary_data_output` on the request, which
+tritonclient sends when it names no outputs) come back the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from server.http._body import HttpError, check_rows, validation_detail
+
+__all__ = [
+    "DTYPES",
+    "InferRequest",
+    "OutputTensor",
+    "ParsedInfer",
+    "encode_response",
+    "parse_infer",
+]
+
+HEADER_LENGTH = "inference-header-content-length"
+DTYPES: dict[str, np.dtype[Any]] = {
+    "FP32": np.dtype("<f4"),
+    "FP64": np.dtype("<f8"),
+    "INT64": np.dtype("<i8"),
+}
+_INPUT_DTYPES = ("FP32", "FP64")
+
+
+class _Lenient(BaseModel):
+    # Clients add fields of their own (KServe: id, model_name; MLServer: content_type):
+    # ignored, never refused.
+    model_config = ConfigDict(extra="ignore")
+
+
+class RequestInput(_Lenient):
+    name: str
+    shape: list[int] = Field(min_length=1, max_length=8)
+    datatype: str
+    parameters: dict[str, Any] = Field(default_factory=dict)
+    data: list[Any] | None = None
+
+
+class RequestOutput(_Lenient):
+    name: str
+    parameters: dict[str, Any] = Field(default_factory=dict)
+
+
+class InferRequest(_Lenient):
+    """`POST /v2/models/{name}/infer`: one input tensor `input` [B, n], FP32 or FP64."""
+
+    id: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=dict)
+    inputs: list[RequestInput] = Field(min_length=1, max_length=1)
+    outputs: list[RequestOutput] | None = None
+
+
+@dataclass(frozen=True)
+class ParsedInfer:
+    request: InferRequest
+    x: np.ndarray[Any, np.dtype[np.float32]]
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    name: str
+    datatype: str
+    data: np.ndarray[Any, Any]
+
+
+def _bad(message: str, detail: Any = None) -> HttpError:
+    return HttpError(422, "invalid_input", message, detail=detail)
+
+
+def parse_infer(
+    body: bytes,
+    header_length: str | None,
+    *,
+    input_name: str,
+    input_dim: int,
+    max_rows: int,
+) -> ParsedInfer:
+    """The request and its input rows as float32 [B, input_dim], checked once."""
+    if header_length is None:
+        json_part, binary = body, b""
+    else:
+        try:
+            length = int(header_length)
+        except ValueError:
+            raise _bad("Inference-Header-Content-Length is not an integer") from None
+        if not 0 < length <= len(body):
+            raise _bad(f"Inference-Header-Content-Length {length} does not fit the body")
+        json_part, binary = body[:length], body[length:]
+    try:
+        request = InferRequest.model_validate_json(json_part)
+    except ValidationError as exc:
+        detail = validation_detail(exc)
+        raise _bad("the inference request does not match the protocol", detail) from exc
+    tensor = request.inputs[0]
+    if tensor.name != input_name:
+        raise _bad(f"unknown input {tensor.name!r}; this model's input is {input_name!r}")
+    if tensor.datatype not in _INPUT_DTYPES:
+        raise _bad(f"input datatype {tensor.datatype} is not one of {', '.join(_INPUT_DTYPES)}")
+    if len(tensor.shape) != 2:
+        raise _bad(f"input shape {tensor.shape} is not [batch, {input_dim}]")
+    rows, cols = tensor.shape
+    check_rows(rows, cols, max_rows=max_rows, input_dim=input_dim)
+    dtype = DTYPES[tensor.datatype]
+    size = tensor.parameters.get("binary_data_size")
+    if size is not None:
+        expected = rows * cols * dtype.itemsize
+        if size != expected or len(binary) != expected:
+            raise _bad(f"binary input of {len(binary)} bytes, its shape needs {expected}")
+        array = np.frombuffer(binary, dtype=dtype).reshape(rows, cols)
+    else:
+        if tensor.data is None:
+            raise _bad("the input has neither data nor binary_data_size")
+        try:
+            # Row-major flat data, or nested rows; either way the shape decides.
+            flat = np.asarray(tensor.data, dtype=np.float64).reshape(-1)
+        except (TypeError, ValueError):
+            raise _bad("input data must be numbers") from None
+        if flat.size != rows * cols:
+            raise _bad(f"input holds {flat.size} values, its shape needs {rows * cols}")
+        array = flat.reshape(rows, cols)
+    with np.errstate(over="ignore", invalid="ignore"):
+        x = np.array(array, dtype=np.float32, order="C", copy=True)
+    if not bool(np.isfinite(x).all()):
+        bad = np.argwhere(~np.isfinite(x))[0]
+        raise _bad(
+            "inputs must be finite float32 numbers (no NaN, no Inf, |x| < 3.4e38)",
+            {"row": int(bad[0]), "column": int(bad[1])},
+        )
+    return ParsedInfer(request, x)
+
+
+def encode_response(
+    request: InferRequest,
+    outputs: list[OutputTensor],
+    *,
+    model_name: str,
+    model_version: str,
+    parameters: dict[str, Any],
+) -> tuple[bytes, int | None]:
+    """The response body, and the JSON header's length when binary data follows it."""
+    binary_all = bool(request.parameters.get("binary_data_output", False))
+    wanted: dict[str, bool] = {}
+    if request.outputs is not None:
+        for out in request.outputs:
+            wanted[out.name] = bool(out.parameters.get("binary_data", binary_all))
+    else:
+        wanted = {tensor.name: binary_all for tensor in outputs}
+    by_name = {tensor.name: tensor for tensor in outputs}
+    unknown = [name for name in wanted if name not in by_name]
+    if unknown:
+        raise _bad(f"unknown output(s) {unknown}; this model has {sorted(by_name)}")
+    described: list[dict[str, Any]] = []
+    chunks: list[bytes] = []
+    for name, binary in wanted.items():
+        tensor = by_name[name]
+        entry: dict[str, Any] = {
+            "name": name,
+            "datatype": tensor.datatype,
+            "shape": list(tensor.data.shape),
+        }
+        if binary:
+            raw = np.ascontiguousarray(tensor.data, dtype=DTYPES[tensor.datatype]).tobytes()
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            chunks.append(raw)
+        else:
+            entry["data"] = tensor.data.reshape(-1).tolist()
+        described.append(entry)
+    header: dict[str, Any] = {
+        "model_name": model_name,
+        "model_version": model_version,
+        "outputs": described,
+        "parameters": parameters,
+    }
+    if request.id is not None:
+        header["id"] = request.id
+    head = json.dumps(header, separators=(",", ":")).encode()
+    if not chunks:
+        return head, None
+    return head + b"".join(chunks), len(head)
