@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from live_support import K, N, OUT, ServeProcess, build_store, serve_process
+from live_support import OUT, K, N, ServeProcess, build_store, serve_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.ray]
 
