@@ -19,8 +19,9 @@ from server.http._admin import add_admin_routes
 from server.http._auth import ApiKeyMiddleware
 from server.http._errors import CatchAllMiddleware, install_error_handlers
 from server.http._metrics import Metrics, MetricsMiddleware, PoolSnapshot
+from server.http._openapi import install_openapi
 from server.http._routes import add_routes
-from server.http._v2 import add_v2_routes
+from server.http._v2 import add_v2_routes, model_name
 from server.serving import BatcherFactory, PoolFactory, ServingState
 
 __all__ = ["create_app", "pool_snapshot"]
@@ -88,6 +89,7 @@ def create_app(
     add_routes(app)
     add_v2_routes(app)
     add_admin_routes(app)
+    install_openapi(app, serving, model_name(settings))
     # Starlette runs the last added middleware first: metrics see every answer, the catch-all
     # answers whatever escaped, and the key check runs before any route or body is touched.
     app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)

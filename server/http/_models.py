@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 __all__ = [
     "ActorInfoModel",
@@ -26,6 +26,16 @@ __all__ = [
 # Strict so that "1.5" or true is refused rather than coerced; NaN/Inf are refused here
 # because a non-finite input would only come back as a non-finite output.
 FiniteNumber = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+
+
+def _integral(value: object) -> object:
+    # JSON Schema's "integer" includes 5.0; "1.5", true and "5" stay refused (strict below).
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+PositiveWhole = Annotated[int, Field(strict=True, ge=1), BeforeValidator(_integral)]
 Mode = Literal["tree", "exact"]
 
 
@@ -37,7 +47,7 @@ class RouteRequest(_Strict):
     """Rows to route; every row must have the store's input dimension."""
 
     inputs: list[list[FiniteNumber]] = Field(min_length=1)
-    top_k: int | None = Field(default=None, ge=1, strict=True, description="default 1")
+    top_k: PositiveWhole | None = Field(default=None, description="default 1")
     mode: Mode | None = Field(default=None, description="default: the store's routing mode")
 
 

@@ -24,6 +24,7 @@ from server._settings import Settings
 from server.http._body import HttpError, read_body_limited
 from server.http._v2_codec import (
     HEADER_LENGTH,
+    InferRequest,
     OutputTensor,
     encode_response,
     parse_infer,
@@ -34,6 +35,7 @@ from server.http._v2_models import (
     ReadyResponse,
     ServerMetadata,
     TensorMetadata,
+    V2Error,
 )
 from server.serving import ServingState, StoreVersion
 
@@ -41,6 +43,49 @@ __all__ = ["INPUT_NAME", "add_v2_routes", "model_name"]
 
 INPUT_NAME = "input"
 _MODES = ("tree", "exact")
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": V2Error, "description": text}
+    for status, text in (
+        (400, "the request or its tensors are not valid for this model"),
+        (401, "missing or wrong bearer key"),
+        (404, "no such model or version"),
+        (413, "too many rows or bytes"),
+        (429, "queue full; see Retry-After"),
+        (503, "not ready, or an expert cannot be loaded"),
+        (504, "no answer in time"),
+    )
+}
+def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` with its `$defs` references written in place (an OpenAPI operation's body
+    cannot point into a `$defs` of its own)."""
+    defs = schema.pop("$defs", {})
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return walk(defs[ref.removeprefix("#/$defs/")])
+            return {key: walk(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [walk(item) for item in node]
+        return node
+
+    inlined: dict[str, Any] = walk(schema)
+    return inlined
+
+
+_INFER_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": _inlined(InferRequest.model_json_schema())},
+            "application/octet-stream": {
+                "schema": {"type": "string", "format": "binary"},
+                "description": "binary tensor data: the JSON header, then the tensors' bytes",
+            },
+        },
+    }
+}
 
 
 def model_name(settings: Settings) -> str:
@@ -97,7 +142,9 @@ def add_v2_routes(app: FastAPI) -> None:
     async def live() -> LiveResponse:
         return LiveResponse(live=True)
 
-    @app.get("/v2/health/ready", response_model=ReadyResponse, tags=["v2"])
+    @app.get(
+        "/v2/health/ready", response_model=ReadyResponse, responses=_ERRORS, tags=["v2"]
+    )
     async def ready(request: Request) -> ReadyResponse:
         _serving(request).current()  # NotReady (503) until the store and the pool are up
         return ReadyResponse(ready=True)
@@ -168,14 +215,15 @@ def add_v2_routes(app: FastAPI) -> None:
     for path, version_part in model_paths:
         app.add_api_route(
             path, _bind(model_metadata, version_part), methods=["GET"],
-            response_model=ModelMetadata, tags=["v2"],
+            response_model=ModelMetadata, responses=_ERRORS, tags=["v2"],
         )
         app.add_api_route(
             f"{path}/ready", _bind(model_ready, version_part), methods=["GET"],
-            response_model=ReadyResponse, tags=["v2"],
+            response_model=ReadyResponse, responses=_ERRORS, tags=["v2"],
         )
         app.add_api_route(
             f"{path}/infer", _bind(infer, version_part), methods=["POST"], tags=["v2"],
+            responses=_ERRORS, openapi_extra=_INFER_BODY,
             summary="Open Inference Protocol infer (JSON or binary tensor data)",
         )
 

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-__all__ = ["LiveResponse", "ModelMetadata", "ReadyResponse", "ServerMetadata", "TensorMetadata"]
+__all__ = [
+    "LiveResponse",
+    "ModelMetadata",
+    "ReadyResponse",
+    "ServerMetadata",
+    "TensorMetadata",
+    "V2Error",
+]
 
 
 class LiveResponse(BaseModel):
@@ -33,3 +40,9 @@ class ModelMetadata(BaseModel):
     platform: str
     inputs: list[TensorMetadata]
     outputs: list[TensorMetadata]
+
+
+class V2Error(BaseModel):
+    """Every non-2xx answer under /v2, as the protocol's clients read it."""
+
+    error: str

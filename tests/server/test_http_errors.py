@@ -189,7 +189,7 @@ async def test_a_body_that_stops_arriving_gets_408(store: Path) -> None:
 
 async def test_unknown_path_and_wrong_method(store: Path) -> None:
     async with running(fake_app(store)) as client:
-        missing = await client.get("/v2/predict")
+        missing = await client.get("/v1/nowhere")  # /v2/* is the Open Inference Protocol's
         wrong = await client.get("/v1/predict")
     assert missing.status_code == 404 and error_of(missing)["code"] == "not_found"
     assert wrong.status_code == 405 and error_of(wrong)["code"] == "method_not_allowed"
