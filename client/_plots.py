@@ -28,8 +28,6 @@ PLOT_TITLES = {
     "errors_by_status.png": "Errors by status",
 }
 
-_MIB = 2**20
-
 
 def matplotlib_available() -> bool:
     try:
@@ -132,15 +130,20 @@ def write_plots(
 
     figure, axes = new_axes()
     actors = sorted({actor for bucket in series for actor in bucket["device_bytes"]})
+    resident_unit, resident_scale = _byte_unit(
+        max((n for bucket in series for n in bucket["device_bytes"].values()), default=0)
+    )
     for actor in actors:
         points = [
-            (bucket["t"], bucket["device_bytes"][actor] / _MIB)
+            (bucket["t"], bucket["device_bytes"][actor] / resident_scale)
             for bucket in series
             if actor in bucket["device_bytes"]
         ]
         axes.plot([p[0] for p in points], [p[1] for p in points], marker=".", label=actor)
     axes.set(
-        xlabel="time (s)", ylabel="resident (MiB)", title=PLOT_TITLES["device_bytes_over_time.png"]
+        xlabel="time (s)",
+        ylabel=f"resident ({resident_unit})",
+        title=PLOT_TITLES["device_bytes_over_time.png"],
     )
     if actors:
         axes.legend()
@@ -166,24 +169,36 @@ def write_plots(
 def _vram_figure(figure_type: Any, report: LoadTestReport, vram_samples: list[float]) -> Any:
     # Per-request bytes are orders of magnitude below the dense model: a histogram shows their
     # spread, a log-scale bar chart puts them beside the dense model.
+    from matplotlib.ticker import NullFormatter
+
     figure = figure_type(figsize=(10, 4), layout="constrained")
     spread, against = figure.subplots(1, 2, width_ratios=(3, 2))
-    spread.hist([value / _MIB for value in vram_samples], bins=40)
-    spread.set(xlabel="vram_bytes per request (MiB)", ylabel="requests", title="Spread")
+    unit, scale = _byte_unit(max(vram_samples, default=0.0))
+    spread.hist([value / scale for value in vram_samples], bins=40)
+    spread.set(xlabel=f"vram_bytes per request ({unit})", ylabel="requests", title="Spread")
     labels = ["p50", "p99", "max"]
     values = [report.vram_bytes[key] for key in labels]
     if report.dense_equivalent_bytes:
         labels.append("dense model")
         values.append(float(report.dense_equivalent_bytes))
     colors = ["tab:blue"] * 3 + ["tab:grey"] * (len(labels) - 3)
-    bars = against.bar(labels, [max(value, 1.0) / _MIB for value in values], color=colors)
-    against.bar_label(bars, labels=[_mib_label(value) for value in values], padding=2)
-    against.set(ylabel="MiB (log scale)", yscale="log", title="Per request vs dense model")
+    bars = against.bar(labels, [max(value, 1.0) for value in values], color=colors)
+    against.bar_label(bars, labels=[_bytes_label(value) for value in values], padding=2,
+                      fontsize="small")
+    against.set(ylabel="bytes (log scale)", yscale="log", title="Per request vs dense model")
+    against.yaxis.set_minor_formatter(NullFormatter())
     against.margins(y=0.2)
     figure.suptitle(PLOT_TITLES["vram_per_request.png"])
     return figure
 
 
-def _mib_label(nbytes: float) -> str:
-    mib = nbytes / _MIB
-    return f"{mib:.3g} MiB" if mib < 100 else f"{mib:.0f} MiB"
+def _byte_unit(nbytes: float) -> tuple[str, float]:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return unit, float(scale)
+    return "B", 1.0
+
+
+def _bytes_label(nbytes: float) -> str:
+    unit, scale = _byte_unit(nbytes)
+    return f"{nbytes / scale:.3g} {unit}"
