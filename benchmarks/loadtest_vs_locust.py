@@ -9,7 +9,9 @@ momlp's come from its report.json, locust's from its own per-request `response_t
 
     nice -n 10 .venv/bin/python benchmarks/loadtest_vs_locust.py --quick
 
-Prints one JSON line per run and one with the locust / momlp ratios (medians over rounds).
+Prints one JSON line per run and one with the locust / momlp ratios: the ratio of the medians
+over rounds, and the median of the ratios of the two runs of each round (back to back, so they
+share the shared machine's load of the moment).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import asyncio
 import json
 import os
 import platform
+import resource
 import shutil
 import signal
 import socket
@@ -45,16 +48,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests and rounds")
     parser.add_argument("--store", type=Path, help="store to serve (default: build a quick one)")
-    parser.add_argument("--requests", type=int, help="requests per run (quick 2000, else 5000)")
-    parser.add_argument("--rounds", type=int, help="runs of each tool (quick 2, else 4)")
+    parser.add_argument("--requests", type=int, help="requests per run (quick 1500, else 3000)")
+    parser.add_argument("--rounds", type=int, help="runs of each tool (quick 4, else 8)")
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight / users")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--distribution", default="zipf:1.1")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--actors", type=int, default=2)
     args = parser.parse_args()
-    requests = args.requests or (2000 if args.quick else 5000)
-    rounds = args.rounds or (2 if args.quick else 4)
+    # A background job ignores SIGINT; SIGTERM must still stop the server through `finally`.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    requests = args.requests or (1500 if args.quick else 3000)
+    rounds = args.rounds or (4 if args.quick else 8)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix="momlp-vs-locust-") as tmp:
         work = Path(tmp)
@@ -78,18 +83,61 @@ def main() -> int:
                 # ABBA: a drift of the shared machine falls on both tools alike.
                 order = ("momlp loadtest", "locust")
                 for tool in order if index % 2 == 0 else order[::-1]:
+                    before = child_cpu_s()
                     if tool == "locust":
                         figures = run_locust(url, bodies, work / f"locust-{index}", args, env)
                     else:
                         report = run_loadtest(url, work / f"loadtest-{index}", requests, args, env)
                         figures = loadtest_figures(report)
                         figures["same_rows_as_locust"] = report["expert_rows"] == expected_experts
+                    # The tool's whole process (start-up included), user + system.
+                    figures["cpu_s"] = round(child_cpu_s() - before, 3)
                     results[tool].append(figures)
                     emit({"tool": tool, "round": index, **figures})
+            emit(client_cpu(url, bodies, work, requests, args, env, results))
         finally:
             stop(server)
     emit(ratios(results, requests, rounds, args))
     return 0
+
+
+def child_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def client_cpu(
+    url: str,
+    bodies: Path,
+    work: Path,
+    requests: int,
+    args: argparse.Namespace,
+    env: dict[str, str],
+    results: dict[str, list[dict[str, Any]]],
+) -> dict[str, Any]:
+    """CPU ms each tool's own process spends per request: (full run - tiny run) / difference.
+
+    The tiny run pays the same start-up (imports, workload set-up) with almost no requests, so
+    the difference is the per-request cost of the client, which on a 2-core machine is CPU the
+    server does not get.
+    """
+    tiny = 50
+    tiny_bodies = work / "bodies-tiny.jsonl"
+    tiny_bodies.write_text("".join(bodies.read_text().splitlines(keepends=True)[:tiny]))
+    line: dict[str, Any] = {"figure": "client CPU per request (ms)", "tiny_requests": tiny}
+    for tool in ("momlp loadtest", "locust"):
+        before = child_cpu_s()
+        if tool == "locust":
+            run_locust(url, tiny_bodies, work / "locust-tiny", args, env)
+        else:
+            run_loadtest(url, work / "loadtest-tiny", tiny, args, env)
+        startup = child_cpu_s() - before
+        full = statistics.median(run["cpu_s"] for run in results[tool])
+        line[f"{tool.split()[-1]}_cpu_ms_per_request"] = round(
+            1000 * (full - startup) / (requests - tiny), 3
+        )
+        line[f"{tool.split()[-1]}_startup_cpu_s"] = round(startup, 2)
+    return line
 
 
 def build_store(out: Path, env: dict[str, str]) -> Path:
@@ -252,7 +300,7 @@ def ratios(
         return statistics.median(run[key] for run in results[tool])
 
     line: dict[str, Any] = {
-        "figure": "locust / momlp loadtest (medians over rounds)",
+        "figure": "locust / momlp loadtest",
         "requests": requests,
         "rounds": rounds,
         "concurrency": args.concurrency,
@@ -265,6 +313,12 @@ def ratios(
         line[f"momlp_{key}"] = momlp
         line[f"locust_{key}"] = locust
         line[f"ratio_{key}"] = round(locust / momlp, 3) if momlp else None
+        pairs = [
+            theirs[key] / ours[key]
+            for ours, theirs in zip(results["momlp loadtest"], results["locust"], strict=True)
+            if ours[key]
+        ]
+        line[f"round_ratio_{key}"] = round(statistics.median(pairs), 3) if pairs else None
     return line
 
 

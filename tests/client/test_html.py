@@ -77,22 +77,25 @@ def tolerance(text: str) -> float:
     return 0.5 * 10.0 ** (-decimals) * 10.0 ** int(exponent or 0)
 
 
-@pytest.fixture
-def open_loop_report(make_server, fake_clock, make_error, tmp_path):
+@pytest.fixture(scope="module")
+def open_loop_report(fakes, tmp_path_factory):
+    """One open-loop run with failures and misses, its report written once for the module."""
     pytest.importorskip("matplotlib")
-    server = make_server(cache_capacity=3)
-    server.fail_every = (7, make_error(503, "not_ready"))
+    clock = fakes.FakeClock()
+    server = fakes.FakeServer(fakes.grid_prototypes(), clock=clock, cache_capacity=3)
+    server.fail_every = (7, fakes.error_response(503, "not_ready"))
+    directory = tmp_path_factory.mktemp("report")
     config = LoadTestConfig(
-        requests=80, rate=150.0, batch=3, distribution="zipf:1.1", seed=4, report_dir=tmp_path
+        requests=80, rate=150.0, batch=3, distribution="zipf:1.1", seed=4, report_dir=directory
     )
 
     def factory(config: LoadTestConfig) -> AsyncClient:
         return AsyncClient(transport=httpx.MockTransport(server.handler), max_retries=0)
 
     report = asyncio.run(
-        arun_loadtest(config, client_factory=factory, clock=fake_clock, sleep=fake_clock.sleep)
+        arun_loadtest(config, client_factory=factory, clock=clock, sleep=clock.sleep)
     )
-    return report, tmp_path
+    return report, directory
 
 
 def test_summary_table_shows_report_json_figures(open_loop_report):
