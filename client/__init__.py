@@ -41,7 +41,7 @@ from ._models import (
     Routing,
 )
 from ._report import LoadTestReport, RequestRecord
-from ._workload import Distribution, Workload, expert_law
+from ._workload import Distribution, Workload, build_workload, expert_law
 
 __all__ = [
     "DEFAULT_BASE_URL",
@@ -81,6 +81,7 @@ __all__ = [
     "Unauthorized",
     "Workload",
     "arun_loadtest",
+    "build_workload",
     "expert_law",
     "run_loadtest",
 ]

@@ -42,7 +42,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="expert law: uniform, zipf:S (e.g. zipf:1.1) or cluster (default uniform)",
     )
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
-    parser.add_argument("--report", type=Path, metavar="DIR", help="write report.json and plots")
+    parser.add_argument(
+        "--report",
+        type=Path,
+        metavar="DIR",
+        help="write report.html (plots inlined), report.json, requests.csv and the PNG plots",
+    )
     parser.add_argument(
         "--api-key",
         default=None,
@@ -97,7 +102,9 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(report.summary())
     if args.report is not None:
-        print(f"report: {args.report / 'report.json'}")
+        print(f"report: {args.report / 'report.html'}")
+        print(f"figures: {args.report / 'report.json'}")
+        print(f"requests: {args.report / 'requests.csv'}")
         for name in report.plots:
             print(f"plot: {args.report / name}")
     return 0 if report.ok > 0 else 1

@@ -1,8 +1,9 @@
 """`momlp loadtest` as a library: closed-loop (concurrency) or open-loop (Poisson rate) load.
 
 `run_loadtest(config)` builds a route-verified workload, sends `POST /v1/predict` with
-`return_stats=true` on every request, and returns a `LoadTestReport` (also written as
-report.json + plots when `config.report_dir` is set). The clock, the sleep and the client are
+`return_stats=true` on every request, and returns a `LoadTestReport` (also written, when
+`config.report_dir` is set, as report.json, report.html with its plots inlined, the PNG plots
+and requests.csv). The clock, the sleep and the client are
 injected so that tests drive it in-process against a fake server.
 """
 
@@ -29,11 +30,27 @@ from ._exceptions import (
     TimeoutError,
     TransportError,
 )
+from ._html import write_html
 from ._plots import matplotlib_available, write_plots
-from ._report import LoadTestReport, RequestRecord, build_report, percentile
+from ._report import (
+    LoadTestReport,
+    RequestRecord,
+    build_report,
+    percentile,
+    write_records_csv,
+)
 from ._workload import Distribution, Workload, build_workload
 
-__all__ = ["Clock", "LoadTestConfig", "MonotonicClock", "arun_loadtest", "run_loadtest"]
+__all__ = [
+    "RECORDS_CSV_NAME",
+    "Clock",
+    "LoadTestConfig",
+    "MonotonicClock",
+    "arun_loadtest",
+    "run_loadtest",
+]
+
+RECORDS_CSV_NAME = "requests.csv"
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +200,8 @@ def _write(
     elif config.plots:
         report = replace(report, notes=[*report.notes, "plots skipped: matplotlib not installed"])
     report.write(directory)
+    write_html(report, directory)
+    write_records_csv(records, directory / RECORDS_CSV_NAME)
     return report
 
 

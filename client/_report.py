@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 from collections import Counter, defaultdict
@@ -10,7 +11,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LoadTestReport", "RequestRecord", "build_report", "percentile"]
+__all__ = [
+    "CSV_COLUMNS",
+    "LATENCY_PERCENTILES",
+    "LoadTestReport",
+    "RequestRecord",
+    "build_report",
+    "percentile",
+    "write_records_csv",
+]
+
+# Keys of `latency_ms` beside max and mean, with the percentile each names.
+LATENCY_PERCENTILES = {"p50": 50.0, "p90": 90.0, "p95": 95.0, "p99": 99.0, "p99.9": 99.9}
 
 
 @dataclass(frozen=True)
@@ -86,8 +98,9 @@ class LoadTestReport:
             f"requests {self.requests} (ok {self.ok}, errors {self.errors}), rows {self.rows}, "
             f"{self.duration_s:.2f} s",
             f"throughput {self.requests_per_s:.1f} req/s, {self.rows_per_s:.1f} rows/s",
-            f"latency ms  p50 {lat['p50']:.2f}  p90 {lat['p90']:.2f}  p99 {lat['p99']:.2f}  "
-            f"max {lat['max']:.2f}  mean {lat['mean']:.2f}",
+            "latency ms  "
+            + "  ".join(f"{key} {lat[key]:.2f}" for key in LATENCY_PERCENTILES)
+            + f"  max {lat['max']:.2f}  mean {lat['mean']:.2f}",
             f"cache hits {self.hits}, misses (loads) {self.misses}, hit rate "
             + ("n/a" if self.hit_rate is None else f"{self.hit_rate:.3f}"),
             f"vram/request  p50 {_human_bytes(vram['p50'])}  p99 {_human_bytes(vram['p99'])}  "
@@ -174,14 +187,19 @@ def time_series(
 ) -> list[dict[str, Any]]:
     """Per-second buckets by completion time; resident bytes are the last seen per actor.
 
+    `offered` counts the requests that started (in open loop: were scheduled to arrive) in
+    that second, so a second in which the server answered nothing still has its bucket.
     Rates divide by the part of the second the run covered, so a last, partial second does
     not read as a throughput drop.
     """
+    records = list(records)
     buckets: dict[int, list[RequestRecord]] = defaultdict(list)
+    offered: Counter[int] = Counter()
     for record in records:
         buckets[int(math.floor(record.end_s))].append(record)
+        offered[int(math.floor(max(record.start_s, 0.0)))] += 1
     series = []
-    for second in sorted(buckets):
+    for second in sorted(set(buckets) | set(offered)):
         bucket = sorted(buckets[second], key=lambda record: record.end_s)
         ok = [record for record in bucket if record.ok]
         latencies = [record.latency_ms for record in ok]
@@ -199,8 +217,10 @@ def time_series(
                 "t": second,
                 "requests": len(ok),
                 "errors": len(bucket) - len(ok),
+                "offered": offered[second],
                 "rows": rows,
                 "requests_per_s": len(ok) / span,
+                "offered_per_s": offered[second] / span,
                 "rows_per_s": rows / span,
                 "latency_ms": {
                     "p50": _finite(percentile(latencies, 50)),
@@ -217,13 +237,51 @@ def time_series(
 
 
 def _latency_summary(latencies: Sequence[float]) -> dict[str, float]:
-    return {
-        "p50": _finite(percentile(latencies, 50)),
-        "p90": _finite(percentile(latencies, 90)),
-        "p99": _finite(percentile(latencies, 99)),
-        "max": max(latencies, default=0.0),
-        "mean": sum(latencies) / len(latencies) if latencies else 0.0,
-    }
+    summary = {key: _finite(percentile(latencies, q)) for key, q in LATENCY_PERCENTILES.items()}
+    summary["max"] = max(latencies, default=0.0)
+    summary["mean"] = sum(latencies) / len(latencies) if latencies else 0.0
+    return summary
+
+
+CSV_COLUMNS = (
+    "index",
+    "start_s",
+    "end_s",
+    "latency_ms",
+    "rows",
+    "status",
+    "hits",
+    "misses",
+    "vram_bytes",
+    "expert_rows",
+)
+
+
+def write_records_csv(records: Iterable[RequestRecord], path: Path) -> Path:
+    """One line per request (columns `CSV_COLUMNS`); `expert_rows` reads `id:rows id:rows`.
+
+    Failed requests are kept, with their status, so that a spreadsheet sees the whole run.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as stream:
+        writer = csv.writer(stream)
+        writer.writerow(CSV_COLUMNS)
+        for record in sorted(records, key=lambda record: record.index):
+            writer.writerow(
+                (
+                    record.index,
+                    f"{record.start_s:.6f}",
+                    f"{record.end_s:.6f}",
+                    f"{record.latency_ms:.3f}",
+                    record.rows,
+                    record.status,
+                    record.hits,
+                    record.misses,
+                    "" if record.vram_bytes is None else record.vram_bytes,
+                    " ".join(f"{key}:{value}" for key, value in sorted(record.expert_rows.items())),
+                )
+            )
+    return path
 
 
 def _record_dict(record: RequestRecord) -> dict[str, Any]:

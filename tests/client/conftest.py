@@ -14,6 +14,7 @@ import json
 import math
 from collections import Counter, OrderedDict
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -312,3 +313,14 @@ def make_error() -> Callable[..., httpx.Response]:
 @pytest.fixture
 def grid() -> Callable[..., list[list[float]]]:
     return grid_prototypes
+
+
+@pytest.fixture(scope="session")
+def fakes() -> SimpleNamespace:
+    """The fake server's parts, for fixtures wider than one test (e.g. a report built once)."""
+    return SimpleNamespace(
+        FakeServer=FakeServer,
+        FakeClock=FakeClock,
+        grid_prototypes=grid_prototypes,
+        error_response=error_response,
+    )

@@ -61,7 +61,7 @@ async def test_one_worker_latencies_are_the_server_service_times(make_server, fa
     latencies = [record["latency_ms"] for record in report.records]
     expected = [seconds * 1000 for seconds in server.service_times]
     assert latencies == pytest.approx(expected)
-    for key, q in (("p50", 50), ("p90", 90), ("p99", 99)):
+    for key, q in (("p50", 50), ("p90", 90), ("p95", 95), ("p99", 99), ("p99.9", 99.9)):
         assert report.latency_ms[key] == pytest.approx(np.percentile(expected, q))
     assert report.latency_ms["mean"] == pytest.approx(np.mean(expected))
     assert report.duration_s == pytest.approx(sum(server.service_times))
@@ -176,8 +176,10 @@ async def test_report_dir_holds_json_and_plots(make_server, fake_clock, tmp_path
         assert key in data
     assert data["requests"] == 30 and data["config"]["api_key"] == "***"
     assert "records" not in data
+    # Closed loop without errors: neither the open-loop nor the error plot.
     assert sorted(report.plots) == sorted(
         [
+            "latency_percentiles.png",
             "latency_over_time.png",
             "throughput_over_time.png",
             "vram_per_request.png",
@@ -187,6 +189,8 @@ async def test_report_dir_holds_json_and_plots(make_server, fake_clock, tmp_path
     )
     for name in report.plots:
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "report.html").read_text().startswith("<!DOCTYPE html>")
+    assert len((tmp_path / "requests.csv").read_text().splitlines()) == 1 + 30
 
 
 async def test_no_plots_without_matplotlib(make_server, fake_clock, tmp_path, monkeypatch):
@@ -197,6 +201,10 @@ async def test_no_plots_without_matplotlib(make_server, fake_clock, tmp_path, mo
     assert report.plots == [] and not list(tmp_path.glob("*.png"))
     assert any("matplotlib" in note for note in report.notes)
     assert "matplotlib" in report.summary()
+    # The page and the per-request file do not need matplotlib.
+    page = (tmp_path / "report.html").read_text()
+    assert 'id="no-plots"' in page and "plots skipped: matplotlib not installed" in page
+    assert (tmp_path / "requests.csv").is_file()
 
 
 class _Terminal(io.StringIO):

@@ -76,12 +76,20 @@ SCRIPT = textwrap.dedent(
         else:
             raise AssertionError("numpy() should need numpy")
 
-    config = client.LoadTestConfig(requests=12, concurrency=2, batch=2, distribution="zipf:1.0")
+    config = client.LoadTestConfig(
+        requests=12, concurrency=2, batch=2, distribution="zipf:1.0", report_dir="report"
+    )
     report = client.run_loadtest(
         config,
         client_factory=lambda cfg: client.AsyncClient(transport=httpx.MockTransport(handler)),
     )
     assert report.ok == 12 and report.rows == 24, report
+    # Without matplotlib the page, the figures and the per-request file are still written.
+    import pathlib
+    page = pathlib.Path("report/report.html").read_text()
+    assert "plots skipped: matplotlib not installed" in page and "<img" not in page
+    assert len(pathlib.Path("report/requests.csv").read_text().splitlines()) == 13
+    assert pathlib.Path("report/report.json").is_file()
 
     parser = argparse.ArgumentParser()
     _cli.register(parser.add_subparsers())

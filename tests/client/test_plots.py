@@ -1,25 +1,33 @@
-"""The five PNG plots of a report."""
+"""The PNG plots of a report: which are written, and that they are PNG images."""
 
 from __future__ import annotations
 
 import pytest
 
 from client import RequestRecord
-from client._plots import write_plots
+from client._plots import PLOT_TITLES, write_plots
 from client._report import build_report
 
 pytestmark = pytest.mark.unit
 
+ALWAYS = {
+    "latency_percentiles.png",
+    "latency_over_time.png",
+    "throughput_over_time.png",
+    "hit_rate_over_time.png",
+    "vram_per_request.png",
+    "device_bytes_over_time.png",
+}
 
-def test_write_plots_writes_five_pngs(tmp_path):
-    pytest.importorskip("matplotlib")
+
+def make_report(*, rate: float | None = None, failed: int = 0):
     records = [
         RequestRecord(
             i,
             i * 0.3,
             i * 0.3 + 0.05,
             4,
-            "200",
+            "503" if i < failed else "200",
             hits=i % 2,
             misses=1 - i % 2,
             vram_bytes=1000 + i,
@@ -28,16 +36,29 @@ def test_write_plots_writes_five_pngs(tmp_path):
         )
         for i in range(12)
     ]
-    report = build_report(
+    return build_report(
         records,
         duration_s=4.0,
         dense_equivalent_bytes=10**6,
         max_expert_bytes=900,
-        config={},
+        config={"rate": rate},
         model={},
         workload={},
     )
+
+
+def test_closed_loop_without_errors_writes_the_six_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+    report = make_report()
     paths = write_plots(report, tmp_path / "plots", vram_samples=[1000.0 + i for i in range(12)])
-    assert len(paths) == 5
+    assert {path.name for path in paths} == ALWAYS
     for path in paths:
         assert path.read_bytes()[:4] == b"\x89PNG" and path.stat().st_size > 1000
+
+
+def test_open_loop_and_errors_add_their_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+    report = make_report(rate=3.0, failed=2)
+    paths = write_plots(report, tmp_path, vram_samples=[1000.0 + i for i in range(10)])
+    assert {path.name for path in paths} == set(PLOT_TITLES)
+    assert ALWAYS | {"offered_vs_achieved.png", "errors_by_status.png"} == set(PLOT_TITLES)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import csv
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from client import RequestRecord
-from client._report import build_report, percentile
+from client._report import CSV_COLUMNS, build_report, percentile, write_records_csv
 
 pytestmark = pytest.mark.unit
 
@@ -97,6 +99,50 @@ def test_empty_run_gives_zeros_not_nan():
         model={},
         workload={},
     )
-    assert report.latency_ms == {"p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0, "mean": 0.0}
+    assert report.latency_ms == {
+        "p50": 0.0,
+        "p90": 0.0,
+        "p95": 0.0,
+        "p99": 0.0,
+        "p99.9": 0.0,
+        "max": 0.0,
+        "mean": 0.0,
+    }
     assert report.hit_rate is None and report.vram_ratio is None
     assert "hit rate n/a" in report.summary()
+
+
+def test_a_second_with_arrivals_but_no_answers_keeps_its_bucket():
+    # Three requests arrive in second 0; the server answers nothing until second 2.
+    records = [record(i, 0.1 * i, 2.5, vram_bytes=1) for i in range(3)] + [
+        record(3, 1.2, 2.6, status="503")
+    ]
+    report = build_report(
+        records,
+        duration_s=3.0,
+        dense_equivalent_bytes=10,
+        max_expert_bytes=1,
+        config={},
+        model={},
+        workload={},
+    )
+    by_second = {bucket["t"]: bucket for bucket in report.time_series}
+    assert sorted(by_second) == [0, 1, 2]
+    assert [by_second[t]["offered"] for t in (0, 1, 2)] == [3, 1, 0]
+    assert [by_second[t]["requests"] for t in (0, 1, 2)] == [0, 0, 3]
+    assert by_second[2]["errors"] == 1 and by_second[1]["requests_per_s"] == 0.0
+
+
+def test_records_csv_has_one_line_per_request(tmp_path):
+    records = [
+        record(1, 0.5, 0.75, hits=1, misses=0, vram_bytes=300, expert_rows={4: 1, 2: 1}),
+        record(0, 0.0, 0.125, status="timeout"),
+    ]
+    path = write_records_csv(records, tmp_path / "requests.csv")
+    with path.open(newline="") as stream:
+        lines = list(csv.DictReader(stream))
+    assert list(lines[0]) == list(CSV_COLUMNS)
+    assert [line["index"] for line in lines] == ["0", "1"]
+    assert lines[0]["status"] == "timeout" and lines[0]["vram_bytes"] == ""
+    assert float(lines[0]["latency_ms"]) == pytest.approx(125.0)
+    assert lines[1]["expert_rows"] == "2:1 4:1" and lines[1]["vram_bytes"] == "300"
