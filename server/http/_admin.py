@@ -59,6 +59,10 @@ def add_admin_routes(app: FastAPI) -> None:
             504: {"model": ErrorResponse, "description": "the swap did not finish in time"},
         },
         summary="Reload the store from disk now (atomic swap; requests in flight finish)",
+        description="Latency class: immediate when the store on disk is the version served "
+        "(one read of manifest.json); otherwise the time to open the new manifest and router "
+        "(no actor is created or restarted), typically milliseconds. Never longer than the "
+        "server's request timeout: past it the answer is 504 and the swap goes on.",
     )
     async def reload(request: Request) -> ReloadResponse:
         serving: ServingState = request.app.state.serving
