@@ -15,7 +15,7 @@ import contextlib
 import inspect
 import logging
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -96,7 +96,7 @@ class ObservedPool:
         self._on_batch(sum(int(group.rows.shape[0]) for group in groups))
         return await self._pool.run(groups)
 
-    async def prefetch(self, experts: Any) -> None:
+    async def prefetch(self, experts: Sequence[ExpertRef]) -> None:
         await self._pool.prefetch(experts)
 
     def residency(self) -> dict[str, list[str]]:
