@@ -2,11 +2,11 @@
 
 A manifest row records two: ``sha256`` (names the file, checked by ``momlp store verify``)
 and ``checksum``, written ``"<algo>:<hex>"``, today always ``"xxh3_128:..."``. sha256 runs at
-about 2 GB/s on the development VM (with SHA extensions), a tenth of the page-cache copy a
-load is (about 17 GB/s for a 128 MiB expert); XXH3-128 runs at 33 GB/s from memory and about
-100 GB/s from L2, so hashing each chunk of the file right after it is read costs under a fifth
-of the load (benchmarks/expert_load.py; the figures are in benchmarks/RESULTS.md). BLAKE3,
-the fast cryptographic choice, runs at 6-10 GB/s on one core here: as slow as the copy itself.
+about 1.9 GB/s on the development VM (with SHA extensions), 6-10x the cost of a load from the
+page cache (about 15 GB/s for a 128 MiB expert); XXH3-128 runs at ~30 GB/s from memory and
+~80 GB/s from L2, so hashing each chunk of the file right after it is read adds 15-25% to the
+load (benchmarks/expert_load.py; figures in benchmarks/RESULTS.md, "fast checksum"). BLAKE3,
+the fast cryptographic choice, runs at 6-10 GB/s on one core here: as slow as the copy.
 The fast checksum guards against corruption (a flipped bit, a truncated or swapped file), not
 against an adversary: whoever can rewrite an expert file can rewrite the manifest too.
 """

@@ -59,10 +59,10 @@ _MAX_HEADER_BYTES = 100 * 1024 * 1024
 # Smaller ones stay on the heap, where the fixed costs dominate anyway.
 _HUGE_PAGE_MIN_BYTES = 4 * 1024 * 1024
 # A file read to be hashed is read in chunks this large, each hashed at once while it sits
-# in the core's 1 MiB L2: XXH3 runs at ~100 GB/s there against ~33 GB/s once the buffer has
-# left the caches. 0.5-1 MiB measured best for 16 and 128 MiB files (128 KiB pays ~0.15 ms
-# more in read calls per 128 MiB, 4 MiB spills out of L2); hashing in a second thread
-# overlapped with the read cost more than it hid on the 2-core VM.
+# in the core's 1 MiB L2: XXH3 runs at ~80 GB/s there against ~30 GB/s once the buffer has
+# left the caches. 0.5-1 MiB measured best for 16 and 128 MiB files (smaller chunks pay more
+# read calls, 4 MiB spills out of L2); a second thread hashing behind the reader cost more
+# than it hid on the 2-core VM (benchmarks/RESULTS.md, "fast checksum").
 _HASH_CHUNK_BYTES = 512 * 1024
 _DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,

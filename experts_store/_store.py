@@ -48,7 +48,7 @@ class Store:
     """A published store, pinned to the manifest read at :meth:`open`.
 
     Thread-safe. An expert whose manifest row has a fast ``checksum`` is checked against it
-    on every load (it costs under a fifth of the load), so a file corrupted or replaced
+    on every load (it adds 15-25% to a load), so a file corrupted or replaced
     after its first read is still refused. A row without one (a store published before
     checksums existed, or naming an algorithm this reader lacks) has its sha256 checked on
     the first load through this object; later loads trust the content-addressed file. CPU
