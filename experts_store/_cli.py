@@ -63,6 +63,7 @@ def _info(args: argparse.Namespace) -> int:
                 "widths": e.arch["widths"],
                 "file": e.file,
                 "sha256": e.sha256,
+                "checksum": e.checksum,
             }
             for e in m.experts
         ],

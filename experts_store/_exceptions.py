@@ -81,8 +81,17 @@ class ExpertLoadError(StoreError):
         super().__init__(message)
 
 
+def _short_checksum(value: str) -> str:
+    # "xxh3_128:<hex>" keeps its algorithm name; a bare hex is a sha256.
+    algo, sep, digits = value.rpartition(":")
+    return f"{algo} {digits[:16]}..." if sep else f"sha256 {value[:16]}..."
+
+
 class ExpertChecksumError(ExpertLoadError):
-    """The file's sha256 differs from the one the manifest records."""
+    """The file's bytes hash differently from what the manifest records.
+
+    ``expected``/``actual`` are bare sha256 hex digests, or ``"<algo>:<hex>"`` checksums.
+    """
 
     def __init__(self, *, expert_id: int | None, expected: str, actual: str) -> None:
         self.expected = expected
@@ -91,7 +100,7 @@ class ExpertChecksumError(ExpertLoadError):
             expert_id=expert_id,
             message=(
                 f"{_expert_name(expert_id)}: checksum mismatch "
-                f"(manifest sha256 {expected[:16]}..., file sha256 {actual[:16]}...)"
+                f"(manifest {_short_checksum(expected)}, file {_short_checksum(actual)})"
             ),
         )
 

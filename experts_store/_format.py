@@ -1,9 +1,10 @@
 """One expert per safetensors file: tensors + the architecture as JSON in the header metadata.
 
-Loading reads the file once into one host buffer, hashes that buffer, and makes every
-tensor a view into it (CPU) or into one device copy of its data region (CUDA), so a load
-costs one read, one optional hash and at most one host-to-device copy; no pickle, no
-random init.
+Loading reads the file once into one host buffer, hashing each chunk right after it lands
+(while it is still in the CPU cache) when a checksum is to be checked, and makes every
+tensor a view into that buffer (CPU) or into one device copy of its data region (CUDA), so
+a load costs one read, at most one pass of a hash over cached bytes and at most one
+host-to-device copy; no pickle, no random init.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import logging
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ import torch
 from torch import Tensor
 
 from experts_store._arch import ExpertArch
+from experts_store._checksum import Digest, fast_checksum, new_fast_digest
 from experts_store._exceptions import (
     ExpertFileMissing,
     ExpertFormatError,
@@ -56,6 +58,12 @@ _MAX_HEADER_BYTES = 100 * 1024 * 1024
 # a quiet machine recycling already pays at 16 MiB (3.1 -> 2.5 ms, benchmarks/expert_load.py).
 # Smaller ones stay on the heap, where the fixed costs dominate anyway.
 _HUGE_PAGE_MIN_BYTES = 4 * 1024 * 1024
+# A file read to be hashed is read in chunks this large, each hashed at once while it sits
+# in the core's 1 MiB L2: XXH3 runs at ~80 GB/s there against ~30 GB/s once the buffer has
+# left the caches. 0.5-1 MiB measured best for 16 and 128 MiB files (smaller chunks pay more
+# read calls, 4 MiB spills out of L2); a second thread hashing behind the reader cost more
+# than it hid on the 2-core VM (benchmarks/RESULTS.md, "fast checksum").
+_HASH_CHUNK_BYTES = 512 * 1024
 _DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -72,12 +80,16 @@ _DTYPES: dict[str, torch.dtype] = {
 
 @dataclass(frozen=True)
 class ExpertFile:
-    """What :func:`save_expert` wrote: the figures a manifest row records."""
+    """What :func:`save_expert` wrote: the figures a manifest row records.
+
+    ``checksum`` is the fast checksum ``"xxh3_128:<hex>"`` of the file's bytes.
+    """
 
     sha256: str
     bytes: int
     params: int
     arch: ExpertArch
+    checksum: str | None = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +163,8 @@ def save_expert(
             raise ValueError(f"{name} is {tensor.dtype}, the format stores float32 parameters")
     header, ordered = _serialize_header(state, header_meta, expected)
     digest = hashlib.sha256(header)
+    fast = new_fast_digest()
+    fast.update(header)
     size = len(header)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -159,6 +173,7 @@ def save_expert(
             for tensor in ordered:
                 chunk = host_view(tensor.reshape(-1).view(torch.uint8))
                 digest.update(chunk)
+                fast.update(chunk)
                 f.write(chunk)
                 size += chunk.nbytes
             f.flush()
@@ -171,6 +186,7 @@ def save_expert(
         bytes=size,
         params=expert.arch.num_parameters(),
         arch=expert.arch,
+        checksum=fast_checksum(fast),
     )
 
 
@@ -210,11 +226,13 @@ def read_expert_bytes(
     expert_id: int | None = None,
     pin_memory: bool = False,
     host_pool: HostBufferPool | None = None,
+    digests: Sequence[Digest] = (),
 ) -> Tensor:
     """The whole file as one uint8 CPU tensor, read with a single unbuffered read loop.
 
     Buffers under 4 MiB come from the heap; larger ones from ``host_pool`` when given,
-    else from a fresh huge-page mapping.
+    else from a fresh huge-page mapping. Every byte read is fed to each of ``digests``, in
+    file order, chunk by chunk as it lands.
     """
     path = Path(path)
     try:
@@ -234,11 +252,16 @@ def read_expert_bytes(
         else:
             buf = fresh_host_buffer(size)
         view = host_view(buf)
+        # Unhashed, one read call takes the whole file; hashed, chunks small enough to be
+        # hashed from cache.
+        step = _HASH_CHUNK_BYTES if digests else max(size, 1)
         done = 0
         while done < size:
-            n = os.readv(fd, [view[done:]])
+            n = os.readv(fd, [view[done : done + step]])
             if not n:
                 raise ExpertFormatError(expert_id=expert_id, reason="file shrank while read")
+            for digest in digests:
+                digest.update(view[done : done + n])
             done += n
     except OSError as exc:
         raise ExpertLoadError(

@@ -13,6 +13,9 @@ from experts_store._exceptions import UnknownExpert
 __all__ = ["ExpertEntry", "Manifest", "expert_file_name", "router_file_name"]
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+# "<algo>:<hex>"; the algorithm is not restricted here, so that a manifest a newer writer
+# recorded with another algorithm still opens (Store then falls back to sha256).
+_CHECKSUM = re.compile(r"[a-z0-9_]{1,32}:[0-9a-f]{8,128}")
 _EXPERT_FILE = re.compile(r"experts/(\d+)-([0-9a-f]{16})\.safetensors")
 _ROUTER_FILE = re.compile(r"router-([0-9a-f]{16})\.safetensors")
 
@@ -31,7 +34,11 @@ def router_file_name(sha256: str) -> str:
 
 
 class ExpertEntry(BaseModel):
-    """One row of ``manifest["experts"]``."""
+    """One row of ``manifest["experts"]``.
+
+    ``checksum`` is the fast checksum ``"<algo>:<hex>"`` (``"xxh3_128:..."``) of the file,
+    checked on every load; manifests written before it existed have None.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -41,12 +48,20 @@ class ExpertEntry(BaseModel):
     bytes: int = Field(ge=0)
     params: int = Field(ge=0)
     arch: dict[str, Any]
+    checksum: str | None = None
 
     @field_validator("sha256")
     @classmethod
     def _check_sha256(cls, value: str) -> str:
         if not _SHA256.fullmatch(value):
             raise ValueError("sha256 must be 64 lowercase hex digits")
+        return value
+
+    @field_validator("checksum")
+    @classmethod
+    def _check_checksum(cls, value: str | None) -> str | None:
+        if value is not None and not _CHECKSUM.fullmatch(value):
+            raise ValueError("checksum must be '<algo>:<lowercase hex>', e.g. 'xxh3_128:0f3a...'")
         return value
 
     @field_validator("arch")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from experts_store._checksum import known_checksum
 from experts_store._exceptions import ExpertFormatError
 from experts_store._frozen import FrozenExpert
 from experts_store._hostbuf import HostBufferPool
@@ -42,10 +43,12 @@ class ExpertRef:
 class ExpertRefLoader:
     """The `ExpertLoader` of a serving actor's cache: reads an `ExpertRef` onto `device`.
 
-    The first load of each content is verified against its sha256, so a corrupted or swapped
-    file is refused naming the expert; later loads of the same content trust the
-    content-addressed file, as a `Store` does. CPU loads of large experts recycle freed host
-    buffers; the pool parks at most two of the largest expert seen.
+    Every load is verified against the ref's fast checksum (xxh3, hashed as the file is read),
+    so a corrupted or swapped file is refused naming the expert even after a good first read.
+    A ref without one this reader knows (a store published before checksums) is verified
+    against its sha256 on the first load of that content, as a `Store` does. CPU loads of
+    large experts recycle freed host buffers; the pool parks at most two of the largest
+    expert seen.
     """
 
     def __init__(self, device: str | torch.device = "cpu") -> None:
@@ -58,13 +61,15 @@ class ExpertRefLoader:
         return ref.nbytes
 
     def load(self, ref: ExpertRef) -> FrozenExpert:
+        fast = known_checksum(ref.checksum)
         with self._lock:
-            verified = ref.sha256 in self._verified
+            verified = fast or ref.sha256 in self._verified
             if self._host_pool is not None:
                 self._host_pool.max_bytes = max(self._host_pool.max_bytes, 2 * ref.nbytes)
         expert = load_frozen_expert(
             Path(ref.path),
             self.device,
+            expected_checksum=ref.checksum if fast else None,
             expected_sha256=None if verified else ref.sha256,
             expert_id=ref.expert_id,
             host_pool=self._host_pool,

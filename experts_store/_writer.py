@@ -7,6 +7,7 @@ crash at any point leaves either the previous store or the new one readable.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -20,11 +21,11 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from experts_store._checksum import fast_checksum, new_fast_digest
 from experts_store._exceptions import ManifestError, StoreError
 from experts_store._format import (
     FORMAT_VERSION,
     ExpertFile,
-    host_view,
     parse_header,
     read_expert_bytes,
     save_expert,
@@ -121,13 +122,17 @@ class StoreWriter:
     def register_expert_file(self, expert_id: int) -> ExpertEntry:
         """Record a file a task wrote at ``expert_path(expert_id)`` (its header is checked)."""
         self._check_open()
-        buf = read_expert_bytes(self.expert_path(expert_id), expert_id=expert_id)
+        sha256, fast = hashlib.sha256(), new_fast_digest()
+        buf = read_expert_bytes(
+            self.expert_path(expert_id), expert_id=expert_id, digests=(sha256, fast)
+        )
         header = parse_header(buf, expert_id=expert_id)
         written = ExpertFile(
-            sha256=sha256_hex(host_view(buf)),
+            sha256=sha256.hexdigest(),
             bytes=buf.numel(),
             params=header.arch.num_parameters(),
             arch=header.arch,
+            checksum=fast_checksum(fast),
         )
         return self._record(expert_id, written)
 
@@ -238,6 +243,7 @@ class StoreWriter:
             bytes=written.bytes,
             params=written.params,
             arch=written.arch.to_dict(),
+            checksum=written.checksum,
         )
         self._entries[expert_id] = entry
         return entry

@@ -35,7 +35,15 @@ def test_published_manifest_has_the_design_keys(store_root: Path) -> None:
         "extra",
     ):
         assert key in data
-    assert set(data["experts"][0]) == {"id", "file", "sha256", "bytes", "params", "arch"}
+    assert set(data["experts"][0]) == {
+        "id",
+        "file",
+        "sha256",
+        "bytes",
+        "params",
+        "arch",
+        "checksum",
+    }
     manifest = Manifest.model_validate(data)
     assert manifest.total_expert_bytes == sum(e["bytes"] for e in data["experts"])
     assert manifest.expert(2).id == 2
@@ -94,4 +102,22 @@ def test_entry_arch_must_agree_with_params(store_root: Path) -> None:
     data = manifest_dict(store_root)
     data["experts"][1]["params"] += 1
     with pytest.raises(ValidationError, match="params"):
+        Manifest.model_validate(data)
+
+
+def test_a_manifest_without_checksums_still_loads(store_root: Path) -> None:
+    data = manifest_dict(store_root)
+    for entry in data["experts"]:
+        del entry["checksum"]
+    manifest = Manifest.model_validate(data)
+    assert [e.checksum for e in manifest.experts] == [None, None, None]
+
+
+@pytest.mark.parametrize(
+    "bad", ["0f3a" * 8, "xxh3_128:", "xxh3_128:0F3A0F3A", "XXH3:0f3a0f3a", "xxh3 128:0f3a0f3a"]
+)
+def test_a_malformed_checksum_is_refused(store_root: Path, bad: str) -> None:
+    data = manifest_dict(store_root)
+    data["experts"][1]["checksum"] = bad
+    with pytest.raises(ValidationError, match="checksum"):
         Manifest.model_validate(data)

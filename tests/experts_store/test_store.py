@@ -1,9 +1,13 @@
 from __future__ import annotations
 
+import json
+import os
+import struct
 from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 from experts_store import (
     ExpertChecksumError,
@@ -25,6 +29,87 @@ def flip_byte(path: Path, offset: int = -5) -> None:
     path.write_bytes(bytes(raw))
 
 
+def replace_with_flipped(path: Path, offset: int) -> None:
+    """Swap in a new file (a new inode, as a copy tool would) holding one flipped byte."""
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 0x01
+    tmp = path.with_name(path.name + ".new")
+    tmp.write_bytes(bytes(raw))
+    os.replace(tmp, path)
+
+
+def strip_checksums(root: Path) -> None:
+    """Rewrite the manifest as a writer from before fast checksums would have."""
+    data = json.loads((root / "manifest.json").read_text())
+    for entry in data["experts"]:
+        del entry["checksum"]
+    (root / "manifest.json").write_text(json.dumps(data))
+
+
+def offset_in(path: Path, where: str) -> int:
+    """A byte position in a safetensors file, found from its layout (not from our parser)."""
+    raw = path.read_bytes()
+    (header_len,) = struct.unpack("<Q", raw[:8])
+    data_start = 8 + header_len
+    return {
+        "header_length_low": 0,
+        "header_length_high": 7,
+        "json_header": 8 + header_len // 2,
+        "first_data_byte": data_start,
+        "middle_of_data": (data_start + len(raw)) // 2,
+        "last_data_byte": len(raw) - 1,
+    }[where]
+
+
+OFFSETS = [
+    "header_length_low",
+    "header_length_high",
+    "json_header",
+    "first_data_byte",
+    "middle_of_data",
+    "last_data_byte",
+]
+
+
+@pytest.mark.parametrize("where", OFFSETS)
+@pytest.mark.parametrize("loaded_before", [False, True], ids=["first_load", "after_good_load"])
+def test_a_flipped_byte_anywhere_is_refused_on_every_load(
+    store_root: Path, where: str, loaded_before: bool
+) -> None:
+    store = Store.open(store_root)
+    x = torch.randn(4, 3)
+    if loaded_before:
+        good = store.load_frozen(1)(x)
+        assert torch.equal(store.load_frozen(1)(x), good)
+    path = store.expert_path(1)
+    replace_with_flipped(path, offset_in(path, where))
+    with pytest.raises(ExpertChecksumError) as info:
+        store.load_frozen(1)
+    assert info.value.expert_id == 1
+    assert "expert 1" in str(info.value)
+    assert info.value.expected == store.expert_entry(1).checksum
+    assert info.value.actual.startswith("xxh3_128:")
+    assert info.value.actual != info.value.expected
+    # Other experts still load.
+    assert store.load_frozen(0)(x).shape == (4, 2)
+
+
+def test_a_file_modified_in_place_after_a_good_load_is_refused(store_root: Path) -> None:
+    store = Store.open(store_root)
+    store.load_expert(2)
+    flip_byte(store.expert_path(2), offset=-1)
+    with pytest.raises(ExpertChecksumError) as info:
+        store.load_expert(2)
+    assert info.value.expert_id == 2
+
+
+def test_the_recorded_checksum_is_an_xxh3_128_of_the_file(store_root: Path) -> None:
+    store = Store.open(store_root)
+    for entry in store.manifest.experts:
+        raw = (store_root / entry.file).read_bytes()
+        assert entry.checksum == "xxh3_128:" + xxhash.xxh3_128_hexdigest(raw)
+
+
 def test_flipped_byte_is_refused_naming_the_expert(store_root: Path) -> None:
     store = Store.open(store_root)
     flip_byte(store.expert_path(1))
@@ -33,21 +118,58 @@ def test_flipped_byte_is_refused_naming_the_expert(store_root: Path) -> None:
         store.load_expert(1)
     assert info.value.expert_id == 1
     assert "expert 1" in str(info.value)
-    assert info.value.expected == store.expert_entry(1).sha256
+    assert info.value.expected == store.expert_entry(1).checksum
     problems = store.verify()
     assert [p.expert_id for p in problems] == [1]
     assert "checksum" in problems[0].message
 
 
-def test_checksum_is_checked_on_first_read_only(store_root: Path) -> None:
+@pytest.mark.parametrize("where", ["header_length_high", "json_header", "middle_of_data"])
+def test_entries_without_checksum_are_checked_by_sha256_on_first_read_only(
+    store_root: Path, where: str
+) -> None:
+    strip_checksums(store_root)
     store = Store.open(store_root)
+    assert store.expert_entry(2).checksum is None
     store.load_expert(2)
     flip_byte(store.expert_path(2), offset=-1)
-    # The name is content-addressed, so the file is trusted after one verified read; a fresh
-    # Store (as after a restart) verifies again.
+    # The name is content-addressed, so such a file is trusted after one verified read; a
+    # fresh Store (as after a restart) verifies again, by sha256.
     store.load_expert(2)
-    with pytest.raises(ExpertChecksumError):
-        Store.open(store_root).load_expert(2)
+    fresh = Store.open(store_root)
+    with pytest.raises(ExpertChecksumError) as info:
+        fresh.load_expert(2)
+    assert info.value.expert_id == 2
+    assert info.value.expected == fresh.expert_entry(2).sha256
+    path = fresh.expert_path(1)
+    flip_byte(path, offset_in(path, where))
+    with pytest.raises(ExpertChecksumError) as info:
+        fresh.load_frozen(1)
+    assert info.value.expert_id == 1
+    assert [p.expert_id for p in fresh.verify()] == [1, 2]
+
+
+def test_an_entry_without_checksum_loads_the_same_expert(store_root: Path) -> None:
+    x = torch.randn(5, 3)
+    before = Store.open(store_root).load_frozen(0)(x)
+    strip_checksums(store_root)
+    assert torch.equal(Store.open(store_root).load_frozen(0)(x), before)
+
+
+def test_an_unknown_checksum_algorithm_falls_back_to_sha256(
+    store_root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    data = json.loads((store_root / "manifest.json").read_text())
+    for entry in data["experts"]:
+        entry["checksum"] = "future_hash:" + "ab" * 16
+    (store_root / "manifest.json").write_text(json.dumps(data))
+    store = Store.open(store_root)
+    assert "future_hash" in caplog.text
+    store.load_frozen(0)
+    flip_byte(store.expert_path(1), offset=-1)
+    with pytest.raises(ExpertChecksumError) as info:
+        store.load_frozen(1)
+    assert info.value.expected == store.expert_entry(1).sha256
 
 
 def test_missing_file_is_reported_naming_the_expert(store_root: Path) -> None:
@@ -61,18 +183,17 @@ def test_missing_file_is_reported_naming_the_expert(store_root: Path) -> None:
 
 def test_bad_header_with_matching_checksum_is_a_format_error(store_root: Path) -> None:
     # A manifest that agrees with a broken file (e.g. written by a buggy tool) still fails.
-    import json
-
     from experts_store._format import sha256_hex
 
     store = Store.open(store_root)
     path = store.expert_path(1)
     path.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
     sha = sha256_hex(path.read_bytes())
+    checksum = "xxh3_128:" + xxhash.xxh3_128_hexdigest(path.read_bytes())
     data = json.loads((store_root / "manifest.json").read_text())
     new_file = f"experts/1-{sha[:16]}.safetensors"
     path.rename(store_root / new_file)
-    data["experts"][1].update(file=new_file, sha256=sha, bytes=16)
+    data["experts"][1].update(file=new_file, sha256=sha, bytes=16, checksum=checksum)
     (store_root / "manifest.json").write_text(json.dumps(data))
     store = Store.open(store_root)
     with pytest.raises(ExpertFormatError) as info:

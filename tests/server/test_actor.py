@@ -187,3 +187,19 @@ def test_read_only_rows_are_accepted(make_store: MakeStore) -> None:
     assert outcome.outputs is not None
     np.testing.assert_allclose(outcome.outputs, direct(store, 0, rows), rtol=1e-6)
     core.close()
+
+
+def test_a_file_corrupted_after_a_good_load_is_refused_when_read_again(
+    make_store: MakeStore,
+) -> None:
+    store = Store.open(make_store(K=2, n=2, width=4, out=1))
+    assert store.expert_entry(0).checksum is not None  # new stores carry the fast checksum
+    core = IdCore(store, name="a0", budget_bytes=store.expert_nbytes(0))  # room for one
+    [first] = core.run([(0, rows_for(2, 1, seed=0))]).results
+    assert first.error is None
+    corrupt(store, 0)
+    core.run([(1, rows_for(2, 1, seed=1))])  # evicts expert 0
+    [again] = core.run([(0, rows_for(2, 1, seed=0))]).results
+    assert again.outputs is None and again.error_kind == "load"
+    assert again.error is not None and "checksum" in again.error
+    core.close()
