@@ -15,7 +15,7 @@ CNN's; a 4-class variant (digits 0-3 discriminative, 4-9 irrelevant).
 Every training run is a Ray task (embedded Ray, 2 CPUs); per-run lines go to --raw.
 
     python benchmarks/seed003_pmoe.py --quick       # <= 10 min on 2 cores: fewer sizes and seeds
-    python benchmarks/seed003_pmoe.py               # 10 sizes x 5 seeds, l sweep x 3 seeds (~30 min)
+    python benchmarks/seed003_pmoe.py               # 10 sizes x 5 seeds; l sweep x 3 (~30 min)
 """
 
 from __future__ import annotations
