@@ -12,8 +12,9 @@ from server.http._body import HttpError
 
 __all__ = ["ApiKeyMiddleware", "OPEN_PATHS"]
 
-# Liveness stays open so that probes need no key; readiness tells more and is guarded.
-OPEN_PATHS = frozenset({"/healthz", "/v2/health/live"})
+# Liveness probes use /healthz (open, as DESIGN.md says); everything else, /v2 included,
+# needs the key.
+OPEN_PATHS = frozenset({"/healthz"})
 
 
 class ApiKeyMiddleware:

@@ -145,9 +145,9 @@ async def test_errors_are_the_protocols_shape(
     assert isinstance(error, str) and words in error.lower()
 
 
-async def test_the_key_guards_v2_but_liveness(store: Path) -> None:
+async def test_the_key_guards_v2_like_v1(store: Path) -> None:
     async with running(fake_app(store, api_key="s3cret")) as client:
-        assert (await client.get("/v2/health/live")).status_code == 200
+        assert (await client.get("/v2/health/live")).status_code == 401
         refused = await client.get("/v2/models/mystore")
         allowed = await client.get("/v2/models/mystore", headers={"Authorization": "Bearer s3cret"})
     assert refused.status_code == 401 and isinstance(refused.json()["error"], str)
