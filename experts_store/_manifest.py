@@ -92,6 +92,9 @@ class GateSpec(BaseModel):
     `temperature_source` says how τ was chosen ("default", "config": given to the build,
     "calibrated": fitted on held-out data, with the fit's figures in `calibration`).
     `hierarchy` describes the prototype tree a beam gate walks (branching ν and depth).
+    `tree_top_k`: what top_k > 1 means in tree routing: "nearest" (the exact k nearest, as
+    format 1 served it) or "beam" (the k best leaves of the soft tree walk, consistent with
+    experts trained on the tree's cells; what `momlp build` now writes).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -101,6 +104,7 @@ class GateSpec(BaseModel):
     temperature_source: Literal["default", "config", "calibrated"] = "default"
     calibration: dict[str, Any] | None = None
     hierarchy: dict[str, int] | None = None
+    tree_top_k: Literal["nearest", "beam"] = "nearest"
 
 
 class Manifest(BaseModel):

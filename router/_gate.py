@@ -28,8 +28,11 @@ class Gate:
     """How to weight a row's experts.
 
     top_k: the k nearest prototypes (exact) with softmax(-score / temperature); 1 is the
-    store's routing mode (`mode`) with weight 1. beam: widths per tree level of the
-    hierarchical gate (exclusive with top_k > 1); a shorter list reuses its last width.
+    store's routing mode (`mode`) with weight 1. With tree_top_k="beam", top_k > 1 in tree
+    mode is instead the k best leaves of the beam walk of width k (the soft form of the
+    tree walk the experts were trained on: τ → 0 gives mode="tree"'s expert).
+    beam: widths per tree level of the hierarchical gate (exclusive with top_k > 1); a
+    shorter list reuses its last width.
     min_weight / top_p: drop experts below the weight / beyond the smallest prefix whose
     weights reach p, then renormalise (the heaviest expert is always kept).
     """
@@ -41,6 +44,7 @@ class Gate:
     min_weight: float = 0.0
     top_p: float = 1.0
     beam: tuple[int, ...] | None = None
+    tree_top_k: Literal["nearest", "beam"] = "nearest"
 
     @property
     def max_experts(self) -> int:

@@ -146,9 +146,12 @@ class PrototypeTree:
         gate = check_gate(gate, self.num_prototypes)
         xs = to_inputs(x, self.dim)
         b = xs.shape[0]
-        if gate.beam is not None:
+        beam = gate.beam
+        if beam is None and gate.top_k > 1 and gate.mode == "tree" and gate.tree_top_k == "beam":
+            beam = (gate.top_k,)
+        if beam is not None:
             leaf, logw, sq, evals = beam_walk(
-                xs.to(torch.float32), self._walk, gate.beam, gate.temperature, gate.score
+                xs.to(torch.float32), self._walk, beam, gate.temperature, gate.score
             )
             # Renormalised over the leaves that survived the beam (exactly 1 with none cut).
             weights = torch.softmax(logw, dim=1).masked_fill(leaf < 0, 0.0)

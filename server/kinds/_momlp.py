@@ -113,6 +113,7 @@ class MomlpModel:
             min_weight=request.min_weight if request.min_weight is not None else 0.0,
             top_p=request.top_p if request.top_p is not None else 1.0,
             beam=tuple(beam) if beam is not None else None,
+            tree_top_k=spec.tree_top_k,
         )
         self.check(gate)
         return gate
