@@ -1,13 +1,12 @@
 """Gating as the user's dial: calibrated τ, and the accuracy / experts / VRAM curve of gates.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/gating.py [--quick] [--part calibration|curve]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/gating.py [--quick] [--part calibration]
 
 calibration: the Ackley-2D quick store built with τ = 1 (the old default), then recalibrated
 with `calibrate_store` on 2,000 fresh samples; MSE against the true Ackley function on 2,000
 other random points for top_k = 1, 2, 3, before and after, served through the app.
-curve: on the demo store (K=16) and a K=256 store, for each gate (top-1, top-k at τ = c ×
-median nearest d², min_weight 0.02, beam [2, 2, ...]): test MSE against the true function,
-experts per row, distance evaluations per row and VRAM per request (stats.vram_bytes).
+curve (not built yet): the demo store and a K=256 store under each gate; `predict` and
+`one_row_vram` below already return the figures it needs.
 
 Everything is served in-process (create_app over the in-process FakeExpertPool: the same
 ActorCore as a Ray actor, no Ray), so the figures are the server's arithmetic, not timings.
@@ -145,21 +144,15 @@ async def calibration_part(work: Path) -> None:
                   "points": len(x_eval)})
 
 
-async def curve_part(work: Path, *, quick: bool) -> None:
-    raise NotImplementedError
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer rows (≤ 10 min on 2 cores)")
-    parser.add_argument("--part", choices=("calibration", "curve", "all"), default="all")
-    args = parser.parse_args()
+    # The product curve (issue 14 step 4) is not built yet: only the calibration part runs.
+    parser.add_argument("--part", choices=("calibration",), default="calibration")
+    parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="momlp-gating-") as tmp:
         work = Path(tmp)
-        if args.part in ("calibration", "all"):
-            asyncio.run(calibration_part(work))
-        if args.part in ("curve", "all"):
-            asyncio.run(curve_part(work, quick=args.quick))
+        asyncio.run(calibration_part(work))
 
 
 if __name__ == "__main__":
