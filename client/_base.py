@@ -107,13 +107,16 @@ class BaseClient:
         mode: Mode | None,
         return_stats: bool,
         binary: bool | None,
+        gate: Mapping[str, Any] | None = None,
     ) -> RequestSpec:
         _check_options(top_k, mode)
+        gate = _check_gate(gate)
         encoded = encode_inputs(inputs, binary=binary, binary_min_values=self.binary_min_values)
         if encoded.npy is not None:
             params = {"top_k": str(top_k), "return_stats": "true" if return_stats else "false"}
             if mode is not None:
                 params["mode"] = mode
+            params.update(_gate_query(gate))
             return RequestSpec(
                 "POST",
                 "/v1/predict",
@@ -123,14 +126,20 @@ class BaseClient:
             )
         body: dict[str, Any] = {"inputs": encoded.rows, "top_k": top_k, "mode": mode}
         body["return_stats"] = return_stats
+        if gate:
+            body["gate"] = gate
         return RequestSpec("POST", "/v1/predict", json=body)
 
-    def _build_route(self, inputs: Any, *, top_k: int, mode: Mode | None) -> RequestSpec:
+    def _build_route(
+        self, inputs: Any, *, top_k: int, mode: Mode | None, gate: Mapping[str, Any] | None = None
+    ) -> RequestSpec:
         _check_options(top_k, mode)
+        gate = _check_gate(gate)
         encoded = encode_inputs(inputs, binary=False)
-        return RequestSpec(
-            "POST", "/v1/route", json={"inputs": encoded.rows, "top_k": top_k, "mode": mode}
-        )
+        body: dict[str, Any] = {"inputs": encoded.rows, "top_k": top_k, "mode": mode}
+        if gate:
+            body["gate"] = gate
+        return RequestSpec("POST", "/v1/route", json=body)
 
     @staticmethod
     def _build_model(include_prototypes: bool) -> RequestSpec:
@@ -295,3 +304,25 @@ def _safe_text(response: httpx.Response) -> str:
         return response.text.strip()
     except (httpx.HTTPError, httpx.StreamError, UnicodeDecodeError):
         return ""
+
+
+_GATE_FIELDS = ("temperature", "min_weight", "top_p", "beam", "score")
+
+
+def _check_gate(gate: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The request-time gate as the server takes it (unknown fields refused here)."""
+    if gate is None:
+        return None
+    unknown = sorted(set(gate) - set(_GATE_FIELDS))
+    if unknown:
+        raise InputError(f"unknown gate fields {unknown}; known: {list(_GATE_FIELDS)}",
+                         gate=dict(gate))
+    return {k: (list(v) if k == "beam" else v) for k, v in gate.items() if v is not None}
+
+
+def _gate_query(gate: Mapping[str, Any] | None) -> dict[str, str]:
+    """The gate as query parameters of a binary body (beam comma-separated)."""
+    if not gate:
+        return {}
+    return {k: ",".join(str(int(w)) for w in v) if k == "beam" else str(v)
+            for k, v in gate.items()}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -69,16 +69,24 @@ class Client(BaseClient):
         mode: Mode | None = None,
         return_stats: bool = False,
         binary: bool | None = None,
+        gate: Mapping[str, Any] | None = None,
     ) -> Prediction:
         """Outputs for a 2-D batch `inputs` [rows, input_dim] (lists, tuples, numpy arrays...)."""
         spec = self._build_predict(
-            inputs, top_k=top_k, mode=mode, return_stats=return_stats, binary=binary
+            inputs, top_k=top_k, mode=mode, return_stats=return_stats, binary=binary,
+            gate=gate,
         )
         return self._decode_prediction(self._request(spec))
 
-    def route(self, inputs: Any, top_k: int = 1, mode: Mode | None = None) -> Routing:
-        """Which experts each row goes to, with weights and distances; loads nothing."""
-        spec = self._build_route(inputs, top_k=top_k, mode=mode)
+    def route(
+        self, inputs: Any, top_k: int = 1, mode: Mode | None = None,
+        gate: Mapping[str, Any] | None = None,
+    ) -> Routing:
+        """Which experts each row goes to, with weights and distances; loads nothing.
+
+        `gate` (predict too): temperature, min_weight, top_p, beam, score (server caps apply).
+        """
+        spec = self._build_route(inputs, top_k=top_k, mode=mode, gate=gate)
         return self._decode_routing(self._request(spec))
 
     def model(self, include_prototypes: bool = False) -> ModelInfo:

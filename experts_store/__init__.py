@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from experts_store._frozen import FrozenExpert
     from experts_store._hostbuf import HostBufferPool
     from experts_store._load import load_expert, load_frozen_expert
-    from experts_store._manifest import ExpertEntry, Manifest
+    from experts_store._manifest import MANIFEST_FORMAT_VERSION, ExpertEntry, GateSpec, Manifest
     from experts_store._model import ExpertMLP
     from experts_store._ref import ExpertRef, ExpertRefLoader
     from experts_store._store import Store, StoreExpertLoader, StoreProblem
@@ -69,6 +69,8 @@ __all__ = [
     "HostBufferPool",
     "Lease",
     "Manifest",
+    "MANIFEST_FORMAT_VERSION",
+    "GateSpec",
     "ManifestError",
     "MonotonicClock",
     "Store",
@@ -115,6 +117,8 @@ _HOMES = {
     "HostBufferPool": "experts_store._hostbuf",
     "ExpertEntry": "experts_store._manifest",
     "Manifest": "experts_store._manifest",
+    "MANIFEST_FORMAT_VERSION": "experts_store._manifest",
+    "GateSpec": "experts_store._manifest",
     "ExpertMLP": "experts_store._model",
     "ExpertRef": "experts_store._ref",
     "ExpertRefLoader": "experts_store._ref",

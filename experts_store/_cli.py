@@ -1,4 +1,6 @@
-"""`momlp store info|verify DIR`. Only the standard library is imported at module level."""
+"""`momlp store info|verify|calibrate DIR`. Only the standard library is imported at module
+level. `calibrate` fits τ with the trainer (imported by its handler: the CLI glue sits above
+both packages; experts_store itself never imports trainer)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,21 @@ def register(subparsers: Any) -> None:
     verify = commands.add_parser("verify", help="check every file's checksum and header")
     verify.add_argument("dir", metavar="DIR", help="store directory")
     verify.set_defaults(handler=_verify)
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="fit the gate temperature on data and republish the store with it",
+        description="Choose τ of the top-k gate softmax(-d²/τ) by the held-out loss of the "
+        "top-k mixtures on FILE's rows, and publish it as a new store version (expert files "
+        "unchanged; a running server hot-swaps it).",
+    )
+    calibrate.add_argument("dir", metavar="STORE", help="store directory")
+    calibrate.add_argument(
+        "--data", required=True, metavar="FILE", help=".npz (X, y), .csv or .parquet rows"
+    )
+    calibrate.add_argument(
+        "--top-k", default="2,3", metavar="K,K", help="top-k mixtures to fit for (default 2,3)"
+    )
+    calibrate.set_defaults(handler=_calibrate)
 
 
 def _human_bytes(n: int) -> str:
@@ -52,6 +69,8 @@ def _info(args: argparse.Namespace) -> int:
         "branching": m.branching,
         "routing": m.routing,
         "temperature": m.temperature,
+        "kind": m.kind,
+        "gate": m.gate_spec.model_dump(),
         "router_file": m.router_file,
         "total_expert_bytes": m.total_expert_bytes,
         "total_params": m.total_params,
@@ -78,6 +97,13 @@ def _info(args: argparse.Namespace) -> int:
         f"experts    K={m.num_experts}, branching ν={m.branching}, routing={m.routing}, "
         f"τ={m.temperature:g}"
     )
+    gate = m.gate_spec
+    how: str = gate.temperature_source
+    if gate.calibration:
+        c = gate.calibration
+        how += f" on {c.get('rows')} rows of {c.get('data')}, top_k {c.get('top_k')}"
+    print(f"kind       {m.kind}")
+    print(f"gate       softmax(-{gate.score}/τ), τ={gate.temperature:.6g} ({how})")
     print(f"size       {_human_bytes(m.total_expert_bytes)} in experts, {m.total_params} params")
     print()
     print(f"{'id':>6}  {'bytes':>12}  {'params':>12}  widths")
@@ -108,3 +134,28 @@ def _verify(args: argparse.Namespace) -> int:
         print(f"FAIL {who}: {problem.message}")
     print(f"failing experts: {' '.join(str(i) for i in failing) or 'none'}")
     return 1
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from experts_store import StoreError
+
+    try:
+        top_ks = [int(k) for k in args.top_k.split(",")]
+    except ValueError:
+        print(f"error: --top-k takes integers like 2,3, got {args.top_k!r}", file=sys.stderr)
+        return 2
+    from trainer import TrainerError, calibrate_store
+
+    try:
+        manifest = calibrate_store(args.dir, args.data, top_ks=top_ks)
+    except (StoreError, TrainerError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    gate = manifest.gate_spec
+    c = gate.calibration or {}
+    print(
+        f"calibrated τ={gate.temperature:.6g} on {c.get('rows')} rows: loss top-1 "
+        f"{c.get('loss_top1'):.6g}, top-k {c.get('loss_at_temperature')} "
+        f"(at τ=1: {c.get('loss_at_1')}); published version {manifest.store_version}"
+    )
+    return 0

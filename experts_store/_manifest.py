@@ -10,7 +10,19 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from experts_store._arch import ExpertArch
 from experts_store._exceptions import UnknownExpert
 
-__all__ = ["ExpertEntry", "Manifest", "expert_file_name", "router_file_name"]
+__all__ = [
+    "MANIFEST_FORMAT_VERSION",
+    "ExpertEntry",
+    "GateSpec",
+    "Manifest",
+    "expert_file_name",
+    "router_file_name",
+]
+
+# Format 2 adds `kind` and `gate`; a format-1 manifest (neither) reads as kind "momlp" with
+# the default gate at its top-level temperature. Expert files keep their own FORMAT_VERSION.
+MANIFEST_FORMAT_VERSION = 2
+_KIND = re.compile(r"[a-z][a-z0-9_-]{0,63}")
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # "<algo>:<hex>"; the algorithm is not restricted here, so that a manifest a newer writer
@@ -87,6 +99,29 @@ class ExpertEntry(BaseModel):
         return ExpertArch.from_dict(self.arch)
 
 
+class GateSpec(BaseModel):
+    """The store's default gate (manifest format 2): how a row's experts are weighted.
+
+    `score` is what the softmax is taken over, negated: the squared distance to a prototype
+    ("sqdist") or the distance itself ("dist", the score the paper's eq. 39 trains with).
+    `temperature_source` says how τ was chosen ("default", "config": given to the build,
+    "calibrated": fitted on held-out data, with the fit's figures in `calibration`).
+    `hierarchy` describes the prototype tree a beam gate walks (branching ν and depth).
+    `tree_top_k`: what top_k > 1 means in tree routing: "nearest" (the exact k nearest, as
+    format 1 served it) or "beam" (the k best leaves of the soft tree walk, consistent with
+    experts trained on the tree's cells; what `momlp build` now writes).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    score: Literal["sqdist", "dist"] = "sqdist"
+    temperature: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    temperature_source: Literal["default", "config", "calibrated"] = "default"
+    calibration: dict[str, Any] | None = None
+    hierarchy: dict[str, int] | None = None
+    tree_top_k: Literal["nearest", "beam"] = "nearest"
+
+
 class Manifest(BaseModel):
     """The store's manifest.json."""
 
@@ -105,6 +140,32 @@ class Manifest(BaseModel):
     router_file: str = "router.safetensors"
     experts: list[ExpertEntry]
     extra: dict[str, Any] = Field(default_factory=dict)
+    kind: str = "momlp"
+    gate: GateSpec | None = None
+
+    @field_validator("kind")
+    @classmethod
+    def _check_kind(cls, value: str) -> str:
+        if not _KIND.fullmatch(value):
+            raise ValueError(f"kind {value!r} is not a lowercase name (a-z, 0-9, '_', '-')")
+        return value
+
+    @model_validator(mode="after")
+    def _check_gate(self) -> Manifest:
+        # The top-level temperature stays for format-1 readers; it must not disagree.
+        if self.gate is not None and self.gate.temperature != self.temperature:
+            raise ValueError(
+                f"gate.temperature {self.gate.temperature!r} differs from temperature "
+                f"{self.temperature!r}"
+            )
+        return self
+
+    @property
+    def gate_spec(self) -> GateSpec:
+        """The gate block, or for a format-1 manifest the gate it was served with."""
+        if self.gate is not None:
+            return self.gate
+        return GateSpec(temperature=self.temperature)
 
     @field_validator("router_file")
     @classmethod

@@ -24,14 +24,20 @@ from pydantic import ValidationError
 from experts_store._checksum import fast_checksum, new_fast_digest
 from experts_store._exceptions import ManifestError, StoreError
 from experts_store._format import (
-    FORMAT_VERSION,
     ExpertFile,
     parse_header,
     read_expert_bytes,
     save_expert,
     sha256_hex,
 )
-from experts_store._manifest import ExpertEntry, Manifest, expert_file_name, router_file_name
+from experts_store._manifest import (
+    MANIFEST_FORMAT_VERSION,
+    ExpertEntry,
+    GateSpec,
+    Manifest,
+    expert_file_name,
+    router_file_name,
+)
 from experts_store._model import ExpertMLP
 
 __all__ = ["StoreWriter"]
@@ -136,6 +142,21 @@ class StoreWriter:
         )
         return self._record(expert_id, written)
 
+    def link_expert_file(self, expert_id: int, source: Path | str) -> ExpertEntry:
+        """Stage an existing expert file (e.g. the previous version's) unchanged and record it.
+
+        A hard link where the file system allows it, else a copy: a republish that keeps an
+        expert keeps its bytes, hence its sha256, so servers keep it warm across the swap.
+        """
+        self._check_open()
+        target = self.expert_path(expert_id)
+        target.unlink(missing_ok=True)
+        try:
+            os.link(source, target)
+        except OSError:
+            shutil.copyfile(source, target)
+        return self.register_expert_file(expert_id)
+
     def write_report(self, report: Mapping[str, Any]) -> None:
         """Stage report.json; it is moved into the store right after the manifest."""
         self._check_open()
@@ -157,8 +178,14 @@ class StoreWriter:
         branching: int,
         temperature: float = 1.0,
         extra: Mapping[str, Any] | None = None,
+        kind: str = "momlp",
+        gate: GateSpec | None = None,
     ) -> Manifest:
-        """Make the staged store the live one and return its manifest."""
+        """Make the staged store the live one and return its manifest.
+
+        `gate`, when given, is the store's default gate and sets the temperature (manifest
+        format 2); without it the gate block records `temperature` as given by the caller.
+        """
         self._check_open()
         if not self.router_path.is_file():
             raise StoreError(f"nothing staged at {self.router_path}: save the router first")
@@ -166,7 +193,7 @@ class StoreWriter:
         entries = [self._entries[i] for i in sorted(self._entries)]
         try:
             manifest = Manifest(
-                format_version=FORMAT_VERSION,
+                format_version=MANIFEST_FORMAT_VERSION,
                 store_version=self.version,
                 created_at=self._now().isoformat(),
                 task=task,
@@ -175,10 +202,12 @@ class StoreWriter:
                 routing=routing,
                 branching=branching,
                 num_experts=len(entries),
-                temperature=temperature,
+                temperature=gate.temperature if gate is not None else temperature,
                 router_file=router_file_name(router_sha),
                 experts=entries,
                 extra=dict(extra or {}),
+                kind=kind,
+                gate=gate if gate is not None else GateSpec(temperature=temperature),
             )
         except ValidationError as exc:
             raise ManifestError(root=self.root, message=str(exc)) from exc

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ._bruteforce import BruteForceRouter
 from ._exceptions import (
+    BadGate,
     BadMode,
     BadTopK,
     DimensionMismatch,
@@ -21,15 +22,19 @@ from ._exceptions import (
     RouterFileError,
     RouterInputError,
 )
+from ._gate import Gate, GateRouting, Score, check_gate
 from ._routing import Mode, Routing
 from ._tree import PrototypeTree
 
 __all__ = [
+    "BadGate",
     "BadMode",
     "BadTopK",
     "BruteForceRouter",
     "DimensionMismatch",
     "EmptyBatch",
+    "Gate",
+    "GateRouting",
     "InputOutOfRange",
     "Mode",
     "NonFiniteInput",
@@ -39,4 +44,6 @@ __all__ = [
     "RouterFileError",
     "RouterInputError",
     "Routing",
+    "Score",
+    "check_gate",
 ]

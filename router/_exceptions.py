@@ -7,7 +7,8 @@
      │    ├── InputOutOfRange(max_abs, limit)
      │    ├── EmptyBatch()
      │    ├── BadTopK(top_k, num_prototypes)
-     │    └── BadMode(mode)
+     │    ├── BadMode(mode)
+     │    └── BadGate(field)           a gate setting out of its range (router.Gate)
      ├── RouterBuildError              prototypes PrototypeTree.build() refuses
      └── RouterFileError(path)         a router file that cannot be read or is inconsistent
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 __all__ = [
+    "BadGate",
     "BadMode",
     "BadTopK",
     "DimensionMismatch",
@@ -94,6 +96,14 @@ class BadMode(RouterInputError):
     def __init__(self, *, mode: object) -> None:
         self.mode = mode
         super().__init__(f'mode must be "tree" or "exact", got {mode!r}')
+
+
+class BadGate(RouterInputError):
+    """A `Gate` field out of its range (`field` names it)."""
+
+    def __init__(self, *, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(message)
 
 
 class RouterBuildError(RouterError):

@@ -9,10 +9,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ._beam import beam_walk
 from ._bruteforce import BlockedSearch, sq_dist_rows
 from ._build import TreeArrays, build_tree_arrays
 from ._exact import ExactIndex, Seeder, exact_nearest, search_pays
 from ._exceptions import RouterBuildError
+from ._gate import Gate, GateRouting, check_gate, sparsify
 from ._io import read_router, write_router
 from ._routing import Mode, Routing, check_mode, check_top_k, gate_weights, to_inputs
 from ._walk import WalkIndex, greedy_walk
@@ -133,6 +135,44 @@ class PrototypeTree:
             distances=dist[:, None],
             distance_evals=evals,
         )
+
+    def gate(self, x: torch.Tensor | np.ndarray, gate: Gate) -> GateRouting:
+        """Each row's experts and weights under `gate` (see `router.Gate`), row by row.
+
+        A beam of width 1 at every level gives `route(x, mode="tree")`'s experts; top_k = 1
+        without a beam gives `route(x, gate.mode)`'s. Raises RouterInputError subclasses
+        (BadGate for a bad setting).
+        """
+        gate = check_gate(gate, self.num_prototypes)
+        xs = to_inputs(x, self.dim)
+        b = xs.shape[0]
+        beam = gate.beam
+        if beam is None and gate.top_k > 1 and gate.mode == "tree" and gate.tree_top_k == "beam":
+            beam = (gate.top_k,)
+        if beam is not None:
+            leaf, logw, sq, evals = beam_walk(
+                xs.to(torch.float32), self._walk, beam, gate.temperature, gate.score
+            )
+            # Renormalised over the leaves that survived the beam (exactly 1 with none cut).
+            weights = torch.softmax(logw, dim=1).masked_fill(leaf < 0, 0.0)
+            distances = sq.sqrt()
+            experts = leaf
+        elif gate.top_k == 1:
+            r = self.route(xs, mode=gate.mode, top_k=1)
+            experts, distances, evals = r.experts, r.distances, r.distance_evals
+            weights = torch.ones((b, 1), dtype=torch.float64)
+        else:
+            experts, d2 = self._blocked_search().knn(xs, gate.top_k)
+            s = d2.sqrt() if gate.score == "dist" else d2
+            weights = torch.softmax(-s / gate.temperature, dim=1)
+            distances = d2.sqrt().to(torch.float32)
+            evals = torch.full((b,), self.num_prototypes, dtype=torch.long)
+        experts, weights, distances = sparsify(experts, weights, distances, gate)
+        return GateRouting(experts, weights, distances, evals)
+
+    def with_temperature(self, temperature: float) -> PrototypeTree:
+        """The same tree with another default temperature (the arrays are shared)."""
+        return PrototypeTree(self.prototypes, self._arrays, self.branching, temperature)
 
     def save(self, path: Path | str) -> None:
         """Write the tree as safetensors (atomically; no pickle)."""

@@ -8,7 +8,9 @@
      ├── ActorFailed            an actor died and the retry failed too: 503
      ├── PoolStartFailed        the actors could not be placed at startup (a startup error)
      ├── RequestTimeout         the answer did not come in time: 504
-     └── InvalidRequest         a request the router or pool refuses: 422
+     ├── InvalidRequest         a request the router or pool refuses: 422
+     │    └── CapExceeded       a gate setting beyond a server cap (names the cap): 422
+     └── UnknownStoreKind       a store of a kind this server cannot serve (startup, reload)
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 __all__ = [
     "ActorFailed",
+    "CapExceeded",
     "ExpertUnavailable",
     "InvalidRequest",
     "NotReady",
@@ -25,6 +28,7 @@ __all__ = [
     "PoolStartFailed",
     "RequestTimeout",
     "ServerError",
+    "UnknownStoreKind",
 ]
 
 
@@ -87,3 +91,26 @@ class RequestTimeout(ServerError):
 class InvalidRequest(ServerError):
     def __init__(self, message: str, *, field: str | None = None) -> None:
         super().__init__(message, field=field)
+
+
+class CapExceeded(InvalidRequest):
+    """A request asked for more than a server-side cap allows (Settings `cap`)."""
+
+    def __init__(self, *, cap: str, limit: float, value: object, field: str) -> None:
+        ServerError.__init__(
+            self,
+            f"{field}={value!r} exceeds the server cap {cap}={limit!r}",
+            field=field,
+            cap=cap,
+            limit=limit,
+            value=value,
+        )
+
+
+class UnknownStoreKind(ServerError):
+    def __init__(self, *, kind: str, known: list[str]) -> None:
+        super().__init__(
+            f"store kind {kind!r} is not one this server can serve (known: {', '.join(known)})",
+            kind=kind,
+            known=known,
+        )

@@ -85,5 +85,17 @@ class Settings(BaseSettings):
     default_mode: Literal["tree", "exact"] | None = Field(
         default=None, description="None uses the mode the store was trained for"
     )
+    max_top_k: int = Field(
+        default=8, ge=1, description="cap on a request's top_k (422 naming it above)"
+    )
+    max_beam: int = Field(
+        default=8, ge=1, description="cap on each width of a request's beam gate"
+    )
+    max_temperature_ratio: float = Field(
+        default=1000.0,
+        ge=1.0,
+        description="a request's gate temperature must lie within the store's τ times or"
+        " divided by this",
+    )
     watch_store: bool = Field(default=True, description="reload when manifest.json changes")
     watch_interval_s: float = Field(default=2.0, gt=0.0)

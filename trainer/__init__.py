@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._baseline import baseline_arch, baseline_width
     from ._build import build_store, load_config_dataset
+    from ._calibrate import TemperatureFit, calibrate_store, fit_temperature
     from ._config import QUICK_DEMO, BuildConfig, quick_demo_config, quick_overrides
     from ._datasets import (
         DATASET_NAMES,
@@ -42,15 +43,18 @@ __all__ = [
     "ExpertFileRef",
     "MixtureOfSmallNetworks",
     "MixtureScore",
+    "TemperatureFit",
     "TrainResult",
     "TrainerError",
     "ackley",
     "baseline_arch",
     "baseline_width",
     "build_store",
+    "calibrate_store",
     "class_weights",
     "evaluate_mixture",
     "fbm_path",
+    "fit_temperature",
     "kmeans_prototypes",
     "learned_prototypes",
     "load_config_dataset",
@@ -71,6 +75,9 @@ _HOMES = {
     "baseline_width": "trainer._baseline",
     "build_store": "trainer._build",
     "load_config_dataset": "trainer._build",
+    "TemperatureFit": "trainer._calibrate",
+    "calibrate_store": "trainer._calibrate",
+    "fit_temperature": "trainer._calibrate",
     "QUICK_DEMO": "trainer._config",
     "BuildConfig": "trainer._config",
     "quick_demo_config": "trainer._config",

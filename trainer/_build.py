@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._calibrate import fit_temperature
 from ._config import BuildConfig, ResolvedTraining
 from ._datasets import Dataset, load_data_file, make_dataset
 from ._evaluate import ExpertFileRef, evaluate_mixture
@@ -90,7 +91,8 @@ def build_store(config: BuildConfig, progress: bool = True) -> Manifest:
 
     mark = time.perf_counter()
     tree = PrototypeTree.build(
-        prototypes, branching=config.branching, seed=config.seed, temperature=config.temperature
+        prototypes, branching=config.branching, seed=config.seed,
+        temperature=config.temperature or 1.0,
     )
     # Training rows go to the expert the server's walk will reach: what is served was trained.
     assignment = tree.route(torch.as_tensor(dataset.x_train), mode=config.routing).experts[:, 0]
@@ -116,6 +118,11 @@ def build_store(config: BuildConfig, progress: bool = True) -> Manifest:
             dataset.output_dim,
         )
         timings["evaluate_s"] = time.perf_counter() - mark
+        mark = time.perf_counter()
+        gate = _choose_gate(config, tree, writer, entries, dataset)
+        if gate.temperature != tree.temperature:
+            tree.with_temperature(gate.temperature).save(writer.router_path)
+        timings["calibrate_s"] = time.perf_counter() - mark
         timings["total_s"] = time.perf_counter() - started
         params = [entries[i].params for i in range(config.experts)]
         report: dict[str, Any] = {
@@ -138,6 +145,7 @@ def build_store(config: BuildConfig, progress: bool = True) -> Manifest:
             # Regression experts train on their own cell's standardised targets (TrainSpec).
             "final_loss_units": "standardised" if dataset.task == "regression" else "raw",
             "mixture": {"metric": score.metric, "value": score.value, "eval_s": score.seconds},
+            "gate": gate.model_dump(),
             "baseline": baseline,
             "experts": [
                 {
@@ -170,8 +178,8 @@ def build_store(config: BuildConfig, progress: bool = True) -> Manifest:
             output_dim=dataset.output_dim,
             routing=config.routing,
             branching=config.branching,
-            temperature=config.temperature,
             extra=extra,
+            gate=gate,
         )
     logger.info(
         "published %s: mixture %s %.6g, baseline %s",
@@ -179,6 +187,38 @@ def build_store(config: BuildConfig, progress: bool = True) -> Manifest:
         "skipped" if baseline is None else f"{baseline['value']:.6g}",
     )
     return manifest
+
+
+def _choose_gate(
+    config: BuildConfig, tree: Any, writer: Any, entries: dict[int, Any], dataset: Dataset
+) -> Any:
+    """The store's gate: τ as configured, or fitted on the held-out split (experts never
+    trained on it) for the top-2 and top-3 mixtures' loss."""
+    from experts_store import GateSpec, load_frozen_expert
+
+    hierarchy = {"branching": config.branching, "depth": int(tree.depth)}
+    if config.temperature is not None or config.experts < 2:
+        if config.temperature is not None:
+            return GateSpec(temperature=config.temperature, temperature_source="config",
+                            hierarchy=hierarchy, tree_top_k="beam")
+        return GateSpec(hierarchy=hierarchy, tree_top_k="beam")
+    experts: dict[int, Any] = {}
+
+    def forward(expert_id: int, rows: torch.Tensor) -> torch.Tensor:
+        if expert_id not in experts:
+            experts[expert_id] = load_frozen_expert(
+                writer.expert_path(expert_id), "cpu",
+                expected_sha256=entries[expert_id].sha256, expert_id=expert_id,
+            )
+        with torch.inference_mode():
+            return experts[expert_id](rows)  # type: ignore[no-any-return]
+
+    fit = fit_temperature(
+        tree, forward, dataset.x_test, dataset.y_test, dataset.task, mode=config.routing,
+        tree_top_k="beam", source="the build's held-out test split",
+    )
+    return GateSpec(temperature=fit.temperature, temperature_source="calibrated",
+                    calibration=fit.calibration, hierarchy=hierarchy, tree_top_k="beam")
 
 
 def _finite_or_none(value: float) -> float | None:

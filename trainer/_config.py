@@ -33,7 +33,8 @@ class BuildConfig:
     experts: int = 16
     branching: int = 4
     routing: Literal["tree", "exact"] = "tree"
-    temperature: float = 1.0  # τ of the top-k gate softmax(−d²/τ), recorded for the server
+    # τ of the top-k gate softmax(−d²/τ); None: calibrated on the held-out split after training
+    temperature: float | None = None
     prototypes: Literal["kmeans", "learned"] = "learned"
     width: int = 1000  # D.3.1
     depth: int | None = None  # hidden layers: 3 (regression) / 4 (classification), D.3.1

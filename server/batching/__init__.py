@@ -1,22 +1,19 @@
-"""The batching floor: requests merged into batches, routed once, grouped by expert.
+"""The batching floor: requests merged into batches, routed once, served by their kind.
 
-It sits on the pool floor (`server.pool`) and knows nothing of HTTP: `Batcher.submit` takes
-rows and returns a `BatchAnswer` with the rows' outputs in order and per-expert figures.
+It sits on the kinds floor (`server.kinds`) and knows nothing of HTTP: `Batcher.submit` takes
+rows and the kind's resolved options and returns a `BatchAnswer` with the rows' outputs in
+order and per-expert figures. How rows become groups and outputs is the kind's business.
 """
 
 from __future__ import annotations
 
-from server.batching._assemble import expert_groups, gather_outputs, request_answers
+from server.batching._assemble import request_answers
 from server.batching._batcher import Batcher
-from server.batching._types import BatchAnswer, ExpertStat, RouterLike, RoutingLike
+from server.batching._types import BatchAnswer, ExpertStat
 
 __all__ = [
     "BatchAnswer",
     "Batcher",
     "ExpertStat",
-    "RouterLike",
-    "RoutingLike",
-    "expert_groups",
-    "gather_outputs",
     "request_answers",
 ]

@@ -1,9 +1,10 @@
 """Merge concurrent requests into batches: one router call, one pool call per batch.
 
-Requests with the same (top_k, mode) that arrive within `max_batch_wait_ms` of the first one
-are merged up to `max_batch_rows` rows. A batch is routed off the event loop, its rows are
-grouped by expert (each (row, k) pair is one row for expert k), and the pool runs all groups;
-each request then gets its own rows back in order, with per-expert stats.
+Requests with the same options (the kind's resolved gate) that arrive within
+`max_batch_wait_ms` of the first one are merged up to `max_batch_rows` rows. A batch is routed
+off the event loop by the store's kind, which plans groups (cache key, rows, gate weights);
+the pool runs each round's groups and the kind combines them; each request then gets its own
+rows back in order, with per-group stats.
 
 Prefetch: while every batch slot is busy, the requests waiting at the head of the queue are
 routed ahead of time and their experts' home actors start loading them, so the loads overlap
@@ -17,39 +18,31 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 
-from experts_store import Clock, ExpertRef, MonotonicClock
+from experts_store import Clock, MonotonicClock
 from router import RouterInputError
 from server._exceptions import InvalidRequest, PoolClosed, PoolSaturated
 from server._settings import Settings
-from server.batching._assemble import (
-    concat_routings,
-    expert_groups,
-    gather_outputs,
-    request_answers,
-    slice_routing,
-)
-from server.batching._types import BatchAnswer, RouterLike
+from server.batching._assemble import Round, request_answers
+from server.batching._types import BatchAnswer
+from server.kinds import GateRequest, ServedModel
 from server.pool import ExpertPool
 
 __all__ = ["Batcher"]
 
 logger = logging.getLogger(__name__)
 
-Mode = Literal["tree", "exact"]
-
 
 @dataclass(eq=False)
 class _Pending:
     x: torch.Tensor
-    top_k: int
-    mode: Mode
+    options: Hashable
     submitted: float
     future: asyncio.Future[BatchAnswer]
     rows: int = field(init=False)
@@ -59,36 +52,31 @@ class _Pending:
         self.rows = int(self.x.shape[0])
 
     @property
-    def key(self) -> tuple[int, str]:
-        return (self.top_k, self.mode)
+    def key(self) -> Hashable:
+        return self.options
 
 
 class Batcher:
     """Turns single requests into batched router and pool calls; see the module docstring.
 
-    One batcher serves one store version: `router` and `experts` (its `ExpertRef`s, indexed by
-    expert id) are that version's, so every request it answers is served by one version.
+    One batcher serves one store version: `model` (its kind's planner/combiner, with its
+    router and `ExpertRef`s) is that version's, so every request it answers is served by one
+    version.
     `sleep` is injectable with `clock` so that tests drive the batch window without waiting.
     The batcher does not own the pool: `close()` stops batching, the server closes the pool.
     """
 
     def __init__(
         self,
-        router: RouterLike,
+        model: ServedModel,
         pool: ExpertPool,
         settings: Settings,
         clock: Clock | None = None,
         *,
-        experts: Sequence[ExpertRef],
         sleep: Callable[[float], Awaitable[None]] | None = None,
         max_inflight_batches: int = 2,
     ) -> None:
-        if len(experts) != router.num_prototypes:
-            raise ValueError(
-                f"{len(experts)} experts for a router of {router.num_prototypes} prototypes"
-            )
-        self._router = router
-        self._experts = list(experts)
+        self._model = model
         self._pool = pool
         self._settings = settings
         self._clock: Clock = clock if clock is not None else MonotonicClock()
@@ -112,17 +100,20 @@ class Batcher:
         return self._queued_rows
 
     async def submit(
-        self, x: torch.Tensor | np.ndarray, top_k: int = 1, mode: Mode = "tree"
+        self, x: torch.Tensor | np.ndarray, options: Hashable | None = None
     ) -> BatchAnswer:
         """Route and run one request; outputs come back in the order of its rows.
 
-        Raises `InvalidRequest` (shape, dimension, non-finite, top_k, mode), `PoolSaturated`
+        `options` are the kind's resolved options (`model.resolve(...)`; None: the store's
+        defaults). Raises `InvalidRequest` (shape, dimension, non-finite, options), `PoolSaturated`
         when the queue is full, `ExpertUnavailable` when one of its experts cannot be loaded,
         `PoolClosed` after `close()`.
         """
         if self._closed:
             raise PoolClosed()
-        x = self._validate(x, top_k, mode)
+        if options is None:
+            options = self._model.resolve(GateRequest(), self._settings)
+        x = self._validate(x, options)
         rows = int(x.shape[0])
         limit = self._settings.max_queue_rows
         if self._queued_rows > 0 and self._queued_rows + rows > limit:
@@ -132,7 +123,7 @@ class Batcher:
                 retry_after_s=self._retry_after_s(),
             )
         loop = asyncio.get_running_loop()
-        item = _Pending(x, top_k, mode, self._clock.now(), loop.create_future())
+        item = _Pending(x, options, self._clock.now(), loop.create_future())
         self._queue.append(item)
         self._queued_rows += rows
         self._start(loop)
@@ -143,13 +134,14 @@ class Batcher:
         finally:
             self._queued_rows -= rows
 
-    def _validate(self, x: torch.Tensor | np.ndarray, top_k: int, mode: str) -> torch.Tensor:
+    def _validate(self, x: torch.Tensor | np.ndarray, options: Hashable) -> torch.Tensor:
         tensor = torch.as_tensor(x)
         if tensor.dim() != 2 or tensor.shape[0] == 0:
             raise InvalidRequest("inputs must be a non-empty 2-D array", field="inputs")
-        if tensor.shape[1] != self._router.dim:
+        if tensor.shape[1] != self._model.input_dim:
             raise InvalidRequest(
-                f"inputs have {tensor.shape[1]} columns, the store expects {self._router.dim}",
+                f"inputs have {tensor.shape[1]} columns, the store expects "
+                f"{self._model.input_dim}",
                 field="inputs",
             )
         if not (tensor.is_floating_point() or tensor.dtype in (torch.int32, torch.int64)):
@@ -157,12 +149,7 @@ class Batcher:
         tensor = tensor.to(torch.float32).contiguous()
         if not bool(torch.isfinite(tensor).all()):
             raise InvalidRequest("inputs must be finite numbers", field="inputs")
-        if not 1 <= top_k <= self._router.num_prototypes:
-            raise InvalidRequest(
-                f"top_k must be between 1 and {self._router.num_prototypes}", field="top_k"
-            )
-        if mode not in ("tree", "exact"):
-            raise InvalidRequest("mode must be 'tree' or 'exact'", field="mode")
+        self._model.check(options)
         return tensor
 
     def _retry_after_s(self) -> float:
@@ -235,15 +222,13 @@ class Batcher:
     async def _prefetch(self, items: list[_Pending]) -> None:
         try:
             x = items[0].x if len(items) == 1 else torch.cat([item.x for item in items])
-            top_k, mode = items[0].top_k, items[0].mode
-            routing = await asyncio.to_thread(self._router.route, x, mode=mode, top_k=top_k)
+            routing = await asyncio.to_thread(self._model.route, x, items[0].options)
             start = 0
             for item in items:
                 stop = start + item.rows
-                item.routing = slice_routing(routing, start, stop)
+                item.routing = routing.slice(start, stop)
                 start = stop
-            experts = torch.unique(routing.experts.reshape(-1)).tolist()
-            await self._pool.prefetch([self._experts[int(e)] for e in experts])
+            await self._pool.prefetch(self._model.prefetch_keys(routing))
         except Exception:
             # Prefetch is only a hint: the batch routes (and reports bad input) for itself.
             logger.debug("prefetch of %s queued requests failed", len(items), exc_info=True)
@@ -340,21 +325,21 @@ class Batcher:
         self, batch: list[_Pending], started: float
     ) -> list[BatchAnswer | BaseException]:
         x = batch[0].x if len(batch) == 1 else torch.cat([item.x for item in batch])
-        top_k, mode = batch[0].top_k, batch[0].mode
         routing: Any
         if all(item.routing is not None for item in batch):
-            routing = concat_routings([item.routing for item in batch])
+            routing = self._model.concat([item.routing for item in batch])
         else:
-            routing = await asyncio.to_thread(self._router.route, x, mode=mode, top_k=top_k)
+            routing = await asyncio.to_thread(self._model.route, x, batch[0].options)
         route_ms = (self._clock.now() - started) * 1000.0
-        experts = routing.experts.to(torch.int64).reshape(x.shape[0], top_k)
-        weights = routing.weights.to(torch.float32).reshape(x.shape[0], top_k)
-        groups, group_pairs = expert_groups(x, experts, self._experts)
-        results = await self._pool.run(groups)
-        outputs = gather_outputs(results, group_pairs, weights)
+        run = self._model.start(x, routing)
+        rounds: list[Round] = []
+        while (plan := run.plan()) is not None:
+            results = await self._pool.run(plan.pool_groups())
+            run.combine(plan, results)
+            rounds.append((plan, results))
         return request_answers(
-            [(item.rows, item.submitted) for item in batch], routing.distance_evals, experts,
-            weights, outputs, results, route_ms, started, self._clock.now(),
+            [(item.rows, item.submitted) for item in batch], routing, run.outputs, rounds,
+            route_ms, started, self._clock.now(),
         )
 
     async def close(self) -> None:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
 
 import torch
 
-__all__ = ["BatchAnswer", "ExpertStat", "RouterLike", "RoutingLike"]
+__all__ = ["BatchAnswer", "ExpertStat"]
 
 
 @dataclass(frozen=True)
@@ -30,8 +30,8 @@ class BatchAnswer:
     """What `Batcher.submit` returns for one request, rows in the request's order."""
 
     outputs: torch.Tensor  # [B, out]
-    experts: torch.Tensor  # [B, k] int64
-    weights: torch.Tensor  # [B, k] float32
+    experts: torch.Tensor  # [B, L] int64, heaviest first; -1 after a row's last kept expert
+    weights: torch.Tensor  # [B, L] float64, 0 where padded; each row sums to 1
     stats: list[ExpertStat]
     device_bytes: dict[str, int]  # actor -> resident expert bytes after its call
     distance_evals: torch.Tensor  # [B] int64
@@ -44,23 +44,10 @@ class BatchAnswer:
         """Max over the request's experts: the actor runs one expert at a time."""
         return max((stat.vram_bytes for stat in self.stats), default=0)
 
-
-class RoutingLike(Protocol):
-    @property
-    def experts(self) -> torch.Tensor: ...
-    @property
-    def weights(self) -> torch.Tensor: ...
-    @property
-    def distance_evals(self) -> torch.Tensor: ...
-
-
-class RouterLike(Protocol):
-    """What the batcher needs of `router.PrototypeTree`."""
-
-    @property
-    def dim(self) -> int: ...
-    @property
-    def num_prototypes(self) -> int: ...
-    def route(self, x: torch.Tensor, mode: Literal["tree", "exact"] = ..., top_k: int = ...) -> (
-        RoutingLike
-    ): ...
+    def kept(self) -> list[tuple[list[int], list[float]]]:
+        """Each row's kept experts and their weights, without the padding."""
+        rows: list[tuple[list[int], list[float]]] = []
+        for experts, weights in zip(self.experts.tolist(), self.weights.tolist(), strict=True):
+            n = sum(1 for e in experts if e >= 0)
+            rows.append((experts[:n], weights[:n]))
+        return rows

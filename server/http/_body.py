@@ -17,6 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from server.http._models import PredictRequest, RouteRequest
+from server.kinds import GateRequest
 
 __all__ = [
     "HttpError",
@@ -203,8 +204,7 @@ def parse_raw_float32(
 @dataclass(frozen=True)
 class ParsedInputs:
     x: np.ndarray[Any, np.dtype[np.float32]]
-    top_k: int | None
-    mode: Mode | None
+    gate: GateRequest  # top_k, mode and the gate object, None where the request left them
     return_stats: bool
 
 
@@ -233,7 +233,17 @@ def _json_inputs(
     check_rows(len(rows), len(rows[0]), max_rows=max_rows, input_dim=input_dim)
     x = _finite_float32(np.asarray(rows, dtype=np.float64))
     return_stats = parsed.return_stats if isinstance(parsed, PredictRequest) else False
-    return ParsedInputs(x, parsed.top_k, parsed.mode, return_stats)
+    g = parsed.gate
+    gate = GateRequest(
+        top_k=parsed.top_k,
+        mode=parsed.mode,
+        temperature=g.temperature if g else None,
+        min_weight=g.min_weight if g else None,
+        top_p=g.top_p if g else None,
+        beam=tuple(g.beam) if g and g.beam is not None else None,
+        score=g.score if g else None,
+    )
+    return ParsedInputs(x, gate, return_stats)
 
 
 async def parse_inputs(
@@ -242,13 +252,13 @@ async def parse_inputs(
     max_bytes: int,
     max_rows: int,
     input_dim: int,
-    top_k: int | None,
-    mode: Mode | None,
+    gate: GateRequest,
     return_stats: bool,
     model: type[RouteRequest] = PredictRequest,
     body_timeout_s: float | None = None,
 ) -> ParsedInputs:
-    """Read and parse a predict/route body; query parameters apply to the binary forms."""
+    """Read and parse a predict/route body; query parameters (`gate`, `return_stats`) apply
+    to the binary forms."""
     media = _media_type(request)
     if media not in (*JSON_TYPES, NPY_TYPE, RAW_TYPE):
         raise HttpError(
@@ -271,7 +281,7 @@ async def parse_inputs(
             x = parse_npy(body, max_rows=max_rows, input_dim=input_dim)
         else:
             x = parse_raw_float32(body, rows_header, max_rows=max_rows, input_dim=input_dim)
-        return ParsedInputs(x, top_k, mode, return_stats)
+        return ParsedInputs(x, gate, return_stats)
 
     if len(body) > _THREAD_PARSE_BYTES:
         return await run_in_threadpool(parse)

@@ -8,6 +8,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 __all__ = [
     "ActorInfoModel",
+    "GateModel",
     "ErrorBody",
     "ErrorResponse",
     "ExpertInfoModel",
@@ -43,12 +44,36 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class GateModel(_Strict):
+    """Request-time gate; every field defaults to the store's gate (manifest `gate`)."""
+
+    temperature: float | None = Field(
+        default=None, gt=0, allow_inf_nan=False, description="τ of softmax(-score/τ)"
+    )
+    min_weight: float | None = Field(
+        default=None, ge=0, lt=1, description="drop experts below this weight, renormalise"
+    )
+    top_p: float | None = Field(
+        default=None, gt=0, le=1, description="keep the smallest prefix reaching p, renormalise"
+    )
+    beam: list[Annotated[int, Field(ge=1, strict=True)]] | None = Field(
+        default=None,
+        min_length=1,
+        description="hierarchical gate: beam width per tree level (a shorter list reuses its"
+        " last width); all 1 is mode=tree",
+    )
+    score: Literal["sqdist", "dist"] | None = Field(
+        default=None, description="softmax over -d² (sqdist) or -d (dist, the paper's eq. 39)"
+    )
+
+
 class RouteRequest(_Strict):
     """Rows to route; every row must have the store's input dimension."""
 
     inputs: list[list[FiniteNumber]] = Field(min_length=1)
     top_k: PositiveWhole | None = Field(default=None, description="default 1")
     mode: Mode | None = Field(default=None, description="default: the store's routing mode")
+    gate: GateModel | None = Field(default=None, description="default: the store's gate")
 
 
 class PredictRequest(RouteRequest):
@@ -80,6 +105,9 @@ class PredictStats(BaseModel):
 
 
 class PredictResponse(BaseModel):
+    """`experts` / `weights`: each row's kept experts, heaviest first (rows may differ in
+    length under min_weight / top_p)."""
+
     outputs: list[list[float]]
     experts: list[list[int]]
     weights: list[list[float]]
@@ -105,6 +133,8 @@ class ModelResponse(BaseModel):
     branching: int
     routing: Mode
     temperature: float
+    kind: str = "momlp"
+    gate: dict[str, Any] | None = None
     total_expert_bytes: int
     max_expert_bytes: int
     total_params: int

@@ -13,6 +13,7 @@ schema is rebuilt from FastAPI's base whenever the version changes.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
@@ -20,41 +21,97 @@ from fastapi.openapi.utils import get_openapi
 
 from server.serving import ServingState
 
-__all__ = ["MAX_ABS_INPUT", "install_openapi"]
+__all__ = ["MAX_ABS_INPUT", "inline_defs", "install_openapi"]
 
 # The router refuses |x| above this: squared distances would overflow float32.
 MAX_ABS_INPUT = 1e15
 _BODY_PATHS = ("/v1/predict", "/v1/route")
 
 
-def _tighten_body(schema: dict[str, Any], input_dim: int, max_rows: int, num_experts: int) -> None:
+def inline_defs(schema: dict[str, Any]) -> dict[str, Any]:
+    """A pydantic JSON schema with its `$defs` references written in place: an operation's
+    inline request body cannot point into a `$defs` of its own."""
+    defs = schema.get("$defs", {})
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return walk(defs[ref.removeprefix("#/$defs/")])
+            return {key: walk(value) for key, value in node.items() if key != "$defs"}
+        if isinstance(node, list):
+            return [walk(item) for item in node]
+        return node
+
+    inlined: dict[str, Any] = walk(schema)
+    return inlined
+
+
+@dataclass(frozen=True)
+class _Limits:
+    """What the server enforces on a request to the version served."""
+
+    input_dim: int
+    max_rows: int
+    max_top_k: int
+    max_beam: int
+    beam_levels: int
+    temperature: tuple[float, float]  # [τ / ratio, τ · ratio] around the store's τ
+
+
+def _integer_options(node: dict[str, Any]) -> list[dict[str, Any]]:
+    return [o for o in node.get("anyOf", [node]) if o.get("type") == "integer"]
+
+
+def _tighten_gate(gate: dict[str, Any], limits: _Limits) -> None:
+    props = gate.get("properties", {})
+    for option in props.get("temperature", {}).get("anyOf", []):
+        if option.get("type") == "number":
+            option.pop("exclusiveMinimum", None)
+            option["minimum"], option["maximum"] = limits.temperature
+    for option in props.get("beam", {}).get("anyOf", []):
+        if option.get("type") == "array":
+            option["maxItems"] = limits.beam_levels
+            option["items"]["maximum"] = limits.max_beam
+
+
+def _tighten_body(schema: dict[str, Any], limits: _Limits) -> None:
     props = schema.get("properties", {})
     inputs = props.get("inputs")
     if inputs is not None:
-        inputs["maxItems"] = max_rows
+        inputs["maxItems"] = limits.max_rows
         row = inputs["items"]
-        row["minItems"] = row["maxItems"] = input_dim
+        row["minItems"] = row["maxItems"] = limits.input_dim
         row["items"].update(minimum=-MAX_ABS_INPUT, maximum=MAX_ABS_INPUT)
-    top_k = props.get("top_k")
-    if top_k is not None:
-        for option in top_k.get("anyOf", [top_k]):
-            if option.get("type") == "integer":
-                option["maximum"] = num_experts
+    for option in _integer_options(props.get("top_k", {})):
+        option["maximum"] = limits.max_top_k
+    for option in props.get("gate", {}).get("anyOf", []):
+        if option.get("type") == "object":
+            _tighten_gate(option, limits)
+    if "top_k" in props and "gate" in props:
+        # A beam walk and top_k > 1 are two ways to pick several experts: not both at once.
+        schema["not"] = {
+            "required": ["top_k", "gate"],
+            "properties": {
+                "top_k": {"type": "integer", "minimum": 2},
+                "gate": {"type": "object", "required": ["beam"],
+                         "properties": {"beam": {"type": "array"}}},
+            },
+        }
 
 
-def _tighten(schema: dict[str, Any], input_dim: int, max_rows: int, num_experts: int) -> None:
+def _tighten(schema: dict[str, Any], limits: _Limits) -> None:
     for path in _BODY_PATHS:
         operation = schema["paths"].get(path, {}).get("post")
         if operation is None:
             continue
         body = operation["requestBody"]["content"].get("application/json", {}).get("schema")
         if body is not None:
-            _tighten_body(body, input_dim, max_rows, num_experts)
+            _tighten_body(body, limits)
         for parameter in operation.get("parameters", []):
             if parameter["name"] == "top_k":
-                for option in parameter["schema"].get("anyOf", [parameter["schema"]]):
-                    if option.get("type") == "integer":
-                        option["maximum"] = num_experts
+                for option in _integer_options(parameter["schema"]):
+                    option["maximum"] = limits.max_top_k
 
 
 def _name_the_model(schema: dict[str, Any], model: str, version: str) -> None:
@@ -86,8 +143,18 @@ def install_openapi(app: FastAPI, serving: ServingState, model_name: str) -> Non
             return built["base"]  # type: ignore[no-any-return]
         if built.get("for") != version.version:
             schema = copy.deepcopy(built["base"])
-            m = version.manifest
-            _tighten(schema, m.input_dim, serving.settings.max_rows, m.num_experts)
+            m, settings = version.manifest, serving.settings
+            tau, ratio = m.gate_spec.temperature, settings.max_temperature_ratio
+            router = getattr(version.model, "router", None)
+            limits = _Limits(
+                input_dim=m.input_dim,
+                max_rows=settings.max_rows,
+                max_top_k=min(m.num_experts, settings.max_top_k),
+                max_beam=settings.max_beam,
+                beam_levels=max(1, int(getattr(router, "depth", 1))),
+                temperature=(tau / ratio, tau * ratio),
+            )
+            _tighten(schema, limits)
             _name_the_model(schema, model_name, version.version)
             built["for"], built["schema"] = version.version, schema
         return built["schema"]  # type: ignore[no-any-return]

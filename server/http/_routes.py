@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Hashable
 from typing import Annotated, Any, Literal, NamedTuple
 
 import numpy as np
@@ -20,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 
 from server._exceptions import NotReady, RequestTimeout
 from server._settings import Settings
-from server.http._body import HttpError, parse_inputs
+from server.http._body import parse_inputs
 from server.http._metrics import CONTENT_TYPE, Metrics
 from server.http._models import (
     ActorInfoModel,
@@ -37,6 +38,8 @@ from server.http._models import (
     RouteRequest,
     RouteResponse,
 )
+from server.http._openapi import inline_defs
+from server.kinds import GateRequest
 from server.serving import ServingState, StoreVersion
 
 __all__ = ["ERROR_RESPONSES", "add_routes", "model_response"]
@@ -68,7 +71,7 @@ def _body_doc(model: type[RouteRequest]) -> dict[str, Any]:
         "requestBody": {
             "required": True,
             "content": {
-                "application/json": {"schema": model.model_json_schema()},
+                "application/json": {"schema": inline_defs(model.model_json_schema())},
                 "application/x-npy": _BINARY,
                 "application/octet-stream": _BINARY,
             },
@@ -92,9 +95,35 @@ AppMetrics = Annotated[Metrics, Depends(_metrics)]
 
 class _Inputs(NamedTuple):
     x: np.ndarray[Any, np.dtype[np.float32]]
-    top_k: int
-    mode: Mode
+    options: Hashable  # the kind's resolved options (for momlp a router.Gate)
     return_stats: bool
+
+
+def _query_gate(
+    top_k: Annotated[int | None, Query(ge=1, description="binary bodies only")] = None,
+    mode: Annotated[Mode | None, Query(description="binary bodies only")] = None,
+    temperature: Annotated[
+        float | None, Query(gt=0, allow_inf_nan=False, description="binary bodies only")
+    ] = None,
+    min_weight: Annotated[float | None, Query(ge=0, lt=1, description="binary bodies only")] = (
+        None
+    ),
+    top_p: Annotated[float | None, Query(gt=0, le=1, description="binary bodies only")] = None,
+    beam: Annotated[
+        str | None,
+        Query(pattern=r"^[1-9][0-9]{0,5}(,[1-9][0-9]{0,5}){0,63}$",
+              description="binary bodies only: widths per level, comma-separated (2,2,2)"),
+    ] = None,
+    score: Annotated[
+        Literal["sqdist", "dist"] | None, Query(description="binary bodies only")
+    ] = None,
+) -> GateRequest:
+    """The gate of a binary body, from the query string (a JSON body carries its own)."""
+    widths = tuple(int(w) for w in beam.split(",")) if beam is not None else None
+    return GateRequest(top_k, mode, temperature, min_weight, top_p, widths, score)
+
+
+QueryGate = Annotated[GateRequest, Depends(_query_gate)]
 
 
 async def _inputs(
@@ -102,8 +131,7 @@ async def _inputs(
     version: StoreVersion,
     settings: Settings,
     model: type[RouteRequest],
-    top_k: int | None,
-    mode: Mode | None,
+    gate: GateRequest,
     return_stats: bool,
 ) -> _Inputs:
     parsed = await parse_inputs(
@@ -111,23 +139,18 @@ async def _inputs(
         max_bytes=settings.max_body_bytes,
         max_rows=settings.max_rows,
         input_dim=version.manifest.input_dim,
-        top_k=top_k,
-        mode=mode,
+        gate=gate,
         return_stats=return_stats,
         model=model,
         body_timeout_s=settings.body_timeout_s,
     )
-    k = parsed.top_k or settings.default_top_k
-    num_experts = version.manifest.num_experts
-    if k > num_experts:
-        raise HttpError(
-            422,
-            "invalid_input",
-            f"top_k={k} exceeds the {num_experts} experts of this model",
-            detail={"top_k": k, "num_experts": num_experts},
-        )
-    mode = parsed.mode or settings.default_mode or version.default_mode
-    return _Inputs(parsed.x, k, mode, parsed.return_stats)
+    # The store's kind resolves the gate against its defaults and the server's caps, once.
+    options = version.model.resolve(parsed.gate, settings)
+    return _Inputs(parsed.x, options, parsed.return_stats)
+
+
+def _ragged(rows: list[list[Any]], kept: list[int]) -> list[list[Any]]:
+    return [row[:n] for row, n in zip(rows, kept, strict=True)]
 
 
 def add_routes(app: FastAPI) -> None:
@@ -142,20 +165,17 @@ def add_routes(app: FastAPI) -> None:
         request: Request,
         serving: Serving,
         metrics: AppMetrics,
-        top_k: Annotated[int | None, Query(ge=1, description="binary bodies only")] = None,
-        mode: Annotated[Mode | None, Query(description="binary bodies only")] = None,
+        gate: QueryGate,
         return_stats: Annotated[bool, Query(description="binary bodies only")] = False,
     ) -> Response:
         start = time.perf_counter()
         settings = serving.settings
         async with serving.use() as version:
-            parsed = await _inputs(
-                request, version, settings, PredictRequest, top_k, mode, return_stats
-            )
+            parsed = await _inputs(request, version, settings, PredictRequest, gate, return_stats)
             x = torch.from_numpy(parsed.x)
             try:
                 answer = await asyncio.wait_for(
-                    version.batcher.submit(x, top_k=parsed.top_k, mode=parsed.mode),
+                    version.batcher.submit(x, parsed.options),
                     timeout=settings.request_timeout_s,
                 )
             except TimeoutError:
@@ -172,11 +192,12 @@ def add_routes(app: FastAPI) -> None:
                 queue_ms=answer.queue_ms,
                 total_ms=max(answer.total_ms, (time.perf_counter() - start) * 1000.0),
             )
+        kept = answer.kept()
         return model_response(
             PredictResponse.model_construct(
                 outputs=answer.outputs.tolist(),
-                experts=answer.experts.tolist(),
-                weights=answer.weights.tolist(),
+                experts=[experts for experts, _ in kept],
+                weights=[weights for _, weights in kept],
                 store_version=version.version,
                 stats=stats,
             )
@@ -192,22 +213,18 @@ def add_routes(app: FastAPI) -> None:
     async def route(
         request: Request,
         serving: Serving,
-        top_k: Annotated[int | None, Query(ge=1, description="binary bodies only")] = None,
-        mode: Annotated[Mode | None, Query(description="binary bodies only")] = None,
+        gate: QueryGate,
     ) -> Response:
         async with serving.use() as version:
-            parsed = await _inputs(
-                request, version, serving.settings, RouteRequest, top_k, mode, False
-            )
+            parsed = await _inputs(request, version, serving.settings, RouteRequest, gate, False)
             x = torch.from_numpy(parsed.x)
-            routing = await run_in_threadpool(
-                version.router.route, x, mode=parsed.mode, top_k=parsed.top_k
-            )
+            routing = await run_in_threadpool(version.model.route, x, parsed.options)
+        kept = (routing.experts >= 0).sum(dim=1).tolist()
         return model_response(
             RouteResponse.model_construct(
-                experts=routing.experts.tolist(),
-                weights=routing.weights.tolist(),
-                distances=routing.distances.tolist(),
+                experts=_ragged(routing.experts.tolist(), kept),
+                weights=_ragged(routing.weights.tolist(), kept),
+                distances=_ragged(routing.distances.tolist(), kept),
                 distance_evals=routing.distance_evals.tolist(),
                 store_version=version.version,
             )
@@ -222,7 +239,8 @@ def add_routes(app: FastAPI) -> None:
         m = version.manifest
         prototypes = None
         if include_prototypes and m.num_experts * m.input_dim <= _MAX_PROTOTYPE_VALUES:
-            prototypes = version.router.prototypes.tolist()
+            table = version.model.prototypes()
+            prototypes = table.tolist() if table is not None else None
         return model_response(
             ModelResponse.model_construct(
                 store_version=m.store_version,
@@ -234,6 +252,8 @@ def add_routes(app: FastAPI) -> None:
                 branching=m.branching,
                 routing=m.routing,
                 temperature=m.temperature,
+                kind=m.kind,
+                gate=m.gate_spec.model_dump(),
                 total_expert_bytes=m.total_expert_bytes,
                 max_expert_bytes=max((e.bytes for e in m.experts), default=0),
                 total_params=sum(e.params for e in m.experts),

@@ -3,7 +3,9 @@
 Same auth, body limits, batching and errors as `/v1` (errors in the protocol's
 `{"error": "..."}` shape, see `_errors`). The model is the store being served, named by
 `Settings.model_name` (default: the store directory's name); its version is the store version.
-Request `parameters` take `top_k` and `mode`; the response carries the expert ids and gate
+Request `parameters` set the gate as `/v1`'s `gate` object does (`top_k`, `mode`,
+`temperature`, `min_weight`, `top_p`, `beam` as "2,2", `score`; the same server-side caps); the
+response carries the expert ids (-1 past a row's last kept expert) and gate
 weights as extra output tensors, and the per-request VRAM and store version as parameters.
 No Content-Type is required: tritonclient's sync client may send none.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,6 +24,7 @@ from fastapi.responses import Response
 from server._exceptions import RequestTimeout
 from server._settings import Settings
 from server.http._body import HttpError, read_body_limited
+from server.http._openapi import inline_defs
 from server.http._v2_codec import (
     HEADER_LENGTH,
     InferRequest,
@@ -37,12 +40,12 @@ from server.http._v2_models import (
     TensorMetadata,
     V2Error,
 )
+from server.kinds import GateRequest
 from server.serving import ServingState, StoreVersion
 
 __all__ = ["INPUT_NAME", "add_v2_routes", "model_name"]
 
 INPUT_NAME = "input"
-_MODES = ("tree", "exact")
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": V2Error, "description": text}
     for status, text in (
@@ -55,30 +58,11 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (504, "no answer in time"),
     )
 }
-def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
-    """`schema` with its `$defs` references written in place (an OpenAPI operation's body
-    cannot point into a `$defs` of its own)."""
-    defs = schema.pop("$defs", {})
-
-    def walk(node: Any) -> Any:
-        if isinstance(node, dict):
-            ref = node.get("$ref", "")
-            if ref.startswith("#/$defs/"):
-                return walk(defs[ref.removeprefix("#/$defs/")])
-            return {key: walk(value) for key, value in node.items()}
-        if isinstance(node, list):
-            return [walk(item) for item in node]
-        return node
-
-    inlined: dict[str, Any] = walk(schema)
-    return inlined
-
-
 _INFER_BODY = {
     "requestBody": {
         "required": True,
         "content": {
-            "application/json": {"schema": _inlined(InferRequest.model_json_schema())},
+            "application/json": {"schema": inline_defs(InferRequest.model_json_schema())},
             "application/octet-stream": {
                 "schema": {"type": "string", "format": "binary"},
                 "description": "binary tensor data: the JSON header, then the tensors' bytes",
@@ -104,22 +88,41 @@ def _version_for(serving: ServingState, name: str, version: str | None) -> Store
     return current
 
 
-def _options(
-    parameters: dict[str, Any], current: StoreVersion, settings: Settings
-) -> tuple[int, Literal["tree", "exact"]]:
-    top_k = parameters.get("top_k", settings.default_top_k)
-    if isinstance(top_k, bool) or not isinstance(top_k, int):
-        raise HttpError(422, "invalid_input", "parameter top_k must be an integer")
-    if not 1 <= top_k <= current.manifest.num_experts:
-        raise HttpError(
-            422,
-            "invalid_input",
-            f"parameter top_k must be between 1 and {current.manifest.num_experts}",
-        )
-    mode = parameters.get("mode") or settings.default_mode or current.default_mode
-    if mode not in _MODES:
-        raise HttpError(422, "invalid_input", "parameter mode must be 'tree' or 'exact'")
-    return top_k, mode
+_GATE_PARAMETERS = {
+    "top_k": int,
+    "mode": str,
+    "temperature": float,
+    "min_weight": float,
+    "top_p": float,
+    "score": str,
+}
+
+
+def _gate(parameters: dict[str, Any]) -> GateRequest:
+    """The request `parameters` that set the gate (the same knobs as `/v1`'s `gate`)."""
+    values: dict[str, Any] = {}
+    for name, kind in _GATE_PARAMETERS.items():
+        value = parameters.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            raise HttpError(422, "invalid_input", f"parameter {name} must be a {kind.__name__}")
+        if kind is int and not (isinstance(value, int) or float(value).is_integer()):
+            raise HttpError(422, "invalid_input", f"parameter {name} must be an integer")
+        try:
+            values[name] = kind(value)
+        except ValueError:
+            message = f"parameter {name} must be a {kind.__name__}"
+            raise HttpError(422, "invalid_input", message) from None
+    beam = parameters.get("beam")
+    if beam is not None:
+        try:
+            values["beam"] = tuple(int(w) for w in str(beam).split(","))
+        except ValueError:
+            raise HttpError(
+                422, "invalid_input", "parameter beam must be widths like '2,2'"
+            ) from None
+    return GateRequest(**values)
 
 
 def _metadata(current: StoreVersion, name: str) -> ModelMetadata:
@@ -180,10 +183,10 @@ def add_v2_routes(app: FastAPI) -> None:
                 input_dim=current.manifest.input_dim,
                 max_rows=settings.max_rows,
             )
-            top_k, mode = _options(parsed.request.parameters, current, settings)
+            options = current.model.resolve(_gate(parsed.request.parameters), settings)
             try:
                 answer = await asyncio.wait_for(
-                    current.batcher.submit(torch.from_numpy(parsed.x), top_k=top_k, mode=mode),
+                    current.batcher.submit(torch.from_numpy(parsed.x), options),
                     timeout=settings.request_timeout_s,
                 )
             except TimeoutError:
@@ -194,6 +197,7 @@ def add_v2_routes(app: FastAPI) -> None:
         outputs = [
             OutputTensor("output", "FP32", answer.outputs.numpy().astype(np.float32)),
             OutputTensor("experts", "INT64", answer.experts.numpy().astype(np.int64)),
+            # Rows may keep fewer experts than others (min_weight, top_p): padded with -1 / 0.
             OutputTensor("weights", "FP32", answer.weights.numpy().astype(np.float32)),
         ]
         content, header_length = encode_response(

@@ -48,6 +48,10 @@ ERROR_BUSY = "busy"
 ERROR_INTERNAL = "internal"
 
 
+# Rows of a group are computed in whole blocks of this many (zero rows pad the last one).
+ROW_BLOCK = 16
+
+
 def resolve_device(device: str) -> str:
     """`auto` means CUDA when this process sees a GPU, else CPU."""
     if device == "auto":
@@ -223,6 +227,11 @@ class ActorCore:
             # Arrays from Ray's object store are read-only; torch wants to own writable memory.
             rows = np.array(rows)
         x = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
+        m = int(x.shape[0])
+        if m % ROW_BLOCK:
+            # CPU GEMMs pick kernels by the row count, so a row's bits could depend on how
+            # many rows share its group; padded to whole blocks they do not (batch invariance).
+            x = torch.cat([x, x.new_zeros((ROW_BLOCK - m % ROW_BLOCK, x.shape[1]))])
         with torch.inference_mode():
             if self.device.startswith("cuda"):
                 torch.cuda.reset_peak_memory_stats(self.device)
@@ -233,10 +242,8 @@ class ActorCore:
                 y = module(x)
                 # The layers' tensor sizes (no forward hooks: they cost more than a small
                 # expert's whole forward).
-                activation = activation_peak_bytes(
-                    module.arch.widths, int(x.shape[0]), y.element_size()
-                )
-            out = y.to("cpu").numpy()
+                activation = activation_peak_bytes(module.arch.widths, m, y.element_size())
+            out = y[:m].to("cpu").numpy()
         return out, activation
 
     def prefetch(self, experts: Sequence[ExpertRef]) -> dict[str, int]:

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from experts_store import Clock, ExpertRef, Store
-from router import PrototypeTree
 from server._exceptions import NotReady, PoolStartFailed
 from server._settings import Settings
+from server.kinds import ServedModel, open_model
 from server.pool import ActorInfo, ExpertPool, Group, GroupResult, check_budget
 from server.serving._version import (
     BatcherFactory,
@@ -109,9 +109,11 @@ class ObservedPool:
         """Nothing: the pool belongs to the server, not to a version's batcher."""
 
 
-def _open_version_files(root: Path) -> tuple[Store, PrototypeTree]:
+def _open_version_files(root: Path) -> tuple[Store, ServedModel]:
+    # A kind this server does not know is refused here, naming it (UnknownStoreKind): at
+    # startup the server does not start, on a reload the old version keeps serving.
     store = Store.open(root)
-    return store, PrototypeTree.load(store.router_path)
+    return store, open_model(store)
 
 
 class ServingState:
@@ -185,12 +187,11 @@ class ServingState:
         pool = self.pool
         if pool is None:
             raise NotReady(reason="the actor pool is not up")
-        store, router = await in_daemon_thread(_open_version_files, Path(self.settings.store))
-        experts: list[ExpertRef] = [store.expert_ref(e.id) for e in store.manifest.experts]
-        check_budget(experts, pool.budget_bytes)
+        store, model = await in_daemon_thread(_open_version_files, Path(self.settings.store))
+        check_budget(model.experts, pool.budget_bytes)
         observed = ObservedPool(pool, self._on_batch)
-        batcher = self.batcher_factory(router, observed, self.settings, self.clock, experts)
-        return StoreVersion(store, router, experts, batcher)
+        batcher = self.batcher_factory(model, observed, self.settings, self.clock)
+        return StoreVersion(store, model, batcher)
 
     def current(self) -> StoreVersion:
         version = self.version

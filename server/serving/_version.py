@@ -1,26 +1,27 @@
 """One published store version as the server holds it: data, never actors.
 
-A `StoreVersion` is the manifest, the router, each expert's `ExpertRef` and the batcher that
-routes with that router. Requests enter one version and keep it until they have answered, so
-a request is served entirely by one version (its router and its experts) even while a newer
-one goes live; the pool underneath is shared by all of them.
+A `StoreVersion` is the store, its served model (the kind's planner/combiner over its router
+and each expert's `ExpertRef`) and the batcher that serves that model. Requests enter one
+version and keep it until they have answered, so a request is served entirely by one version
+(its router and its experts) even while a newer one goes live; the pool underneath is shared
+by all of them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 
 from experts_store import Clock, ExpertRef, Manifest, Store
-from router import PrototypeTree
 from server._settings import Settings
 from server.batching import BatchAnswer, Batcher
+from server.kinds import ServedModel
 from server.pool import ExpertPool
 
 __all__ = [
@@ -31,36 +32,27 @@ __all__ = [
     "read_store_version",
 ]
 
-Mode = Literal["tree", "exact"]
-
 
 class BatcherLike(Protocol):
     """What the server needs of `server.batching.Batcher`."""
 
-    async def submit(self, x: torch.Tensor, *, top_k: int, mode: Mode) -> BatchAnswer: ...
+    async def submit(self, x: torch.Tensor, options: Hashable | None = None) -> BatchAnswer: ...
     async def close(self) -> None: ...
 
 
-BatcherFactory = Callable[
-    [PrototypeTree, ExpertPool, Settings, Clock, list[ExpertRef]], BatcherLike
-]
+BatcherFactory = Callable[[ServedModel, ExpertPool, Settings, Clock], BatcherLike]
 
 
 def default_batcher(
-    router: PrototypeTree,
-    pool: ExpertPool,
-    settings: Settings,
-    clock: Clock,
-    experts: list[ExpertRef],
+    model: ServedModel, pool: ExpertPool, settings: Settings, clock: Clock
 ) -> BatcherLike:
-    return Batcher(router, pool, settings, clock, experts=experts)
+    return Batcher(model, pool, settings, clock)
 
 
 @dataclass
 class StoreVersion:
     store: Store
-    router: PrototypeTree
-    experts: list[ExpertRef]  # indexed by expert id
+    model: ServedModel
     batcher: BatcherLike
     in_flight: int = 0
     drained: asyncio.Event = field(default_factory=asyncio.Event)
@@ -74,8 +66,9 @@ class StoreVersion:
         return self.manifest.store_version
 
     @property
-    def default_mode(self) -> Mode:
-        return self.manifest.routing
+    def experts(self) -> list[ExpertRef]:
+        """This version's experts, indexed by expert id."""
+        return self.model.experts
 
     def expert_ids(self) -> dict[str, list[int]]:
         """Content hash -> this version's expert ids with that content."""

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -10,9 +9,11 @@ import pytest
 import torch
 
 from experts_store import ExpertRef, Store, load_expert
+from router import Gate, GateRouting
 from server._exceptions import ExpertUnavailable, InvalidRequest, PoolClosed, PoolSaturated
 from server._settings import Settings
 from server.batching import Batcher
+from server.kinds import MomlpModel
 from server.pool import ActorInfo, FakeExpertPool, Group, GroupResult, activation_peak_bytes
 
 pytestmark = pytest.mark.unit
@@ -45,28 +46,25 @@ class FakeClock:
         self._sleepers = [(e, f) for e, f in self._sleepers if not f.done()]
 
 
-@dataclass(frozen=True)
-class FakeRouting:
-    experts: torch.Tensor
-    weights: torch.Tensor
-    distance_evals: torch.Tensor
-
-
 class TableRouter:
     """Row i goes to expert round(x[i, 0]) mod K (then the next ids for top_k > 1)."""
+
+    depth = 2
 
     def __init__(self, dim: int, num_prototypes: int) -> None:
         self.dim = dim
         self.num_prototypes = num_prototypes
         self.calls: list[int] = []
 
-    def route(self, x: torch.Tensor, mode: str = "tree", top_k: int = 1) -> FakeRouting:
+    def gate(self, x: torch.Tensor, gate: Gate) -> GateRouting:
         self.calls.append(int(x.shape[0]))
+        top_k = gate.top_k
         first = x[:, 0].round().long() % self.num_prototypes
         experts = torch.stack([(first + j) % self.num_prototypes for j in range(top_k)], dim=1)
-        gate = torch.softmax(-torch.arange(top_k, dtype=torch.float32), dim=0)
-        weights = gate.expand(x.shape[0], top_k).contiguous()
-        return FakeRouting(experts, weights, torch.full((x.shape[0],), 3 + top_k))
+        weights = torch.softmax(-torch.arange(top_k, dtype=torch.float64), dim=0)
+        weights = weights.expand(x.shape[0], top_k).contiguous()
+        distances = torch.zeros(experts.shape, dtype=torch.float32)
+        return GateRouting(experts, weights, distances, torch.full((x.shape[0],), 3 + top_k))
 
 
 class GatedPool:
@@ -140,7 +138,8 @@ def setup(make_store: MakeStore) -> Setup:
         clock = FakeClock()
         pool = GatedPool(FakeExpertPool(settings, clock=clock))
         router = TableRouter(dim=3, num_prototypes=6)
-        batcher = Batcher(router, pool, settings, clock, sleep=clock.sleep, experts=refs(store))
+        model = MomlpModel(router, refs(store))
+        batcher = Batcher(model, pool, settings, clock, sleep=clock.sleep)
         return store, batcher, pool, router, clock
 
     return build
@@ -193,9 +192,9 @@ async def test_a_full_batch_goes_without_waiting_for_the_window(setup: Setup) ->
 async def test_top_k_outputs_are_the_gate_weighted_sum(setup: Setup) -> None:
     store, batcher, pool, _router, clock = setup(max_batch_wait_ms=0.0)
     x = inputs([0, 4, 5, 5], 3, seed=7)
-    answer = await batcher.submit(x, top_k=3)
+    answer = await batcher.submit(x, Gate(top_k=3))
     assert answer.experts.tolist() == [[0, 1, 2], [4, 5, 0], [5, 0, 1], [5, 0, 1]]
-    torch.testing.assert_close(answer.weights.sum(1), torch.ones(4))
+    torch.testing.assert_close(answer.weights.sum(1), torch.ones(4, dtype=torch.float64))
     expected = reference(store, answer.experts, answer.weights, x)
     torch.testing.assert_close(answer.outputs, expected, rtol=1e-5, atol=1e-6)
     # (row, k) pairs are rows of their expert: expert 0 gets one pair from each row.
@@ -273,8 +272,8 @@ async def test_queued_work_is_prefetched_while_every_slot_is_busy(setup: Setup) 
     _, batcher, pool, router, _clock = setup(max_batch_wait_ms=0.0)
     pool.gate.clear()
     running = [
-        asyncio.create_task(batcher.submit(inputs([0], 3), top_k=1)),
-        asyncio.create_task(batcher.submit(inputs([2], 3), top_k=2)),
+        asyncio.create_task(batcher.submit(inputs([0], 3), Gate(top_k=1))),
+        asyncio.create_task(batcher.submit(inputs([2], 3), Gate(top_k=2))),
     ]
     await _until(lambda: len(pool.runs) == 2)
     queued = asyncio.create_task(batcher.submit(inputs([5, 1, 5], 3)))
@@ -294,9 +293,9 @@ async def test_queued_work_is_prefetched_while_every_slot_is_busy(setup: Setup) 
 async def test_different_top_k_are_batched_separately(setup: Setup) -> None:
     _, batcher, pool, router, clock = setup()
     tasks = [
-        asyncio.create_task(batcher.submit(inputs([0], 3), top_k=1)),
-        asyncio.create_task(batcher.submit(inputs([1], 3), top_k=2)),
-        asyncio.create_task(batcher.submit(inputs([2], 3), top_k=1)),
+        asyncio.create_task(batcher.submit(inputs([0], 3), Gate(top_k=1))),
+        asyncio.create_task(batcher.submit(inputs([1], 3), Gate(top_k=2))),
+        asyncio.create_task(batcher.submit(inputs([2], 3), Gate(top_k=1))),
     ]
     await settle()
     clock.advance(0.01)
@@ -347,7 +346,7 @@ async def test_invalid_requests_are_refused_before_batching(setup: Setup) -> Non
         (torch.zeros(1, 3), {"mode": "fast"}),
     ]:
         with pytest.raises(InvalidRequest):
-            await batcher.submit(bad, **kwargs)  # type: ignore[arg-type]
+            await batcher.submit(bad, Gate(**kwargs))  # type: ignore[arg-type]
     assert router.calls == [] and batcher.queued_rows == 0
     await batcher.close()
     await pool.close()
@@ -395,7 +394,7 @@ async def test_a_request_the_router_refuses_does_not_fail_its_batch(
     settings = Settings(max_batch_wait_ms=0.0)
     pool = FakeExpertPool(settings)
     tree = PrototypeTree.load(store.router_path)
-    batcher = Batcher(tree, pool, settings, experts=refs(store))
+    batcher = Batcher(MomlpModel(tree, refs(store), store.manifest), pool, settings)
     good = inputs([0, 0], 3, seed=5)
     huge = torch.full((1, 3), 1e20)  # finite, but beyond what the router accepts
     a, b = await asyncio.gather(batcher.submit(good), batcher.submit(huge), return_exceptions=True)

@@ -1,6 +1,7 @@
 """server/ is laid out by floor, and imports only flow down: pool < batching < serving < http
 < the process runner and CLI. A function-level import that goes up is a cycle in disguise, so
-every import in a module counts, wherever it sits."""
+every import in a module counts, wherever it sits. The kinds floor (planner/combiner pairs)
+sits between pool and batching."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.unit
 
 SERVER = Path(__file__).resolve().parents[2] / "server"
 # Each floor may import the floors before it in this list (and the shared bottom modules).
-FLOORS = ["pool", "batching", "serving", "http"]
+FLOORS = ["pool", "kinds", "batching", "serving", "http"]
 BOTTOM = {"server._settings", "server._exceptions"}
 
 

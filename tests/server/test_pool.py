@@ -19,6 +19,7 @@ from router import PrototypeTree
 from server._exceptions import ExpertUnavailable
 from server._settings import Settings
 from server.batching import Batcher
+from server.kinds import MomlpModel
 from server.pool import RayExpertPool
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_session")]
@@ -143,7 +144,7 @@ async def test_a_corrupted_expert_fails_only_the_requests_that_need_it(
     settings = Settings(actors=2, cache_bytes=10**7, max_batch_wait_ms=5.0)
     pool = await asyncio.to_thread(RayExpertPool.create, settings)
     refs = [store.expert_ref(e.id) for e in store.manifest.experts]
-    batcher = Batcher(router, pool, settings, experts=refs)
+    batcher = Batcher(MomlpModel(router, refs, store.manifest), pool, settings)
     try:
         xs = [torch.randn(3, 2, generator=torch.Generator().manual_seed(s)) for s in range(40)]
         answers = await asyncio.gather(*(batcher.submit(x) for x in xs), return_exceptions=True)

@@ -1,0 +1,32 @@
+"""The kinds floor: one planner/combiner pair per store kind, and the registry of kinds.
+
+It sits on the pool floor (`server.pool`): a kind turns a batch's rows into groups of
+(cache key, rows, gate weight), and the pool's answers back into outputs in input order.
+The batching floor above calls a kind through `ServedModel`, never by its name.
+"""
+
+from __future__ import annotations
+
+from server.kinds._momlp import GateRouter, MomlpModel
+from server.kinds._registry import KINDS, open_model
+from server.kinds._types import (
+    BatchRun,
+    GateRequest,
+    Plan,
+    PlannedGroup,
+    RowRouting,
+    ServedModel,
+)
+
+__all__ = [
+    "KINDS",
+    "BatchRun",
+    "GateRequest",
+    "GateRouter",
+    "MomlpModel",
+    "Plan",
+    "PlannedGroup",
+    "RowRouting",
+    "ServedModel",
+    "open_model",
+]

@@ -1,0 +1,193 @@
+"""Kind "momlp": a flat mixture of expert MLPs routed by a prototype tree (one round).
+
+Plan: the gate (`router.Gate`, the store's defaults overridden by the request within the
+server's caps) gives each row its experts and weights; each distinct expert is one group.
+Combine: each row's weighted sum in float64 over its experts, in expert-id order whatever
+the batch, so a row's output never depends on its neighbours.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from experts_store import ExpertRef, GateSpec, Manifest, Store
+from router import Gate, GateRouting, PrototypeTree, RouterInputError, check_gate
+from server._exceptions import CapExceeded, InvalidRequest
+from server._settings import Settings
+from server.kinds._types import GateRequest, Plan, PlannedGroup
+from server.pool import GroupResult
+
+__all__ = ["GateRouter", "MomlpModel"]
+
+
+class GateRouter(Protocol):
+    """What the kind needs of `router.PrototypeTree`."""
+
+    @property
+    def num_prototypes(self) -> int: ...
+    @property
+    def dim(self) -> int: ...
+    @property
+    def depth(self) -> int: ...
+    def gate(self, x: Any, gate: Gate) -> GateRouting: ...
+
+
+class MomlpModel:
+    """A store of kind "momlp": its router, its experts and its default gate."""
+
+    kind = "momlp"
+
+    def __init__(
+        self,
+        router: GateRouter,
+        experts: Sequence[ExpertRef],
+        manifest: Manifest | None = None,
+        *,
+        gate: GateSpec | None = None,
+    ) -> None:
+        if len(experts) != router.num_prototypes:
+            raise ValueError(
+                f"{len(experts)} experts for a router of {router.num_prototypes} prototypes"
+            )
+        self.router = router
+        self.experts = list(experts)
+        self.manifest = manifest
+        self.gate_spec = gate or (manifest.gate_spec if manifest is not None else GateSpec())
+        self.default_mode: str = manifest.routing if manifest is not None else "tree"
+
+    @classmethod
+    def open(cls, store: Store) -> MomlpModel:
+        """Read the store's router (blocking); experts stay files until the pool loads them."""
+        router = PrototypeTree.load(store.router_path)
+        experts = [store.expert_ref(e.id) for e in store.manifest.experts]
+        return cls(router, experts, store.manifest)
+
+    @property
+    def input_dim(self) -> int:
+        return self.router.dim
+
+    def prototypes(self) -> torch.Tensor | None:
+        return getattr(self.router, "prototypes", None)
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.num_prototypes
+
+    def resolve(self, request: GateRequest, settings: Settings) -> Gate:
+        """The request's gate: its fields over the store's gate, within the server's caps."""
+        spec = self.gate_spec
+        k = request.top_k if request.top_k is not None else settings.default_top_k
+        if k > self.num_experts:
+            raise InvalidRequest(
+                f"top_k={k} exceeds the {self.num_experts} experts of this model", field="top_k"
+            )
+        if k > settings.max_top_k:
+            raise CapExceeded(cap="max_top_k", limit=settings.max_top_k, value=k, field="top_k")
+        beam = request.beam
+        if beam is not None:
+            widest = max(beam, default=0)
+            if widest > settings.max_beam:
+                raise CapExceeded(
+                    cap="max_beam", limit=settings.max_beam, value=list(beam), field="beam"
+                )
+            if len(beam) > max(1, self.router.depth):
+                raise InvalidRequest(
+                    f"beam has {len(beam)} widths, the tree has {self.router.depth} levels",
+                    field="beam",
+                )
+        tau = request.temperature if request.temperature is not None else spec.temperature
+        ratio = settings.max_temperature_ratio
+        if not spec.temperature / ratio <= tau <= spec.temperature * ratio:
+            raise CapExceeded(
+                cap="max_temperature_ratio", limit=ratio, value=tau, field="temperature"
+            )
+        mode = request.mode or settings.default_mode or self.default_mode
+        gate = Gate(
+            top_k=k,
+            mode=mode,  # type: ignore[arg-type]
+            temperature=float(tau),
+            score=(request.score or spec.score),  # type: ignore[arg-type]
+            min_weight=request.min_weight if request.min_weight is not None else 0.0,
+            top_p=request.top_p if request.top_p is not None else 1.0,
+            beam=tuple(beam) if beam is not None else None,
+            tree_top_k=spec.tree_top_k,
+        )
+        self.check(gate)
+        return gate
+
+    def check(self, options: Hashable) -> None:
+        if not isinstance(options, Gate):
+            raise InvalidRequest("gate options of the wrong type", field="gate")
+        try:
+            check_gate(options, self.num_experts)
+        except RouterInputError as exc:
+            raise InvalidRequest(str(exc), field=getattr(exc, "field", "gate")) from exc
+
+    def route(self, x: torch.Tensor, options: Hashable) -> GateRouting:
+        assert isinstance(options, Gate)
+        return self.router.gate(x, options)
+
+    def concat(self, parts: list[Any]) -> GateRouting:
+        return GateRouting.concat(parts)
+
+    def start(self, x: torch.Tensor, routing: Any) -> _MomlpRun:
+        return _MomlpRun(x, routing, self.experts)
+
+    def prefetch_keys(self, routing: Any) -> list[ExpertRef]:
+        ids = torch.unique(routing.experts[routing.experts >= 0]).tolist()
+        return [self.experts[int(e)] for e in ids]
+
+
+class _MomlpRun:
+    """One batch: one round of groups (one per distinct expert), then the weighted sums."""
+
+    def __init__(self, x: torch.Tensor, routing: GateRouting, experts: list[ExpertRef]) -> None:
+        self._x = x
+        self._routing = routing
+        self._experts = experts
+        self._planned = False
+        self._out: torch.Tensor | None = None
+
+    def plan(self) -> Plan | None:
+        if self._planned:
+            return None
+        self._planned = True
+        experts, weights = self._routing.experts, self._routing.weights
+        width = experts.shape[1]
+        flat = experts.reshape(-1)
+        pair_rows = torch.arange(experts.shape[0]).repeat_interleave(width)
+        used = torch.nonzero(flat >= 0).flatten()
+        order = used[torch.argsort(flat[used], stable=True)]
+        ids, counts = torch.unique_consecutive(flat[order], return_counts=True)
+        groups: list[PlannedGroup] = []
+        for e, pairs in zip(ids.tolist(), torch.split(order, counts.tolist()), strict=True):
+            rows = pair_rows[pairs]
+            groups.append(
+                PlannedGroup(
+                    key=self._experts[int(e)],
+                    rows=rows,
+                    weights=weights.reshape(-1)[pairs],
+                    inputs=self._x[rows],
+                )
+            )
+        return Plan(groups)
+
+    def combine(self, plan: Plan, results: Sequence[GroupResult]) -> None:
+        good = [(g, r) for g, r in zip(plan.groups, results, strict=True) if r.error is None]
+        out_dim = int(good[0][1].outputs.shape[1]) if good else 0
+        # Float64 sums in group (expert id) order: the same additions for a row whatever
+        # else is in its batch; a weight of 1.0 gives the expert's float32 output exactly.
+        out = torch.zeros((self._x.shape[0], out_dim), dtype=torch.float64)
+        for group, result in good:
+            contribution = result.outputs.to(torch.float64) * group.weights[:, None]
+            out.index_add_(0, group.rows, contribution)
+        self._out = out.to(torch.float32)
+
+    @property
+    def outputs(self) -> torch.Tensor:
+        if self._out is None:
+            raise RuntimeError("outputs asked before the round was combined")
+        return self._out

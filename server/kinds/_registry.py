@@ -1,0 +1,25 @@
+"""Kind name → how to open a store of that kind; the server serves only kinds listed here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from experts_store import Store
+from server._exceptions import UnknownStoreKind
+from server.kinds._momlp import MomlpModel
+from server.kinds._types import ServedModel
+
+__all__ = ["KINDS", "open_model"]
+
+# One entry per kind; a kind is its planner/combiner (a ServedModel), opened from its store.
+KINDS: dict[str, Callable[[Store], ServedModel]] = {
+    MomlpModel.kind: MomlpModel.open,
+}
+
+
+def open_model(store: Store) -> ServedModel:
+    """The served form of `store` (blocking reads); UnknownStoreKind naming its kind."""
+    opener = KINDS.get(store.manifest.kind)
+    if opener is None:
+        raise UnknownStoreKind(kind=store.manifest.kind, known=sorted(KINDS))
+    return opener(store)

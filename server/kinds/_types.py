@@ -1,0 +1,134 @@
+"""The store-kind seam: what a kind plans for the pool and how it combines the answers.
+
+Serving a batch is plan → pool → combine, repeated while the kind has rounds left (one for a
+flat mixture; one per topological wave for a graph of mixtures). A plan is a list of groups:
+a cache key the pool leases (an `ExpertRef` today; any content-addressed key later), the
+batch rows it serves, each row's gate weight, and the inputs the expert computes on (the
+rows themselves, a node's upstream outputs, or a sample's patches). Prefetch, spill, stats and
+VRAM accounting all work on groups, so a new kind gets them without touching the batcher.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from experts_store import ExpertRef
+from server._settings import Settings
+from server.pool import Group, GroupResult
+
+__all__ = [
+    "BatchRun",
+    "GateRequest",
+    "Plan",
+    "PlannedGroup",
+    "RowRouting",
+    "ServedModel",
+]
+
+
+@dataclass(frozen=True)
+class GateRequest:
+    """A request's gate options as the HTTP floor parsed them (None: the store's default)."""
+
+    top_k: int | None = None
+    mode: str | None = None
+    temperature: float | None = None
+    min_weight: float | None = None
+    top_p: float | None = None
+    beam: tuple[int, ...] | None = None
+    score: str | None = None
+
+
+@dataclass(frozen=True)
+class PlannedGroup:
+    """The rows of one batch that one cache key serves in one round."""
+
+    key: ExpertRef
+    rows: torch.Tensor  # [m] int64: batch rows, each once per group
+    weights: torch.Tensor  # [m] float64: the gate weight of the key for each row
+    inputs: torch.Tensor  # [m, d] float32: what the expert computes on
+
+    def group(self) -> Group:
+        return Group(expert=self.key, rows=self.inputs)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One round of pool work."""
+
+    groups: list[PlannedGroup]
+
+    def pool_groups(self) -> list[Group]:
+        return [g.group() for g in self.groups]
+
+
+class RowRouting(Protocol):
+    """Where each row of some rows goes: computed row by row, so slicing a batch's routing
+    gives each request's, and concatenating requests' routings gives the batch's."""
+
+    @property
+    def rows(self) -> int: ...
+    @property
+    def experts(self) -> torch.Tensor: ...  # [B, L] int64, -1 = none
+    @property
+    def weights(self) -> torch.Tensor: ...  # [B, L] float64
+    @property
+    def distances(self) -> torch.Tensor: ...  # [B, L] float32
+    @property
+    def distance_evals(self) -> torch.Tensor: ...  # [B] int64
+    def slice(self, start: int, stop: int) -> RowRouting: ...
+
+
+class BatchRun(Protocol):
+    """One batch of one kind, from its routing to its outputs."""
+
+    def plan(self) -> Plan | None:
+        """The next round of groups, or None when the outputs are complete."""
+        ...
+
+    def combine(self, plan: Plan, results: Sequence[GroupResult]) -> None:
+        """Take one round's results (same order as `plan.groups`; failed ones left out)."""
+        ...
+
+    @property
+    def outputs(self) -> torch.Tensor:  # [B, out] float32, rows in input order
+        ...
+
+
+class ServedModel(Protocol):
+    """One store version of one kind, as the batching floor serves it."""
+
+    kind: str
+    experts: list[ExpertRef]  # indexed by expert id
+
+    def prototypes(self) -> torch.Tensor | None:
+        """The routing prototypes [K, n] to show in /v1/model, if the kind has them."""
+        ...
+
+    @property
+    def input_dim(self) -> int: ...
+
+    def resolve(self, request: GateRequest, settings: Settings) -> Hashable:
+        """The request's options against the store's defaults and the server's caps
+        (InvalidRequest, CapExceeded); the result is hashable: requests merge by it."""
+        ...
+
+    def check(self, options: Hashable) -> None:
+        """InvalidRequest if `options` cannot be served by this store."""
+        ...
+
+    def route(self, x: torch.Tensor, options: Hashable) -> RowRouting:
+        """Route float32 rows [B, n] (blocking CPU work; RouterInputError for bad rows)."""
+        ...
+
+    def concat(self, parts: list[RowRouting]) -> RowRouting: ...
+
+    def start(self, x: torch.Tensor, routing: RowRouting) -> BatchRun: ...
+
+    def prefetch_keys(self, routing: RowRouting) -> list[ExpertRef]:
+        """The keys the first round of these rows will need."""
+        ...

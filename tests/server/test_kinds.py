@@ -1,0 +1,103 @@
+"""Store kinds: format-1 stores serve as kind "momlp"; a kind the server does not know is
+refused at startup and on reload, naming it (server/kinds/_registry.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from app_support import (
+    app_settings,
+    build_small_store,
+    error_of,
+    expert_outputs,
+    fake_app,
+    fake_pool,
+    manifest,
+    nearest_k,
+    running,
+)
+
+from server import create_app
+from server._exceptions import UnknownStoreKind
+from server.kinds import KINDS
+
+pytestmark = pytest.mark.unit
+
+
+def as_format_1(store: Path) -> None:
+    """Rewrite manifest.json exactly as the format-1 writer wrote it: no kind, no gate."""
+    data = manifest(store)
+    data.pop("kind")
+    data.pop("gate")
+    data["format_version"] = 1
+    (store / "manifest.json").write_text(json.dumps(data, indent=2) + "\n")
+
+
+def rewrite(store: Path, **fields: object) -> None:
+    data = manifest(store)
+    data.update(fields)
+    (store / "manifest.json").write_text(json.dumps(data, indent=2) + "\n")
+
+
+def test_the_writer_publishes_format_2_with_kind_and_gate(tmp_path: Path) -> None:
+    data = manifest(build_small_store(tmp_path / "s"))
+    assert data["format_version"] == 2 and data["kind"] == "momlp"
+    assert data["gate"]["temperature"] == data["temperature"] == 1.0
+    assert data["gate"]["score"] == "sqdist"
+
+
+async def test_a_format_1_store_loads_and_serves_unchanged(tmp_path: Path) -> None:
+    store = build_small_store(tmp_path / "s", K=8, n=4)
+    x = np.random.default_rng(3).standard_normal((40, 4)).astype(np.float32)
+    async with running(fake_app(store)) as client:
+        v2 = (await client.post("/v1/predict", json={"inputs": x.tolist(), "top_k": 2})).json()
+        v2_top1 = (await client.post("/v1/predict", json={"inputs": x.tolist()})).json()
+    as_format_1(store)
+    async with running(fake_app(store)) as client:
+        model = (await client.get("/v1/model")).json()
+        top1 = (await client.post("/v1/predict", json={"inputs": x.tolist()})).json()
+        top2 = (await client.post("/v1/predict", json={"inputs": x.tolist(), "top_k": 2})).json()
+    assert (model["format_version"], model["kind"], model["temperature"]) == (1, "momlp", 1.0)
+    assert model["gate"]["temperature"] == 1.0
+    # Top-1: each row is its expert's own output, bit for bit the format-2 store's answer.
+    assert top1 == {**v2_top1, "store_version": top1["store_version"]}
+    for i, (e,) in enumerate(top1["experts"]):
+        want = expert_outputs(store, e, x[i : i + 1])[0]
+        np.testing.assert_allclose(top1["outputs"][i], want, rtol=1e-6, atol=1e-6)
+    # Top-2: the k nearest prototypes with softmax(-d²/1.0) weights, as format 1 served them.
+    idx, d2 = nearest_k(store, x, 2)
+    assert top2["experts"] == idx.tolist()
+    gate = np.exp(-d2) / np.exp(-d2).sum(1, keepdims=True)
+    np.testing.assert_allclose(top2["weights"], gate, rtol=1e-6)
+    np.testing.assert_allclose(top2["outputs"], v2["outputs"], rtol=0, atol=0)
+
+
+async def test_an_unknown_kind_is_refused_at_startup_naming_it(tmp_path: Path) -> None:
+    store = build_small_store(tmp_path / "s")
+    rewrite(store, kind="warpdrive")
+    app = create_app(app_settings(store), pool_factory=fake_pool)
+    with pytest.raises(UnknownStoreKind) as info:
+        async with running(app):
+            pass
+    assert info.value.kind == "warpdrive"
+    assert "warpdrive" in str(info.value) and "momlp" in str(info.value)
+    assert "warpdrive" not in KINDS
+
+
+async def test_an_unknown_kind_is_refused_on_reload_and_the_old_version_serves(
+    tmp_path: Path,
+) -> None:
+    store = build_small_store(tmp_path / "s")
+    served = manifest(store)["store_version"]
+    x = np.zeros((1, 4), dtype=np.float32).tolist()
+    async with running(fake_app(store)) as client:
+        rewrite(store, kind="graph", store_version="next-version")
+        response = await client.post("/v1/admin/reload")
+        assert response.status_code == 503
+        error = error_of(response)
+        assert error["code"] == "reload_failed" and "'graph'" in error["detail"]["reason"]
+        answer = await client.post("/v1/predict", json={"inputs": x})
+        assert answer.status_code == 200 and answer.json()["store_version"] == served

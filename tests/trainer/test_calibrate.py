@@ -1,0 +1,61 @@
+"""Calibrated temperature: `momlp build` fits τ on held-out rows, `momlp store calibrate`
+republishes a store with a τ fitted on a data file (trainer/_calibrate.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from experts_store import Store
+from router import PrototypeTree
+from server._cli import main
+from trainer import BuildConfig, ackley, build_store, quick_overrides
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("calib") / "store"
+    config = BuildConfig(
+        out=out, dataset="ackley2d", experts=8, branching=4, executor="local",
+        **{**quick_overrides("ackley2d"), "grid_size": 24},
+    )
+    build_store(config, progress=False)
+    return out
+
+
+def test_build_chooses_tau_from_held_out_rows_and_says_how(built: Path) -> None:
+    m = Store.open(built).manifest
+    gate = m.gate_spec
+    assert gate.temperature_source == "calibrated" and gate.tree_top_k == "beam"
+    assert gate.calibration is not None
+    c = gate.calibration
+    assert c["data"] == "the build's held-out test split" and c["top_k"] == [2, 3]
+    # The chosen τ is the grid's best: no worse than τ = 1 on the rows it was fitted on.
+    for k in ("2", "3"):
+        assert c["loss_at_temperature"][k] <= c["loss_at_1"][k]
+    assert PrototypeTree.load(Store.open(built).router_path).temperature == gate.temperature
+
+
+def test_store_calibrate_republishes_with_the_same_experts(
+    built: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = Store.open(built).manifest
+    rng = np.random.default_rng(5)
+    x = rng.uniform(-1, 1, size=(600, 2))
+    np.savez(tmp_path / "fit.npz", X=x, y=ackley(x).reshape(-1, 1))
+    assert main(["store", "calibrate", str(built), "--data", str(tmp_path / "fit.npz")]) == 0
+    after = Store.open(built).manifest
+    assert after.store_version != before.store_version
+    assert [e.sha256 for e in after.experts] == [e.sha256 for e in before.experts]
+    c = after.gate_spec.calibration
+    assert c is not None and c["data"] == "fit.npz" and c["rows"] == 600
+    assert after.temperature == after.gate_spec.temperature != before.temperature
+    assert "calibrated τ=" in capsys.readouterr().out
+    assert main(["store", "info", str(built), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["gate"]["temperature_source"] == "calibrated"
