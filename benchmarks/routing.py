@@ -59,10 +59,14 @@ def make_data(
 
 
 def interleaved(
-    fns: dict[str, Callable[[], Any]], repeats: int, budget_s: float, min_s: float = 1.0
+    fns: dict[str, Callable[[], Any]],
+    repeats: int,
+    budget_s: float,
+    min_s: float = 1.0,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, tuple[float, Any]]:
-    """Median wall time of each function, run in rounds (one call of each per round) so
-    that load from other work on the machine hits every method alike. Fast methods get
+    """Median time of each function by `clock`, run in rounds (one call of each per round)
+    so that load from other work on the machine hits every method alike. Fast methods get
     more rounds (until min_s of samples, at most 5x repeats); a method stops repeating
     once it has used budget_s."""
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -74,9 +78,9 @@ def interleaved(
             if times[name] and (spent > budget_s or (round_no >= repeats and spent >= min_s)):
                 continue
             ran = True
-            t0 = time.perf_counter()
+            t0 = clock()
             outs[name] = fn()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
         if not ran:
             break
     return {name: (statistics.median(times[name]), outs[name]) for name in fns}
@@ -135,7 +139,12 @@ def load_baseline(root: str) -> Any:
 
 
 def bench_config(
-    config: Config, queries: int, repeats: int, seed: int, baseline: Any = None
+    config: Config,
+    queries: int,
+    repeats: int,
+    seed: int,
+    baseline: Any = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, Any]:
     import faiss
     import hnswlib
@@ -192,6 +201,7 @@ def bench_config(
         },
         repeats,
         budget_s=30.0,
+        clock=clock,
     )
     for name, (secs, out) in results.items():
         if name in ("tree", "exact", "exact_baseline"):
@@ -236,6 +246,10 @@ def main() -> None:
                         help="only the small-store configurations (K = 1,000, low n)")
     parser.add_argument("--baseline", default=None,
                         help="directory holding another version's router/ package")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="time q/s by wall clock, or by this process's CPU time "
+                        "(everything runs on one thread; CPU time leaves out the time "
+                        "other work on a shared machine takes the core away)")
     args = parser.parse_args()
 
     import faiss
@@ -266,10 +280,14 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
         "threads": 1,
+        "clock": args.clock,
     }
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
     for config in grid:
         _, k, n, _ = config
-        row = bench_config(config, queries, args.repeats, seed=k + n, baseline=baseline)
+        row = bench_config(
+            config, queries, args.repeats, seed=k + n, baseline=baseline, clock=clock
+        )
         row.update(meta)
         print(json.dumps(row), flush=True)
 

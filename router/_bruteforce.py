@@ -26,10 +26,11 @@ _TWO_LEVEL_MIN = 256
 _LANES = 16
 # A score row stride that is a whole multiple of this many bytes is padded by one cache line.
 # With such a stride, the rows of the tile a matmul writes all map onto the same few L1
-# sets (4 KiB per way), and each row's write evicts its neighbours': at n <= 8 the addmm
-# that fills a [1024, 1024] float32 block ran 5-6x slower than at width 1000 or 1040
-# (0.62-0.66 vs 0.11-0.19 ns per score, one thread, 2-core EPYC VM), a loss the
-# power-of-two widths RowArgmin pads to (1024, 2048) hit exactly.
+# sets (4 KiB per way), and each row's write evicts its neighbours': the addmm that fills
+# a [1024, 1024] float32 block ran 5-6x slower at n <= 8 than at width 1000 or 1040
+# (0.62-0.70 vs 0.10-0.19 ns per score), ~15% slower at n = 16 and up to 2x at n = 128
+# (one thread, 2-core EPYC VM), a loss the power-of-two widths RowArgmin pads to (1024,
+# 2048) hit exactly. One extra cache line per row restores the fast rate.
 _ALIASING_STRIDE_BYTES = 1024
 _CACHE_LINE_BYTES = 64
 
@@ -246,13 +247,13 @@ class BlockedSearch:
         self, scan: _Scan, x: torch.Tensor, k: int, scores: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         xc = x - self.centre
-        xnorm2 = (xc * xc).sum(dim=1)
+        xnorm = torch.linalg.vector_norm(xc, dim=1)  # one pass, where (xc * xc).sum took two
         # ‖x‖² is the same for a whole row: rank by ‖p‖² − 2x·p and skip a full-matrix add.
         torch.addmm(
             scan.norm2[None, :], xc.to(self.dtype), scan.centred_t, alpha=-2.0, out=scores
         )
         r = self.max_norm
-        margin = 2.0 * self.error_factor * (2.0 * r * xnorm2.sqrt() + r * r)
+        margin = 2.0 * self.error_factor * (2.0 * r * xnorm + r * r)
         if k == 1:
             return self._nearest_block(scan, x, scores, margin)
         kth = scores.topk(k, dim=1, largest=False, sorted=True).values[:, -1]
@@ -270,40 +271,23 @@ class BlockedSearch:
         self, scan: _Scan, x: torch.Tensor, scores: torch.Tensor, margin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Most rows have one clear winner: the runner-up (found with the winner, no second
-        # pass over the block) lies beyond the margin. A close row mostly has a single
-        # rival, found by a second argmin over the close rows only; the few rows left with
-        # more candidates get a full candidate list. Every candidate is re-measured in
-        # float64. Indices here are rows of the scan (scan.ids maps them afterwards).
+        # pass over the block) lies beyond the margin. Only the close rows (a few percent;
+        # up to ~15% on clustered data in 128-D) list every candidate within the margin,
+        # the winner included, and re-measure them all in float64: one gather, compare and
+        # nonzero over those rows, where a second argmin for a single rival cost several.
+        # Indices here are rows of the scan (scan.ids maps them afterwards).
         j, best, runner_up = scan.row_argmin.with_runner_up(scores)
         limit = self._limit(best, margin)
         close = torch.nonzero(runner_up <= limit).flatten()
         idx = j.squeeze(1)
         d2 = sq_dist_rows(x, scan.rows64[idx])
-        if close.numel() == 0:
-            return idx[:, None], d2[:, None]
-        sub = scores[close]
-        sub.scatter_(1, j[close], float("inf"))
-        sub_limit = limit[close]
-        rival = scan.row_argmin(sub)
-        sub.scatter_(1, rival, float("inf"))
-        rival = rival.squeeze(1)
-        rival_d2 = sq_dist_rows(x[close], scan.rows64[rival])
-        held_idx, held_d2 = idx[close], d2[close]
-        take = (rival_d2 < held_d2) | ((rival_d2 == held_d2) & (rival < held_idx))
-        idx[close] = torch.where(take, rival, held_idx)
-        d2[close] = torch.where(take, rival_d2, held_d2)
-        many = torch.nonzero(sub.amin(dim=1) <= sub_limit).flatten()
-        if many.numel() > 0:
-            r, col = torch.nonzero(sub[many] <= sub_limit[many, None], as_tuple=True)
-            rows = close[many]
-            # The best of the two found so far competes with every remaining candidate.
-            row = torch.cat([rows[r], rows])
-            col = torch.cat([col, idx[rows]])
-            cd2 = torch.cat([sq_dist_rows(x[rows[r]], scan.rows64[col[: r.numel()]]),
-                             d2[rows]])
-            best_idx, best_d2 = select_k(row, col, cd2, x.shape[0], 1)
-            idx[rows] = best_idx[rows, 0]
-            d2[rows] = best_d2[rows, 0]
+        if close.numel() > 0:
+            near = scores.index_select(0, close) <= limit.index_select(0, close)[:, None]
+            row, col = torch.nonzero(near, as_tuple=True)
+            cd2 = sq_dist_rows(x[close[row]], scan.rows64[col])
+            close_idx, close_d2 = select_k(row, col, cd2, close.numel(), 1)
+            idx[close] = close_idx[:, 0]
+            d2[close] = close_d2[:, 0]
         return idx[:, None], d2[:, None]
 
 
