@@ -33,6 +33,12 @@ def make_prototypes(kind: str, k: int, n: int, rng: np.random.Generator) -> np.n
     return p.astype(np.float32)
 
 
+def duplicate_each(p: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Every row of p twice, in a random order: each query's nearest is a tied pair."""
+    both = np.concatenate([p, p])
+    return both[rng.permutation(len(both))]
+
+
 def make_queries(p: np.ndarray, b: int, rng: np.random.Generator) -> np.ndarray:
     """Random points, the prototypes themselves and midpoints of prototype pairs (ties)."""
     k, n = p.shape

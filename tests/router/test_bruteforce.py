@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from router_testdata import make_prototypes, make_queries, numpy_knn
 
 from router import BruteForceRouter, PrototypeTree
-from router._bruteforce import BlockedSearch, RowArgmin
+from router._bruteforce import BlockedSearch, RowArgmin, score_buffer
 
 pytestmark = pytest.mark.unit
 
@@ -78,6 +78,55 @@ def test_row_argmin_finds_each_rows_minimum(width: int) -> None:
     assert bool((col < width).all())
     assert torch.equal(scores.gather(1, col), scores.amin(dim=1, keepdim=True))
     assert col[3, 0] == width - 1 and col[4, 0] == 0
+
+
+@pytest.mark.parametrize("width", [1, 7, 255, 256, 1000, 4099])
+def test_row_argmin_reports_the_runner_up(width: int) -> None:
+    rng = np.random.default_rng(width)
+    padded = RowArgmin.padded(width)
+    scores = torch.full((12, padded), float("inf"))
+    # Few distinct values: minima tie often, within one strip's column and across columns.
+    scores[:, :width] = torch.from_numpy(rng.integers(0, 30, (12, width)).astype(np.float32))
+    if width > 1:
+        scores[5, :2] = -2.0  # a tied minimum in neighbouring columns
+        scores[6, 0], scores[6, width - 1] = -2.0, -1.0
+    strip = RowArgmin(padded).strip
+    if padded > strip:
+        # The runner-up in the winner's own column-in-strip, one strip further on.
+        scores[7, 3], scores[7, 3 + strip] = -3.0, -2.5
+    col, best, runner_up = RowArgmin(padded).with_runner_up(scores.clone())
+    ordered = scores.sort(dim=1).values
+    assert torch.equal(best, ordered[:, 0])
+    assert torch.equal(runner_up, ordered[:, 1]) if width > 1 else bool(runner_up.isinf().all())
+    assert torch.equal(scores.gather(1, col).squeeze(1), best)
+
+
+@pytest.mark.parametrize("width", [1000, 1024, 2048, 300])
+def test_score_buffer_is_a_dense_matrix_to_addmm(width: int) -> None:
+    a, b, bias = torch.rand(5, 3), torch.rand(3, width), torch.rand(width)
+    out = score_buffer(5, width, torch.float32)
+    torch.addmm(bias[None, :], a, b, alpha=-2.0, out=out)
+    assert out.shape == (5, width)
+    torch.testing.assert_close(out, bias[None, :] - 2.0 * a @ b)
+    # A row stride of a whole KiB would alias cache sets; the buffer never has one.
+    assert (out.stride(0) * 4) % 1024 != 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_duplicated_prototypes_answer_the_lowest_index(dtype: torch.dtype) -> None:
+    # Every prototype twice, shuffled: the nearest is the first copy, while top-2 still
+    # counts both copies (k = 1 scans the distinct rows only, k > 1 every row).
+    rng = np.random.default_rng(4)
+    half = make_prototypes("uniform", 300, 2, rng)
+    p = np.concatenate([half, half])[rng.permutation(600)]
+    x = make_queries(p, 200, rng)
+    search = BlockedSearch(torch.from_numpy(p), dtype=dtype)
+    want_idx, want_d2 = numpy_knn(x, p, 2)
+    idx, d2 = search.knn(torch.from_numpy(x), 1)
+    assert idx[:, 0].tolist() == want_idx[:, 0].tolist()
+    np.testing.assert_allclose(d2[:, 0].numpy(), want_d2[:, 0], rtol=1e-12, atol=0)
+    idx2, _ = search.knn(torch.from_numpy(x), 2)
+    assert idx2.numpy().tolist() == want_idx.tolist()
 
 
 def test_row_argmin_refuses_an_unpadded_width() -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from router_testdata import make_prototypes, make_queries, numpy_knn
+from router_testdata import duplicate_each, make_prototypes, make_queries, numpy_knn
 
 from router import PrototypeTree, Routing
 from router._exact import exact_nearest
@@ -129,3 +129,55 @@ def test_public_exact_mode_searches_the_tree_when_it_pays() -> None:
     assert r.experts[:, 0].tolist() == numpy_knn(x, p)[0][:, 0].tolist()
     # Most queries were answered by the search, far below a scan of all K.
     assert float(np.median(r.distance_evals.numpy())) < len(p) / 20
+
+
+def _small_store(kind: str, n: int, duplicated: bool, seed: int) -> np.ndarray:
+    """K = 1,000 prototypes; duplicated: 500 distinct ones, each present twice."""
+    rng = np.random.default_rng(seed)
+    if duplicated:
+        return duplicate_each(make_prototypes(kind, 500, n, rng), rng)
+    return make_prototypes(kind, 1000, n, rng)
+
+
+@pytest.mark.parametrize("duplicated", [False, True])
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("kind", ["uniform", "clustered"])
+def test_small_store_in_low_dimension_agrees_on_both_paths(
+    kind: str, n: int, duplicated: bool
+) -> None:
+    # K = 1,000 is below the search threshold: public exact mode scans (K evaluations per
+    # query); the branch-and-bound, forced on the same store, must give the same answers.
+    # Queries include the prototypes themselves: with copies, exact ties to the lower index.
+    p = _small_store(kind, n, duplicated, seed=n)
+    rng = np.random.default_rng(n + 100)
+    tree = PrototypeTree.build(p, branching=4, seed=0)
+    x = make_queries(p, 200, rng)
+    want_idx, want_d2 = numpy_knn(x, p)
+    r = tree.route(x, mode="exact")
+    assert r.experts[:, 0].tolist() == want_idx[:, 0].tolist()
+    assert r.distance_evals.tolist() == [len(p)] * len(x)
+    np.testing.assert_allclose(
+        r.distances[:, 0].numpy(), np.sqrt(want_d2[:, 0]).astype(np.float32), rtol=1e-6
+    )
+    idx, d2, evals = _exact(tree, x, switch_fraction=0.0)
+    assert idx.tolist() == want_idx[:, 0].tolist()
+    np.testing.assert_allclose(d2, want_d2[:, 0], rtol=1e-12, atol=0)
+    assert float(np.median(evals)) < len(p)  # answered by the search, not a scan
+    if duplicated:
+        # The answer is always the first of its two copies.
+        first = {tuple(row): i for i, row in reversed(list(enumerate(p.tolist())))}
+        assert all(first[tuple(p[i].tolist())] == i for i in idx.tolist())
+
+
+@pytest.mark.parametrize("kind", ["uniform", "clustered"])
+def test_duplicated_store_searched_by_the_public_exact_mode(kind: str) -> None:
+    # Large enough for the tree search to pay (K = 10,000, the benchmark's size; at 6,000
+    # the pilot already finds a scan cheaper), every prototype twice: pruning must keep
+    # the lower-index copy of each tied pair.
+    rng = np.random.default_rng(7)
+    p = duplicate_each(make_prototypes(kind, 5000, 2, rng), rng)
+    tree = PrototypeTree.build(p, branching=4, seed=0)
+    x = make_queries(p, 100, rng)
+    r = tree.route(x, mode="exact")
+    assert r.experts[:, 0].tolist() == numpy_knn(x, p)[0][:, 0].tolist()
+    assert float(np.median(r.distance_evals.numpy())) < len(p) / 10
