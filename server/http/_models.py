@@ -56,7 +56,7 @@ class GateModel(_Strict):
     top_p: float | None = Field(
         default=None, gt=0, le=1, description="keep the smallest prefix reaching p, renormalise"
     )
-    beam: list[Annotated[int, Field(ge=1, strict=True)]] | None = Field(
+    beam: list[PositiveWhole] | None = Field(
         default=None,
         min_length=1,
         description="hierarchical gate: beam width per tree level (a shorter list reuses its"
