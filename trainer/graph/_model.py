@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +26,8 @@ from ._exceptions import NotHardened
 from ._spec import INPUT, GraphSpec, InputRef, NodeSpec, parse_ref, validate, waves
 
 __all__ = ["CompositionalMoMLP", "HardForward", "NodeMixture"]
+
+_M = TypeVar("_M", bound=nn.Module)
 
 
 class NodeMixture(nn.Module):
@@ -63,11 +66,14 @@ class NodeMixture(nn.Module):
         h = z[:, None, :].expand(z.shape[0], len(experts), z.shape[1])
         last = len(experts[0].linears) - 1
         for j in range(last + 1):
-            weight = torch.stack([e.linears[j].weight for e in experts])  # [K, out, in]
-            bias = torch.stack([e.linears[j].bias for e in experts])  # [K, out]
+            linears = [_module(e.linears[j], nn.Linear) for e in experts]
+            weight = torch.stack([lin.weight for lin in linears])  # [K, out, in]
+            bias = torch.stack([lin.bias for lin in linears])  # [K, out]
             h = torch.einsum("bki,koi->bko", h, weight) + bias
             if j < last:
-                gamma = torch.stack([e.activations[j].weight for e in experts])  # [K, out]
+                gamma = torch.stack(
+                    [_module(e.activations[j], nn.PReLU).weight for e in experts]
+                )  # [K, out]
                 h = torch.where(h >= 0, h, gamma * h)
         return h
 
@@ -204,9 +210,15 @@ class CompositionalMoMLP(nn.Module):
         """Parameters one row touches when hard: one expert per node, plus the prototypes
         its tree walk compares against (bounded here by all of them)."""
         return sum(
-            self.node(n.name).experts[0].num_parameters() + self.node(n.name).prototypes.numel()
+            _module(self.node(n.name).experts[0], ExpertMLP).num_parameters()
+            + self.node(n.name).prototypes.numel()
             for n in self.spec.nodes
         )
+
+
+def _module(module: nn.Module, kind: type[_M]) -> _M:
+    assert isinstance(module, kind)
+    return module
 
 
 def _column(ref: InputRef, x: Tensor, values: Mapping[str, Tensor]) -> Tensor:

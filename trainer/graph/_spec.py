@@ -26,7 +26,15 @@ from ._exceptions import (
     UndefinedInput,
 )
 
-__all__ = ["GraphSpec", "InputRef", "NodeSpec", "binary_tree_spec", "parse_ref", "validate", "waves"]
+__all__ = [
+    "GraphSpec",
+    "InputRef",
+    "NodeSpec",
+    "binary_tree_spec",
+    "parse_ref",
+    "validate",
+    "waves",
+]
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 INPUT = "x"  # the reserved source name: ``x:i`` is input coordinate i

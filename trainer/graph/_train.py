@@ -30,7 +30,13 @@ from .._train import rescale_output, target_scaling, train_network
 from ._model import CompositionalMoMLP, NodeMixture
 from ._spec import INPUT, parse_ref
 
-__all__ = ["GraphHistory", "GraphTraining", "refit_prototypes", "train_end_to_end", "train_nodewise"]
+__all__ = [
+    "GraphHistory",
+    "GraphTraining",
+    "refit_prototypes",
+    "train_end_to_end",
+    "train_nodewise",
+]
 
 logger = logging.getLogger(__name__)
 
