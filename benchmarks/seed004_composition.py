@@ -18,6 +18,7 @@ Every run is a Ray task (embedded Ray, 2 CPUs). One JSON line per figure; --raw 
 
     python benchmarks/seed004_composition.py --quick   # d = 8, N in {1000, 4000}, 3 seeds
     python benchmarks/seed004_composition.py           # d = 8 and 16, N up to 16000, 2 budgets
+    python benchmarks/seed004_composition.py --points 16:8:1000,16:8:4000   # chosen points
 """
 
 from __future__ import annotations
@@ -218,6 +219,8 @@ def plot(figures: list[dict[str, Any]], out: Path, tag: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="d = 8 only, two sizes (<= 10 min)")
+    parser.add_argument("--points", default=None,
+                        help="run only these d:node_width:N points, e.g. 16:8:1000,16:8:4000")
     parser.add_argument("--num-cpus", type=int, default=2)
     parser.add_argument("--raw", type=Path, default=None, help="per-run JSON lines file")
     parser.add_argument("--plots", type=Path, default=HERE / "plots")
@@ -225,7 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     name = "quick" if args.quick else "full"
-    jobs = [(m, d, w, n, s) for d, w, n in PLANS[name] for s in range(SEEDS) for m in MODELS]
+    points = PLANS[name]
+    if args.points:
+        name = "points"
+        points = [(int(a), int(b), int(c)) for a, b, c in
+                  (p.split(":") for p in args.points.split(","))]
+    jobs = [(m, d, w, n, s) for d, w, n in points for s in range(SEEDS) for m in MODELS]
     # Slowest first (E and D on the most rows), so the last task to finish is a short one.
     jobs.sort(key=lambda j: -j[3] * j[1] * (4 if j[0] in "DE" else 1))
     import ray
@@ -253,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ray.shutdown()
     figures = summarise(rows)
-    written = plot(figures, args.plots, "-quick" if args.quick else "")
+    written = plot(figures, args.plots, "" if name == "full" else f"-{name}")
     for figure in figures:
         print(json.dumps({"plan": name, **figure}), flush=True)
     print(json.dumps({"figure": "run", "plan": name, "runs": len(rows), "plots": written,
