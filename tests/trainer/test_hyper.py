@@ -85,7 +85,8 @@ def test_layout_covers_f_output_without_gaps_or_overlaps(spec: PrimarySpec) -> N
         covered[slot.offset : slot.end] += 1
     assert bool((covered == 1).all())
     widths = spec.widths
-    expected = sum(a * b + (b if spec.bias else 0) for a, b in zip(widths, widths[1:], strict=False))
+    pairs = zip(widths, widths[1:], strict=False)
+    expected = sum(a * b + (b if spec.bias else 0) for a, b in pairs)
     assert layout.size == expected
     f = HyperNetwork(2, spec, depth=0)
     assert f.f[-1].out_features == layout.size
