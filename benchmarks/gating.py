@@ -38,6 +38,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from client import AsyncClient, LoadTestConfig, arun_loadtest, write_comparison
 from server import Settings, create_app
 from server.pool import FakeExpertPool
 from trainer import BuildConfig, ackley, build_store, calibrate_store, quick_overrides
@@ -49,6 +50,14 @@ def emit(record: dict[str, Any]) -> None:
 
 @asynccontextmanager
 async def served(store: Path, **overrides: Any) -> AsyncIterator[httpx.AsyncClient]:
+    async with served_app(store, **overrides) as app:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://b", timeout=600) as c:
+            yield c
+
+
+@asynccontextmanager
+async def served_app(store: Path, **overrides: Any) -> AsyncIterator[Any]:
     values: dict[str, Any] = {
         "store": store, "watch_store": False, "actors": 1, "cache_bytes": 1 << 30,
         "max_batch_wait_ms": 0.0, "max_top_k": 16, "max_beam": 64,
@@ -59,9 +68,7 @@ async def served(store: Path, **overrides: Any) -> AsyncIterator[httpx.AsyncClie
     settings = Settings(**values)
     app = create_app(settings, pool_factory=lambda s: FakeExpertPool(s))
     async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://b", timeout=600) as c:
-            yield c
+        yield app
 
 
 async def predict(
@@ -320,10 +327,52 @@ async def curve_part(work: Path, quick: bool, plot: Path) -> None:
     emit({"part": "curve", "plot": str(plot)})
 
 
+async def loadtest_part(work: Path, quick: bool, plot: Path) -> None:
+    """`momlp loadtest --eval rows.npz --gate A --gate B ...` as a library call against the
+    in-process app on the demo store: the load test's accuracy beside VRAM per request."""
+    store = work / "demo"
+    if not (store / "manifest.json").exists():
+        build(store, 16, temperature=None)
+    rng = np.random.default_rng(2028)
+    x = rng.uniform(-1, 1, size=(1000, 2))
+    np.savez(work / "eval.npz", x=x, y=ackley(x).reshape(-1, 1))
+    median = 0.108  # the demo store's median nearest-prototype d² (curve part)
+    gates: list[dict[str, Any] | None] = [
+        None, {"temperature": 0.01 * median}, {"temperature": 0.01 * median, "beam": [2, 2]},
+        {"temperature": 0.1 * median, "beam": [2, 2]},
+        {"temperature": 0.01 * median, "min_weight": 0.02},
+    ]
+    reports = []
+    async with served_app(store) as app:
+        for number, gate in enumerate(gates, start=1):
+            config = LoadTestConfig(
+                url="http://b", requests=40 if quick else 200, batch=25, concurrency=2,
+                top_k=8 if gate and "min_weight" in gate else 1, gate=gate,
+                eval_data=work / "eval.npz", report_dir=work / "loadtest" / f"gate-{number}",
+                plots=False,
+            )
+            report = await arun_loadtest(config, client_factory=lambda c: AsyncClient(
+                "http://b", transport=httpx.ASGITransport(app=app), max_retries=0))
+            reports.append(report)
+            accuracy = report.accuracy or {}
+            emit({"part": "loadtest", "gate": gate, "top_k": config.top_k,
+                  "metric": accuracy.get("metric"), "value": accuracy.get("value"),
+                  "rows": accuracy.get("rows"), "experts_per_row": report.experts_per_row,
+                  "vram_bytes_p50": report.vram_bytes["p50"], "ok": report.ok,
+                  "errors": report.errors})
+    written = write_comparison(gates, reports, work / "loadtest")
+    png = [path for path in written if path.suffix == ".png"]
+    if png:
+        plot.parent.mkdir(parents=True, exist_ok=True)
+        plot.write_bytes(png[0].read_bytes())
+        emit({"part": "loadtest", "plot": str(plot)})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer rows (≤ 10 min on 2 cores)")
-    parser.add_argument("--part", choices=("calibration", "curve", "all"), default="all")
+    parser.add_argument("--part", choices=("calibration", "curve", "loadtest", "all"),
+                        default="all")
     parser.add_argument("--plot", type=Path, default=None,
                         help="curve PNG (default benchmarks/plots/gating_curve[-quick].png)")
     parser.add_argument("--work", type=Path, default=None,
@@ -338,6 +387,12 @@ def main() -> None:
             if args.work is not None:
                 args.work.mkdir(parents=True, exist_ok=True)
             asyncio.run(curve_part(args.work or work, args.quick, plot))
+        if args.part in ("loadtest", "all"):
+            if args.work is not None:
+                args.work.mkdir(parents=True, exist_ok=True)
+            gates_png = PLOTS / ("gating_loadtest_gates-quick.png" if args.quick
+                                 else "gating_loadtest_gates.png")
+            asyncio.run(loadtest_part(args.work or work, args.quick, gates_png))
 
 
 if __name__ == "__main__":

@@ -65,11 +65,16 @@ def write_comparison(
         return written
     figure = Figure(figsize=(8, 4.5), layout="constrained")
     axes = figure.add_subplot()
+    seen: dict[tuple[float, float], int] = {}
     for row in scored:
-        axes.scatter(row["vram_bytes_p50"] / 2**20, row["value"], s=50)
+        where = (row["vram_bytes_p50"] / 2**20, row["value"])
+        axes.scatter(*where, s=50)
         label = json.dumps(row["gate"]) if row["gate"] else "store default"
-        axes.annotate(label, (row["vram_bytes_p50"] / 2**20, row["value"]), fontsize=7,
-                      xytext=(4, 4), textcoords="offset points")
+        # Gates that land on the same point get their labels stacked, not overprinted.
+        stacked = seen[where] = seen.get(where, -1) + 1
+        axes.annotate(label, where, fontsize=7, xytext=(4, 4 - 10 * stacked),
+                      textcoords="offset points")
+    axes.margins(x=0.4, y=0.15)
     metric = scored[0]["metric"]
     axes.set(xlabel="device memory per request p50 (MiB)",
              ylabel="test MSE" if metric == "mse" else "test accuracy",
