@@ -6,8 +6,8 @@ calibration: the Ackley-2D quick store built with τ = 1 (the old default), then
 with `calibrate_store` on 2,000 fresh samples; MSE against the true Ackley function on 2,000
 other random points for top_k = 1, 2, 3, before and after, served through the app.
 curve: the demo store (Ackley-2D, K=16, ν=4, the quick preset, τ calibrated by the build) and
-a K=256 store (same, on a 120×120 grid) under each gate setting — τ ∈ {0.01, 0.1, 1, 10} ×
-the median nearest-prototype d² of the test rows, and the store's own τ, crossed with
+a K=256 store (same, on a 120×120 grid, k-means prototypes) under each gate setting — τ ∈
+{0.01, 0.1, 1, 10} × the median nearest-prototype d² of the test rows, and the store's τ, with
 top_k 1/2/3 and top_k 8 pruned by min_weight 0.02 or by top_p 0.9, each in tree routing
 (top_k = k is the soft beam walk of width k on a calibrated store) and exact routing (the k
 nearest), and the explicit soft beam [2, 2, ...]: test MSE against the true Ackley function,
@@ -319,8 +319,11 @@ async def curve_part(work: Path, quick: bool, plot: Path) -> None:
     big = work / ("k256-quick" if quick else "k256")
     if not (big / "manifest.json").exists():
         # 40×40 (the quick grid) leaves ~5 training points per expert at K=256: a larger grid
-        # keeps the experts meaningful; no baseline (not part of the curve).
-        build(big, 256, temperature=None, grid_size=120 if quick else 200, baseline=False)
+        # keeps the experts meaningful; no baseline (not part of the curve). k-means
+        # prototypes: with learned ones 81 of 256 cells were left without a training row
+        # (quick run, 2026-11-23), so a third of the experts kept their initial weights.
+        build(big, 256, temperature=None, grid_size=120 if quick else 200, baseline=False,
+              prototypes="kmeans")
     points = await curve_store("demo", demo, x_eval, y_eval, 50 if quick else 200)
     points += await curve_store("k256", big, x_eval, y_eval, 50 if quick else 200)
     plot_curve(points, plot)
@@ -336,7 +339,7 @@ async def loadtest_part(work: Path, quick: bool, plot: Path) -> None:
     rng = np.random.default_rng(2028)
     x = rng.uniform(-1, 1, size=(1000, 2))
     np.savez(work / "eval.npz", x=x, y=ackley(x).reshape(-1, 1))
-    median = 0.108  # the demo store's median nearest-prototype d² (curve part)
+    median = 0.0896  # the demo store's median nearest-prototype d² (curve part, --quick)
     gates: list[dict[str, Any] | None] = [
         None, {"temperature": 0.01 * median}, {"temperature": 0.01 * median, "beam": [2, 2]},
         {"temperature": 0.1 * median, "beam": [2, 2]},
