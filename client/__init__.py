@@ -9,6 +9,7 @@ from __future__ import annotations
 from ._async_client import AsyncClient
 from ._base import DEFAULT_BASE_URL
 from ._client import Client
+from ._compare import write_comparison
 from ._exceptions import (
     ConnectError,
     ConnectTimeout,
@@ -84,4 +85,5 @@ __all__ = [
     "build_workload",
     "expert_law",
     "run_loadtest",
+    "write_comparison",
 ]

@@ -6,9 +6,16 @@ This keeps `momlp --help` fast, and the command works where neither torch nor ra
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._loadtest import LoadTestConfig
+    from ._report import LoadTestReport
 
 __all__ = ["register"]
 
@@ -43,6 +50,23 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
     parser.add_argument(
+        "--gate",
+        metavar="JSON",
+        action="append",
+        default=None,
+        help='gate object sent with every request, e.g. \'{"temperature": 0.01, '
+        '"min_weight": 0.02}\' (fields: temperature, min_weight, top_p, beam, score); '
+        "repeat it to run one load test per gate and compare them (gates.json, gates.png)",
+    )
+    parser.add_argument(
+        "--eval",
+        type=Path,
+        metavar="FILE.npz",
+        default=None,
+        help="send the rows of FILE.npz (arrays x, y) instead of the workload and report "
+        "MSE (regression) or accuracy (classification) beside device memory per request",
+    )
+    parser.add_argument(
         "--report",
         type=Path,
         metavar="DIR",
@@ -70,9 +94,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def run(args: argparse.Namespace) -> int:
     from ._exceptions import MomlpError
-    from ._loadtest import LoadTestConfig, run_loadtest
+    from ._loadtest import LoadTestConfig
 
     try:
+        gates = [_parse_gate(text) for text in args.gate or [None]]
         config = LoadTestConfig(
             url=args.url,
             requests=args.requests if args.duration is not None or args.requests else 1000,
@@ -91,20 +116,65 @@ def run(args: argparse.Namespace) -> int:
             binary=True if args.binary else None,
             save_requests=args.save_requests,
             plots=not args.no_plots,
+            gate=gates[0],
+            eval_data=args.eval,
         )
+        configs = [config] if len(gates) == 1 else [
+            dataclasses.replace(
+                config,
+                gate=gate,
+                report_dir=args.report / f"gate-{number}" if args.report is not None else None,
+            )
+            for number, gate in enumerate(gates, start=1)
+        ]
     except ValueError as exc:
         print(f"momlp loadtest: {exc}", file=sys.stderr)
         return 2
     try:
-        report = run_loadtest(config, progress=None if args.quiet else sys.stderr)
+        reports = [_one(each, args) for each in configs]
     except MomlpError as exc:
         print(f"momlp loadtest: {exc}", file=sys.stderr)
         return 1
+    if len(configs) > 1:
+        from ._compare import gate_rows, write_comparison
+
+        print("\ngates compared (metric, experts per row, vram/request p50 bytes):")
+        for row in gate_rows(gates, reports):
+            print(f"  {row['run']} {json.dumps(row['gate'])}: {row['metric']} {row['value']}, "
+                  f"{row['experts_per_row']}, {row['vram_bytes_p50']:.0f}")
+        if args.report is not None:
+            for path in write_comparison(gates, reports, args.report, plot=not args.no_plots):
+                print(f"comparison: {path}")
+    return 0 if all(report.ok > 0 for report in reports) else 1
+
+
+def _one(config: LoadTestConfig, args: argparse.Namespace) -> LoadTestReport:
+    from ._loadtest import run_loadtest
+
+    if config.gate is not None and not args.quiet:
+        print(f"gate {json.dumps(config.gate)}", file=sys.stderr)
+    report = run_loadtest(config, progress=None if args.quiet else sys.stderr)
+    if config.gate is not None:
+        print(f"gate {json.dumps(config.gate)}")
     print(report.summary())
-    if args.report is not None:
-        print(f"report: {args.report / 'report.html'}")
-        print(f"figures: {args.report / 'report.json'}")
-        print(f"requests: {args.report / 'requests.csv'}")
+    directory = config.report_dir
+    if directory is not None:
+        print(f"report: {directory / 'report.html'}")
+        print(f"figures: {directory / 'report.json'}")
+        print(f"requests: {directory / 'requests.csv'}")
         for name in report.plots:
-            print(f"plot: {args.report / name}")
-    return 0 if report.ok > 0 else 1
+            print(f"plot: {directory / name}")
+    return report
+
+
+def _parse_gate(text: str | None) -> dict[str, Any] | None:
+    """--gate's JSON object (ValueError, exit 2, for anything else)."""
+    if text is None:
+        return None
+    try:
+        gate = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--gate is not JSON: {exc}") from exc
+    if not isinstance(gate, dict):
+        raise ValueError(f"--gate must be a JSON object, got {text!r}")
+    return gate

@@ -72,6 +72,14 @@ def summary_rows(report: LoadTestReport) -> list[SummaryRow]:
     add("vram_ratio", "per-request p99 / dense model", report.vram_ratio,
         lambda value: (f"{value:.4g}", ""))
     add("max_expert_bytes", "largest expert", report.max_expert_bytes, _bytes)
+    add("experts_per_row", "experts per row (kept by the gate)", report.experts_per_row,
+        fixed(3, ""))
+    if report.accuracy is not None:
+        metric = report.accuracy["metric"]
+        label = "test MSE (--eval)" if metric == "mse" else "test accuracy (--eval)"
+        add("accuracy/value", label, report.accuracy["value"],
+            lambda value: (f"{value:.6g}", ""))
+        add("accuracy/rows", "rows scored (--eval)", report.accuracy["rows"], count)
     return rows
 
 
@@ -102,6 +110,7 @@ def render_html(
             f"distribution {report.workload.get('distribution', config.get('distribution'))}, "
             f"seed {config.get('seed', '?')}",
         ),
+        ("gate", _gate_text(config.get("gate"))),
         (
             "experts served",
             f"{len(report.expert_rows)} of {model.get('num_experts', '?')}",
@@ -183,6 +192,12 @@ def _figures(report: LoadTestReport, directory: Path) -> list[str]:
             f"<figcaption>{_e(title)} ({_e(name)})</figcaption></figure>"
         )
     return parts
+
+
+def _gate_text(gate: Any) -> str:
+    if not gate:
+        return "store default"
+    return ", ".join(f"{key} {value}" for key, value in gate.items())
 
 
 def _bytes(nbytes: float) -> tuple[str, str]:

@@ -21,6 +21,8 @@ from typing import Any, Literal, Protocol, TextIO
 import httpx
 
 from ._async_client import AsyncClient
+from ._base import _check_gate
+from ._eval import EvalSet, load_eval_set
 from ._exceptions import (
     ConnectError,
     DecodingError,
@@ -90,6 +92,10 @@ class LoadTestConfig:
     plots: bool = True
     candidates_per_expert: int = 8
     route_chunk_rows: int = 1024
+    # Sent with every request: temperature, min_weight, top_p, beam, score (server caps apply).
+    gate: dict[str, Any] | None = None
+    # An .npz with `x` and `y`: send these rows and report accuracy (replaces the workload).
+    eval_data: Path | None = None
 
     def __post_init__(self) -> None:
         Distribution.parse(self.distribution)
@@ -103,10 +109,13 @@ class LoadTestConfig:
             raise ValueError("concurrency, batch and top_k must be >= 1")
         if self.rate is not None and self.rate <= 0:
             raise ValueError("rate must be > 0")
+        # Unknown gate fields fail here (exit 2), not on every request of the run.
+        _check_gate(self.gate)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["report_dir"] = str(self.report_dir) if self.report_dir is not None else None
+        data["eval_data"] = str(self.eval_data) if self.eval_data is not None else None
         data["api_key"] = "***" if self.api_key else None
         return data
 
@@ -155,24 +164,38 @@ async def arun_loadtest(
     # Looked up at call time so that the CLI test can swap the factory for a fake transport.
     factory = client_factory or default_client_factory
     async with factory(config) as client:
-        model = await client.model(include_prototypes=True)
-        workload = await build_workload(
-            client,
-            model,
-            distribution=Distribution.parse(config.distribution),
-            seed=config.seed,
-            mode=config.mode,
-            candidates_per_expert=config.candidates_per_expert,
-            route_chunk_rows=config.route_chunk_rows,
-        )
-        runner = _Runner(config, client, workload, clock, sleep, progress)
+        model = await client.model(include_prototypes=config.eval_data is None)
+        workload: Workload | None = None
+        evaluation: EvalSet | None = None
+        if config.eval_data is not None:
+            evaluation = load_eval_set(
+                config.eval_data, task=model.task, input_dim=model.input_dim,
+                output_dim=model.output_dim,
+            )
+        else:
+            workload = await build_workload(
+                client,
+                model,
+                distribution=Distribution.parse(config.distribution),
+                seed=config.seed,
+                mode=config.mode,
+                candidates_per_expert=config.candidates_per_expert,
+                route_chunk_rows=config.route_chunk_rows,
+            )
+        runner = _Runner(config, client, workload, clock, sleep, progress, evaluation)
         await runner.run()
     duration = max((record.end_s for record in runner.records), default=0.0)
     records = sorted(runner.records, key=lambda record: record.index)
-    workload_info = workload.describe()
-    workload_info["expected_frequencies"] = {
-        str(expert): share for expert, share in sorted(workload.expected_frequencies().items())
-    }
+    if workload is not None:
+        workload_info = workload.describe()
+        workload_info["expected_frequencies"] = {
+            str(expert): share
+            for expert, share in sorted(workload.expected_frequencies().items())
+        }
+    else:
+        assert evaluation is not None
+        workload_info = {"distribution": f"eval rows of {evaluation.path}",
+                         "eval_rows": len(evaluation)}
     report = build_report(
         records,
         duration_s=duration,
@@ -182,10 +205,29 @@ async def arun_loadtest(
         model=model.model_dump(exclude={"prototypes"}),
         workload=workload_info,
         save_requests=config.save_requests,
+        accuracy=_accuracy(evaluation, records),
     )
     if config.report_dir is not None:
         report = _write(report, config, records)
     return report
+
+
+def _accuracy(
+    evaluation: EvalSet | None, records: list[RequestRecord]
+) -> dict[str, Any] | None:
+    """The --eval figure over every answered row (repeats counted when the file wraps)."""
+    if evaluation is None:
+        return None
+    total = sum(r.eval_sum for r in records if r.ok and r.eval_sum is not None)
+    count = sum(r.eval_count for r in records if r.ok)
+    return {
+        "metric": evaluation.metric,
+        "value": total / count if count else None,
+        "task": evaluation.task,
+        "rows": sum(r.rows for r in records if r.ok),
+        "values": count,
+        "data": evaluation.path,
+    }
 
 
 def _write(
@@ -210,12 +252,14 @@ class _Runner:
         self,
         config: LoadTestConfig,
         client: AsyncClient,
-        workload: Workload,
+        workload: Workload | None,
         clock: Clock,
         sleep: Sleep,
         progress: TextIO | None,
+        evaluation: EvalSet | None = None,
     ) -> None:
         self.config = config
+        self.evaluation = evaluation
         self.client = client
         self.workload = workload
         self.clock = clock
@@ -246,8 +290,8 @@ class _Runner:
         while self._more(self._next_index, self._elapsed()):
             index = self._next_index
             self._next_index += 1
-            rows = self.workload.next_request(self.config.batch)
-            await self._one(index, rows, self._elapsed())
+            rows, positions = self._rows(index)
+            await self._one(index, rows, self._elapsed(), positions)
 
     async def _open_loop(self, rate: float) -> None:
         arrivals = random.Random(self.config.seed + 2)
@@ -257,21 +301,32 @@ class _Runner:
             wait = scheduled - self._elapsed()
             if wait > 0:
                 await self.sleep(wait)
-            rows = self.workload.next_request(self.config.batch)
+            rows, positions = self._rows(index)
             # Latency counts from the scheduled arrival, so a slow server cannot hide queueing
             # by delaying the sends (no coordinated omission).
-            task = asyncio.create_task(self._one(index, rows, scheduled))
+            task = asyncio.create_task(self._one(index, rows, scheduled, positions))
             pending.add(task)
             task.add_done_callback(pending.discard)
             index += 1
             scheduled += arrivals.expovariate(rate)
         await asyncio.gather(*pending)
 
-    async def _one(self, index: int, rows: list[list[float]], start_s: float) -> None:
+    def _rows(self, index: int) -> tuple[list[list[float]], list[int] | None]:
+        """Request `index`'s rows, and which --eval rows they are (None without --eval)."""
+        if self.evaluation is not None:
+            positions = self.evaluation.positions(index, self.config.batch)
+            return self.evaluation.rows(positions), positions
+        assert self.workload is not None
+        return self.workload.next_request(self.config.batch), None
+
+    async def _one(
+        self, index: int, rows: list[list[float]], start_s: float, positions: list[int] | None
+    ) -> None:
         config = self.config
         try:
             prediction = await self.client.predict(
-                rows, top_k=config.top_k, mode=config.mode, return_stats=True, binary=config.binary
+                rows, top_k=config.top_k, mode=config.mode, return_stats=True,
+                binary=config.binary, gate=config.gate,
             )
         except MomlpError as exc:
             record = RequestRecord(index, start_s, self._elapsed(), len(rows), _status(exc))
@@ -281,6 +336,9 @@ class _Runner:
             expert_rows: dict[int, int] = {}
             for stat in stats.experts if stats is not None else []:
                 expert_rows[stat.expert_id] = expert_rows.get(stat.expert_id, 0) + stat.rows
+            eval_sum, eval_count = None, 0
+            if self.evaluation is not None and positions is not None:
+                eval_sum, eval_count = self.evaluation.score(positions, prediction.outputs)
             record = RequestRecord(
                 index,
                 start_s,
@@ -292,6 +350,9 @@ class _Runner:
                 vram_bytes=stats.vram_bytes if stats is not None else None,
                 device_bytes=dict(stats.device_bytes) if stats is not None else {},
                 expert_rows=expert_rows,
+                kept=sum(len(experts) for experts in prediction.experts),
+                eval_sum=eval_sum,
+                eval_count=eval_count,
             )
         self.records.append(record)
         if self._progress is not None:

@@ -39,6 +39,11 @@ class RequestRecord:
     vram_bytes: int | None = None
     device_bytes: dict[str, int] = field(default_factory=dict)
     expert_rows: dict[int, int] = field(default_factory=dict)
+    kept: int = 0  # experts used, summed over the request's rows (the gate may vary it)
+    # --eval: sum of squared errors (regression) or correct rows (classification), and over
+    # how many values (output values, or rows); None without --eval.
+    eval_sum: float | None = None
+    eval_count: int = 0
 
     @property
     def ok(self) -> bool:
@@ -76,6 +81,10 @@ class LoadTestReport:
     model: dict[str, Any]
     workload: dict[str, Any]
     records: list[dict[str, Any]] | None = None
+    # Mean experts per answered row (what the gate kept).
+    experts_per_row: float | None = None
+    # --eval: {"metric": "mse"|"accuracy", "value", "task", "rows", "values", "data"}.
+    accuracy: dict[str, Any] | None = None
     plots: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -107,8 +116,17 @@ class LoadTestReport:
             f"max {_human_bytes(vram['max'])}; "
             f"dense model {_human_bytes(self.dense_equivalent_bytes)}; "
             "p99/dense " + ("n/a" if self.vram_ratio is None else f"{self.vram_ratio:.4f}"),
-            f"experts served {len(self.expert_rows)} of {self.model.get('num_experts', '?')}",
+            f"experts served {len(self.expert_rows)} of {self.model.get('num_experts', '?')}"
+            + ("" if self.experts_per_row is None
+               else f", {self.experts_per_row:.3f} per row"),
         ]
+        if self.accuracy is not None:
+            value = self.accuracy["value"]
+            lines.append(
+                f"{self.accuracy['metric']} {'n/a' if value is None else f'{value:.6g}'} over "
+                f"{self.accuracy['rows']} answered rows of {self.accuracy['data']}, beside "
+                f"vram/request p50 {_human_bytes(vram['p50'])}"
+            )
         if self.errors_by_status:
             counts = ", ".join(f"{key}: {value}" for key, value in self.errors_by_status.items())
             lines.append(f"errors by status: {counts}")
@@ -137,6 +155,7 @@ def build_report(
     model: dict[str, Any],
     workload: dict[str, Any],
     save_requests: bool = False,
+    accuracy: dict[str, Any] | None = None,
 ) -> LoadTestReport:
     ok = [record for record in records if record.ok]
     latencies = [record.latency_ms for record in ok]
@@ -179,6 +198,8 @@ def build_report(
         model=model,
         workload=workload,
         records=[_record_dict(record) for record in records] if save_requests else None,
+        experts_per_row=sum(record.kept for record in ok) / rows if rows else None,
+        accuracy=accuracy,
     )
 
 

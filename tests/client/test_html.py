@@ -120,6 +120,7 @@ def test_summary_table_shows_report_json_figures(open_loop_report):
         "dense_equivalent_bytes",
         "vram_ratio",
         "max_expert_bytes",
+        "experts_per_row",
         *(f"latency_ms/{key}" for key in ("p50", "p90", "p95", "p99", "p99.9", "max", "mean")),
         *(f"vram_bytes/{key}" for key in ("p50", "p99", "max")),
     }

@@ -1,0 +1,84 @@
+"""`momlp loadtest --eval FILE.npz`: rows with targets, and the accuracy of the answers.
+
+The load test sends the file's rows in order (request i carries rows i·batch … i·batch +
+batch − 1, wrapping around) and scores every answered row: squared error per output value
+for a regression model, argmax == label for a classifier (the task comes from /v1/model).
+numpy is needed (imported only here, only when --eval is given).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._encoding import numpy_or_none
+from ._exceptions import InputError
+
+__all__ = ["EvalSet", "load_eval_set"]
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """The rows (`x` [N, input_dim]) and targets of --eval, and how to score answers."""
+
+    path: str
+    task: str  # "regression" | "classification"
+    x: Any  # numpy float64 [N, input_dim]
+    y: Any  # regression: float64 [N, output_dim]; classification: int64 [N]
+
+    @property
+    def metric(self) -> str:
+        return "accuracy" if self.task == "classification" else "mse"
+
+    def __len__(self) -> int:
+        return int(self.x.shape[0])
+
+    def positions(self, index: int, batch: int) -> list[int]:
+        """The file rows request `index` carries."""
+        return [(index * batch + j) % len(self) for j in range(batch)]
+
+    def rows(self, positions: list[int]) -> list[list[float]]:
+        return [[float(v) for v in self.x[p]] for p in positions]
+
+    def score(self, positions: list[int], outputs: list[list[float]]) -> tuple[float, int]:
+        """(sum of squared errors, values compared) or (correct rows, rows) of one answer."""
+        np = numpy_or_none()
+        assert np is not None  # load_eval_set checked it
+        got = np.asarray(outputs, dtype=np.float64)
+        if self.task == "classification":
+            labels = self.y[positions]
+            return float((got.argmax(axis=1) == labels).sum()), len(positions)
+        target = self.y[positions]
+        return float(((got - target) ** 2).sum()), int(target.size)
+
+
+def load_eval_set(path: Path, *, task: str, input_dim: int, output_dim: int) -> EvalSet:
+    """Read `x` and `y` from an .npz (no pickles) and check them against the served model."""
+    np = numpy_or_none()
+    if np is None:
+        raise InputError("--eval needs numpy (pip install numpy)")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            x, y = np.asarray(data["x"], dtype=np.float64), np.asarray(data["y"])
+    except KeyError as exc:
+        raise InputError(f"{path}: an --eval file needs arrays 'x' and 'y'") from exc
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{path}: cannot read an .npz: {exc}") from exc
+    if x.ndim != 2 or x.shape[1] != input_dim or len(x) == 0:
+        raise InputError(
+            f"{path}: x must be [rows, {input_dim}] (the model's input_dim), got {list(x.shape)}"
+        )
+    if len(y) != len(x):
+        raise InputError(f"{path}: y has {len(y)} rows, x has {len(x)}")
+    if task == "classification":
+        # Labels [N], or one-hot / probability rows [N, C] read by their argmax.
+        labels = y.argmax(axis=1) if y.ndim == 2 and y.shape[1] > 1 else y.reshape(len(y))
+        return EvalSet(str(path), task, x, labels.astype(np.int64))
+    target = y.astype(np.float64).reshape(len(y), -1)
+    if target.shape[1] != output_dim:
+        raise InputError(
+            f"{path}: y must have {output_dim} value(s) per row (the model's output_dim), "
+            f"got {target.shape[1]}"
+        )
+    return EvalSet(str(path), task, x, target)
