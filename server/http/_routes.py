@@ -79,12 +79,14 @@ def _body_doc(model: type[RouteRequest]) -> dict[str, Any]:
     }
 
 
-def _serving(request: Request) -> ServingState:
+# Dependencies are `async def`: FastAPI runs a plain `def` one on a worker thread, a thread
+# hop per dependency per request.
+async def _serving(request: Request) -> ServingState:
     state: ServingState = request.app.state.serving
     return state
 
 
-def _metrics(request: Request) -> Metrics:
+async def _metrics(request: Request) -> Metrics:
     metrics: Metrics = request.app.state.metrics
     return metrics
 
@@ -99,7 +101,7 @@ class _Inputs(NamedTuple):
     return_stats: bool
 
 
-def _query_gate(
+async def _query_gate(
     top_k: Annotated[int | None, Query(ge=1, description="binary bodies only")] = None,
     mode: Annotated[Mode | None, Query(description="binary bodies only")] = None,
     temperature: Annotated[
