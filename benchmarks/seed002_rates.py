@@ -124,8 +124,11 @@ def plot(lines: list[dict[str, Any]], path: Path) -> None:
             fit = np.polyfit(np.log(ns), np.log(med), 1)
             ax.plot(ns, np.exp(np.polyval(fit, np.log(ns))), color=colours[line["kind"]],
                     lw=0.8, alpha=0.6)
-        ref_n = np.array([1e3, 1e5])
-        ax.plot(ref_n, 0.05 * (ref_n / 1e3) ** -0.5, "k--", lw=0.8, label="n^(-1/2)")
+        shown = [ln for ln in lines if ln["kind"] in kinds]
+        if shown:
+            ref_n = np.array([shown[0]["ns"][0], shown[0]["ns"][-1]], dtype=float)
+            start = float(np.median([ln["median_loss"][0] for ln in shown]))
+            ax.plot(ref_n, start * (ref_n / ref_n[0]) ** -0.5, "k--", lw=0.8, label="n^(-1/2)")
         ax.set(xscale="log", yscale="log", xlabel="n", title=title)
         ax.legend(fontsize=6)
     axes[0].set_ylabel("Voronoi loss (median, IQR)")
@@ -142,34 +145,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-cpus", type=int, default=2)
     parser.add_argument("--raw", type=Path, help="also write every fit as a JSON line here")
     parser.add_argument("--plot", type=Path)
+    parser.add_argument("--from-raw", type=Path,
+                        help="summarise and plot the fits of an earlier --raw file, fit nothing")
     args = parser.parse_args(argv)
     ns, replicates = QUICK if args.quick else FULL
     seeds, kinds = args.seed or [0], args.kinds.split(",")
     plot_path = args.plot or HERE / "plots" / f"seed002_rates{'_quick' if args.quick else ''}.png"
-    # Ray's workers import seed002_moe by name.
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
-    import ray
-
-    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False,
-             log_to_driver=False, configure_logging=False)
     started = time.perf_counter()
-    try:
-        task = ray.remote(num_cpus=1)(_fit_task)
-        jobs = [(kind, n, seed, rep) for n in sorted(ns, reverse=True) for seed in seeds
-                for kind in kinds for rep in range(replicates)]
-        pending = [task.remote(*job) for job in jobs]  # largest n first: better packing
-        records: list[dict[str, Any]] = []
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            records.extend(ray.get(done))
-            print(f"{len(records)}/{len(jobs)} fits, {time.perf_counter() - started:.0f} s",
-                  file=sys.stderr, flush=True)
-    finally:
-        ray.shutdown()
+    if args.from_raw:
+        records = [json.loads(row) for row in args.from_raw.read_text().splitlines()]
+        seeds = sorted({r["seed"] for r in records})
+    else:
+        records = run_fits(args, seeds, kinds, ns, replicates)
     if args.raw:
         args.raw.parent.mkdir(parents=True, exist_ok=True)
         args.raw.write_text("".join(json.dumps(r) + "\n" for r in records))
+    if args.from_raw:
+        ns = sorted({r["n"] for r in records})
     rng = np.random.default_rng(0)
     lines = [summarise([r for r in records if r["seed"] == seed and r["kind"] == kind],
                        seed, kind, ns, rng) for seed in seeds for kind in kinds]
@@ -186,6 +178,33 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"figure": "seed002_rates_plot", "path": str(plot_path),
                       "wall_seconds": round(time.perf_counter() - started), **common}))
     return 0
+
+
+def run_fits(args: argparse.Namespace, seeds: list[int], kinds: list[str], ns: list[int],
+             replicates: int) -> list[dict[str, Any]]:
+    """Every (kind, n, seed, replicate) fit as a Ray task on an embedded Ray."""
+    # Ray's workers import seed002_moe by name.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
+    import ray
+
+    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False,
+             log_to_driver=False, configure_logging=False)
+    started = time.perf_counter()
+    records: list[dict[str, Any]] = []
+    try:
+        task = ray.remote(num_cpus=1)(_fit_task)
+        jobs = [(kind, n, seed, rep) for n in sorted(ns, reverse=True) for seed in seeds
+                for kind in kinds for rep in range(replicates)]
+        pending = [task.remote(*job) for job in jobs]  # largest n first: better packing
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            records.extend(ray.get(done))
+            print(f"{len(records)}/{len(jobs)} fits, {time.perf_counter() - started:.0f} s",
+                  file=sys.stderr, flush=True)
+    finally:
+        ray.shutdown()
+    return records
 
 
 def _fit_task(kind: str, n: int, seed: int, replicate: int) -> dict[str, Any]:
