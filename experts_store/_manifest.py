@@ -189,6 +189,10 @@ class Manifest(BaseModel):
                 f"expert ids must be exactly 0..{self.num_experts - 1} in order, got "
                 f"{ids[:10]}{'...' if len(ids) > 10 else ''}"
             )
+        if self.kind != "momlp":
+            # Other kinds' experts map their own spaces (a graph node's inputs, a patch);
+            # each kind's own block checks them.
+            return self
         for entry in self.experts:
             arch = entry.expert_arch
             if arch.input_dim != self.input_dim or arch.output_dim != self.output_dim:
@@ -197,6 +201,12 @@ class Manifest(BaseModel):
                     f"store maps {self.input_dim} -> {self.output_dim}"
                 )
         return self
+
+    @property
+    def referenced_files(self) -> set[str]:
+        """Store-relative paths of every file this manifest needs; publishing keeps them and
+        removes the unreferenced. A kind whose block names more files adds them here."""
+        return {self.router_file, *(entry.file for entry in self.experts)}
 
     @property
     def total_expert_bytes(self) -> int:

@@ -70,7 +70,7 @@ def _referenced_files(root: Path) -> set[str] | None:
         return set()
     except (OSError, ValidationError):
         return None
-    return {manifest.router_file, *(entry.file for entry in manifest.experts)}
+    return manifest.referenced_files
 
 
 class StoreWriter:
@@ -243,7 +243,7 @@ class StoreWriter:
     def _collect_garbage(self, manifest: Manifest, previous: set[str] | None) -> None:
         """Delete files neither the new nor the previous manifest references."""
         if previous is not None:
-            keep = previous | {manifest.router_file} | {e.file for e in manifest.experts}
+            keep = previous | manifest.referenced_files
             candidates = [
                 *self.root.glob("experts/*.safetensors"),
                 *self.root.glob("router-*.safetensors"),
