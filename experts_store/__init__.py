@@ -37,6 +37,29 @@ if TYPE_CHECKING:
     from experts_store._format import FORMAT_VERSION, ExpertFile, save_expert
     from experts_store._frozen import FrozenExpert
     from experts_store._hostbuf import HostBufferPool
+    from experts_store._hyper import (
+        ConditionTable,
+        HyperFile,
+        HyperSpec,
+        PrimaryArch,
+        ThetaSlotSpec,
+        conditions_file_name,
+        hypernetwork_file_name,
+    )
+    from experts_store._hypernet import (
+        FrozenHyperNetwork,
+        GeneratedRef,
+        GeneratorRef,
+        condition_bytes,
+        condition_key,
+        load_conditions,
+        save_conditions,
+        save_hypernetwork,
+        theta_expert,
+        theta_file_bytes,
+        theta_module,
+        verify_hyper_files,
+    )
     from experts_store._load import load_expert, load_frozen_expert
     from experts_store._manifest import MANIFEST_FORMAT_VERSION, ExpertEntry, GateSpec, Manifest
     from experts_store._model import ExpertMLP
@@ -45,6 +68,25 @@ if TYPE_CHECKING:
     from experts_store._writer import StoreWriter
 
 __all__ = [
+    "ConditionTable",
+    "HyperFile",
+    "HyperSpec",
+    "PrimaryArch",
+    "ThetaSlotSpec",
+    "conditions_file_name",
+    "hypernetwork_file_name",
+    "FrozenHyperNetwork",
+    "GeneratedRef",
+    "GeneratorRef",
+    "condition_bytes",
+    "condition_key",
+    "load_conditions",
+    "save_conditions",
+    "save_hypernetwork",
+    "theta_expert",
+    "theta_file_bytes",
+    "theta_module",
+    "verify_hyper_files",
     "CACHE_POLICIES",
     "FORMAT_VERSION",
     "CacheBusy",
@@ -126,6 +168,25 @@ _HOMES = {
     "StoreExpertLoader": "experts_store._store",
     "StoreProblem": "experts_store._store",
     "StoreWriter": "experts_store._writer",
+    "ConditionTable": "experts_store._hyper",
+    "HyperFile": "experts_store._hyper",
+    "HyperSpec": "experts_store._hyper",
+    "PrimaryArch": "experts_store._hyper",
+    "ThetaSlotSpec": "experts_store._hyper",
+    "conditions_file_name": "experts_store._hyper",
+    "hypernetwork_file_name": "experts_store._hyper",
+    "FrozenHyperNetwork": "experts_store._hypernet",
+    "GeneratedRef": "experts_store._hypernet",
+    "GeneratorRef": "experts_store._hypernet",
+    "condition_bytes": "experts_store._hypernet",
+    "condition_key": "experts_store._hypernet",
+    "load_conditions": "experts_store._hypernet",
+    "save_conditions": "experts_store._hypernet",
+    "save_hypernetwork": "experts_store._hypernet",
+    "theta_expert": "experts_store._hypernet",
+    "theta_file_bytes": "experts_store._hypernet",
+    "theta_module": "experts_store._hypernet",
+    "verify_hyper_files": "experts_store._hypernet",
 }
 
 

@@ -72,6 +72,7 @@ def _info(args: argparse.Namespace) -> int:
         "kind": m.kind,
         "gate": m.gate_spec.model_dump(),
         "router_file": m.router_file,
+        "hyper": m.hyper.model_dump() if m.hyper is not None else None,
         "total_expert_bytes": m.total_expert_bytes,
         "total_params": m.total_params,
         "experts": [
@@ -105,12 +106,28 @@ def _info(args: argparse.Namespace) -> int:
     print(f"kind       {m.kind}")
     print(f"gate       softmax(-{gate.score}/τ), τ={gate.temperature:.6g} ({how})")
     print(f"size       {_human_bytes(m.total_expert_bytes)} in experts, {m.total_params} params")
+    if m.hyper is not None:
+        _print_hyper(m.hyper)
+        return 0
     print()
     print(f"{'id':>6}  {'bytes':>12}  {'params':>12}  widths")
     for e in m.experts:
         widths = "-".join(str(w) for w in e.arch["widths"])
         print(f"{e.id:>6}  {e.bytes:>12}  {e.params:>12}  {widths}")
     return 0
+
+
+def _print_hyper(h: Any) -> None:
+    f = h.hypernetwork
+    widths = "-".join(str(w) for w in h.primary.widths)
+    print(f"hyper      x: {h.input_dim}, condition: {h.condition_dim}, conditions from "
+          f"{h.condition_source}")
+    print(f"primary g  {widths} ({h.primary.activation}, bias={h.primary.bias}), "
+          f"|θ| = {h.theta_size} params, {_human_bytes(h.theta_nbytes)} as an expert")
+    print(f"f          {f.file}: {'-'.join(str(w) for w in f.widths)}, {f.params} params, "
+          f"{_human_bytes(f.bytes)}")
+    table = h.conditions
+    print(f"conditions {table.file}: {table.count} named" if table else "conditions none named")
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -122,6 +139,9 @@ def _verify(args: argparse.Namespace) -> int:
     except StoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    if not problems and store.manifest.hyper is not None:
+        print(f"ok: the hypernetwork and its conditions verified (store version {store.version})")
+        return 0
     if not problems:
         print(
             f"ok: {store.manifest.num_experts} experts and the router verified "

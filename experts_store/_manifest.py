@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from experts_store._arch import ExpertArch
 from experts_store._exceptions import UnknownExpert
+from experts_store._hyper import HyperSpec
 
 __all__ = [
     "MANIFEST_FORMAT_VERSION",
@@ -135,13 +136,14 @@ class Manifest(BaseModel):
     output_dim: int = Field(ge=1)
     routing: Literal["tree", "exact"]
     branching: int = Field(ge=2)
-    num_experts: int = Field(ge=1)
+    num_experts: int = Field(ge=0)  # >= 1 for kind "momlp"; a hyper store has none
     temperature: float = Field(default=1.0, gt=0)
-    router_file: str = "router.safetensors"
+    router_file: str | None = "router.safetensors"  # None: a hyper store without prototypes
     experts: list[ExpertEntry]
     extra: dict[str, Any] = Field(default_factory=dict)
     kind: str = "momlp"
     gate: GateSpec | None = None
+    hyper: HyperSpec | None = None  # the block of kind "hyper" (experts_store/_hyper.py)
 
     @field_validator("kind")
     @classmethod
@@ -167,10 +169,22 @@ class Manifest(BaseModel):
             return self.gate
         return GateSpec(temperature=self.temperature)
 
+    @model_validator(mode="after")
+    def _check_hyper(self) -> Manifest:
+        if (self.kind == "hyper") != (self.hyper is not None):
+            raise ValueError("a manifest has the hyper block exactly when its kind is 'hyper'")
+        if self.hyper is not None and (
+            self.hyper.input_dim != self.input_dim or self.hyper.output_dim != self.output_dim
+        ):
+            raise ValueError("hyper block dims differ from the manifest's")
+        if self.router_file is None and self.kind == "momlp":
+            raise ValueError("a store of kind 'momlp' needs its router_file")
+        return self
+
     @field_validator("router_file")
     @classmethod
-    def _check_router_file(cls, value: str) -> str:
-        if not _ROUTER_FILE.fullmatch(value):
+    def _check_router_file(cls, value: str | None) -> str | None:
+        if value is not None and not _ROUTER_FILE.fullmatch(value):
             raise ValueError(f"router_file {value!r} is not of the form router-<sha16>.safetensors")
         return value
 
@@ -184,6 +198,8 @@ class Manifest(BaseModel):
     @model_validator(mode="after")
     def _check_experts(self) -> Manifest:
         ids = [entry.id for entry in self.experts]
+        if self.kind == "momlp" and not ids:
+            raise ValueError("a store of kind 'momlp' needs at least one expert")
         if ids != list(range(self.num_experts)):
             raise ValueError(
                 f"expert ids must be exactly 0..{self.num_experts - 1} in order, got "
@@ -206,7 +222,12 @@ class Manifest(BaseModel):
     def referenced_files(self) -> set[str]:
         """Store-relative paths of every file this manifest needs; publishing keeps them and
         removes the unreferenced. A kind whose block names more files adds them here."""
-        return {self.router_file, *(entry.file for entry in self.experts)}
+        files = {entry.file for entry in self.experts}
+        if self.router_file is not None:
+            files.add(self.router_file)
+        if self.hyper is not None:
+            files |= self.hyper.files
+        return files
 
     @property
     def total_expert_bytes(self) -> int:
@@ -214,7 +235,7 @@ class Manifest(BaseModel):
 
     @property
     def max_expert_bytes(self) -> int:
-        return max(entry.bytes for entry in self.experts)
+        return max((entry.bytes for entry in self.experts), default=0)
 
     @property
     def total_params(self) -> int:

@@ -19,11 +19,13 @@ from experts_store._exceptions import (
     ExpertFormatError,
     ExpertLoadError,
     ManifestError,
+    StoreError,
     StoreNotFound,
 )
 from experts_store._format import parse_header, read_expert_bytes, sha256_hex
 from experts_store._frozen import FrozenExpert
 from experts_store._hostbuf import HostBufferPool
+from experts_store._hypernet import verify_hyper_files
 from experts_store._load import load_expert, load_frozen_expert
 from experts_store._manifest import ExpertEntry, Manifest
 from experts_store._model import ExpertMLP
@@ -105,6 +107,10 @@ class Store:
 
     @property
     def router_path(self) -> Path:
+        """The router's file; StoreError for a store that has none (a hyper store that
+        takes its conditions from requests)."""
+        if self.manifest.router_file is None:
+            raise StoreError(f"store {self.root} of kind {self.manifest.kind} has no router")
         return self.root / self.manifest.router_file
 
     def expert_entry(self, expert_id: int) -> ExpertEntry:
@@ -167,15 +173,20 @@ class Store:
         """
         problems: list[StoreProblem] = []
         router_sha: str | None = None
+        router_file = self.manifest.router_file
         try:
-            router_sha = sha256_hex(self.router_path.read_bytes())
+            if router_file is not None:
+                router_sha = sha256_hex(self.router_path.read_bytes())
         except FileNotFoundError:
             problems.append(StoreProblem(None, f"router file missing: {self.router_path}"))
-        if router_sha is not None and not self.manifest.router_file.endswith(
+        if self.manifest.hyper is not None:
+            found = verify_hyper_files(self.root, self.manifest.hyper)
+            problems += [StoreProblem(None, message) for message in found]
+        if router_sha is not None and router_file is not None and not router_file.endswith(
             f"-{router_sha[:16]}.safetensors"
         ):
             problems.append(
-                StoreProblem(None, f"router file {self.manifest.router_file}: checksum mismatch")
+                StoreProblem(None, f"router file {router_file}: checksum mismatch")
             )
         for entry in self.manifest.experts:
             try:

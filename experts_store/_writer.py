@@ -30,6 +30,7 @@ from experts_store._format import (
     save_expert,
     sha256_hex,
 )
+from experts_store._hyper import HyperSpec
 from experts_store._manifest import (
     MANIFEST_FORMAT_VERSION,
     ExpertEntry,
@@ -97,6 +98,8 @@ class StoreWriter:
         (self.staging / "experts").mkdir(parents=True)
         self.router_path = self.staging / "router.safetensors"
         self._entries: dict[int, ExpertEntry] = {}
+        # Kind files (a hyper store's f and conditions): staged path -> store-relative name.
+        self._kind_files: dict[str, Path] = {}
         self._report_written = False
         self._closed = False
 
@@ -157,6 +160,15 @@ class StoreWriter:
             shutil.copyfile(source, target)
         return self.register_expert_file(expert_id)
 
+    def kind_file(self, name: str, staged: Path) -> str:
+        """Record a kind's file written at `staged` (inside `self.staging`) to publish as
+        `name` (content-named by the caller, e.g. `hyper-<sha16>.safetensors`)."""
+        self._check_open()
+        if "/" in name or name.startswith(".") or staged.parent != self.staging:
+            raise ValueError(f"kind file {name!r} must be a plain name staged in {self.staging}")
+        self._kind_files[name] = staged
+        return name
+
     def write_report(self, report: Mapping[str, Any]) -> None:
         """Stage report.json; it is moved into the store right after the manifest."""
         self._check_open()
@@ -180,6 +192,7 @@ class StoreWriter:
         extra: Mapping[str, Any] | None = None,
         kind: str = "momlp",
         gate: GateSpec | None = None,
+        hyper: HyperSpec | None = None,
     ) -> Manifest:
         """Make the staged store the live one and return its manifest.
 
@@ -187,9 +200,10 @@ class StoreWriter:
         format 2); without it the gate block records `temperature` as given by the caller.
         """
         self._check_open()
-        if not self.router_path.is_file():
+        has_router = self.router_path.is_file()
+        if not has_router and kind == "momlp":
             raise StoreError(f"nothing staged at {self.router_path}: save the router first")
-        router_sha = sha256_hex(self.router_path.read_bytes())
+        router_sha = sha256_hex(self.router_path.read_bytes()) if has_router else None
         entries = [self._entries[i] for i in sorted(self._entries)]
         try:
             manifest = Manifest(
@@ -203,11 +217,12 @@ class StoreWriter:
                 branching=branching,
                 num_experts=len(entries),
                 temperature=gate.temperature if gate is not None else temperature,
-                router_file=router_file_name(router_sha),
+                router_file=router_file_name(router_sha) if router_sha is not None else None,
                 experts=entries,
                 extra=dict(extra or {}),
                 kind=kind,
                 gate=gate if gate is not None else GateSpec(temperature=temperature),
+                hyper=hyper,
             )
         except ValidationError as exc:
             raise ManifestError(root=self.root, message=str(exc)) from exc
@@ -216,7 +231,10 @@ class StoreWriter:
         (self.root / "experts").mkdir(exist_ok=True)
         for entry in entries:
             os.replace(self.expert_path(entry.id), self.root / entry.file)
-        os.replace(self.router_path, self.root / manifest.router_file)
+        if manifest.router_file is not None:
+            os.replace(self.router_path, self.root / manifest.router_file)
+        for name, staged in self._kind_files.items():
+            os.replace(staged, self.root / name)
         _fsync_dir(self.root / "experts")
         staged_manifest = self.staging / MANIFEST_NAME
         with open(staged_manifest, "w", encoding="utf-8") as f:
@@ -247,6 +265,8 @@ class StoreWriter:
             candidates = [
                 *self.root.glob("experts/*.safetensors"),
                 *self.root.glob("router-*.safetensors"),
+                *self.root.glob("hyper-*.safetensors"),
+                *self.root.glob("conditions-*.safetensors"),
             ]
             for path in candidates:
                 if path.relative_to(self.root).as_posix() not in keep:

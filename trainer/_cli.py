@@ -12,6 +12,7 @@ __all__ = ["register"]
 
 # Repeated here rather than imported: this module must not import numpy/torch at load time.
 _DATASETS = ("holder1d", "ackley2d", "ackley3d", "rastrigin2d", "rastrigin3d", "digits")
+_HYPER_DATASETS = ("hyper-synthetic", "rotate-digits")
 
 
 def register(subparsers: Any) -> None:
@@ -26,7 +27,7 @@ def register(subparsers: Any) -> None:
         ),
     )
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--dataset", choices=_DATASETS, help="a built-in dataset")
+    source.add_argument("--dataset", choices=_DATASETS + _HYPER_DATASETS, help="a built-in dataset")
     source.add_argument("--data", type=Path, metavar="FILE", help=".npz (X, y), .csv or .parquet")
     p.add_argument("--target", metavar="COLUMN", help="target column of a .csv/.parquet table")
     p.add_argument("--task", choices=("auto", "regression", "classification"), default=None)
@@ -67,6 +68,15 @@ def register(subparsers: Any) -> None:
     p.add_argument("--torch-threads", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="small preset for tests and the demo")
     p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument(
+        "--kind", choices=("momlp", "hyper"), default="momlp",
+        help="momlp: a mixture of experts; hyper: a hypernetwork f generating a primary g per "
+        "condition (--data: .npz with X, I, y; datasets hyper-synthetic, rotate-digits)",
+    )
+    p.add_argument("--baseline", dest="hyper_baseline", choices=("embedding",), default=None,
+                   help="kind hyper: also train the embedding model q(x, e(I)) and report it")
+    p.add_argument("--named-conditions", type=int, default=None, metavar="N",
+                   help="kind hyper: store the first N distinct test conditions as test-0..")
     p.set_defaults(handler=_handle_build)
 
 
@@ -80,6 +90,10 @@ _CONFIG_OPTIONS = (
 
 
 def _handle_build(args: argparse.Namespace) -> int:
+    if args.kind == "hyper":
+        from trainer.hyper._cli import handle_hyper_build
+
+        return handle_hyper_build(args)
     import torch
 
     from experts_store import Store

@@ -40,6 +40,7 @@ from ._primary import (
     primary_forward_stacked,
     stack_thetas,
 )
+from ._publish import HyperBuildConfig, build_hyper_store, hypernetwork_layers, load_npz_triples
 from ._train import TrainHistory, TrainSettings, evaluate_error, predict, train_model
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "ROTATION_CLASSES",
     "Activation",
     "EmbeddingModel",
+    "HyperBuildConfig",
     "HyperConfigError",
     "HyperDataset",
     "HyperError",
@@ -58,6 +60,9 @@ __all__ = [
     "TrainHistory",
     "TrainSettings",
     "angle_to_class",
+    "build_hyper_store",
+    "hypernetwork_layers",
+    "load_npz_triples",
     "count_parameters",
     "generate",
     "hyper_synthetic",

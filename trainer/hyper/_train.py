@@ -9,6 +9,7 @@ for classification.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -53,9 +54,15 @@ def _loss(out: torch.Tensor, y: torch.Tensor, task: str) -> torch.Tensor:
     return F.mse_loss(out, y)
 
 
-def train_model(model: nn.Module, data: HyperDataset, settings: TrainSettings) -> TrainHistory:
+def train_model(
+    model: nn.Module,
+    data: HyperDataset,
+    settings: TrainSettings,
+    on_epoch: Callable[[int, float], None] | None = None,
+) -> TrainHistory:
     """Train `model(x, condition)` on `data`'s training triples; stops early on a NaN loss
-    (marked `diverged`), which the paper's learning-rate sweep meets at its largest rates."""
+    (marked `diverged`), which the paper's learning-rate sweep meets at its largest rates.
+    `on_epoch(epoch, mean loss)` is called after each epoch (a progress bar)."""
     history = TrainHistory()
     gen = torch.Generator().manual_seed(settings.seed)
     opt = torch.optim.SGD(model.parameters(), lr=settings.lr, momentum=settings.momentum)
@@ -75,6 +82,8 @@ def train_model(model: nn.Module, data: HyperDataset, settings: TrainSettings) -
             total += float(loss.detach()) * len(idx)
             seen += len(idx)
         history.losses.append(total / seen)
+        if on_epoch is not None:
+            on_epoch(len(history.losses), history.losses[-1])
         if not torch.isfinite(torch.tensor(history.losses[-1])):
             history.diverged = True
             break

@@ -1,0 +1,300 @@
+"""The files and the runtime of a hyper store: f, its conditions table, θ_I as an expert, and
+the two cache keys an actor's loader dispatches on.
+
+    save_hypernetwork(layers, path)            f's (weight, bias) per layer → safetensors
+    f = FrozenHyperNetwork.load(path, expected_sha256=...)
+    expert = f.expert(condition, spec)          θ_I = f(I) as a FrozenExpert (γ = 0, zero biases)
+    key = condition_key(f_sha256, condition)    sha256 of f's hash and I's float32 bytes
+
+`GeneratorRef` names f (a file, like an `ExpertRef`); `GeneratedRef` names θ_I (no file: the
+actor generates it with the pinned f named by its `generator`). Both subclass `ExpertRef`, so
+every seam that carries expert refs (groups, the pool, the dispatcher, the cache) carries them
+unchanged; only the actor's loader looks at the type. Equality and hash stay the `sha256`
+field: for a generated key it is `condition_key(...)`, never a file's hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F  # noqa: N812
+from safetensors.torch import save as safetensors_save
+
+from experts_store._exceptions import ExpertChecksumError, ExpertFileMissing, ExpertFormatError
+from experts_store._format import save_expert
+from experts_store._frozen import FrozenExpert
+from experts_store._hyper import HyperSpec
+from experts_store._model import ExpertMLP
+from experts_store._ref import ExpertRef
+
+__all__ = [
+    "FrozenHyperNetwork",
+    "GeneratedRef",
+    "GeneratorRef",
+    "condition_bytes",
+    "condition_key",
+    "load_conditions",
+    "save_conditions",
+    "save_hypernetwork",
+    "theta_expert",
+    "theta_file_bytes",
+    "theta_module",
+    "verify_hyper_files",
+]
+
+HYPER_FORMAT = "momlp-hypernetwork"
+CONDITIONS_FORMAT = "momlp-conditions"
+# Named in errors about f: it is no expert of the store.
+GENERATOR_ID = -1
+
+
+def condition_bytes(condition: np.ndarray | torch.Tensor | Sequence[float]) -> bytes:
+    """A condition's canonical bytes: little-endian float32, -0.0 read as 0.0."""
+    if isinstance(condition, torch.Tensor):
+        condition = condition.detach().cpu().numpy()
+    array = np.asarray(condition, dtype="<f4").reshape(-1) + np.float32(0.0)
+    return array.astype("<f4").tobytes()
+
+
+def condition_key(generator_sha256: str, condition: np.ndarray | torch.Tensor | bytes) -> str:
+    """The cache key of θ_I: sha256 over f's content hash and I's float32 bytes, so the same
+    condition under the same f is one cache entry, and a republished f is new keys."""
+    raw = condition if isinstance(condition, bytes) else condition_bytes(condition)
+    digest = hashlib.sha256(b"momlp-theta\0")
+    digest.update(generator_sha256.encode("ascii"))
+    digest.update(raw)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class GeneratorRef(ExpertRef):
+    """The hypernetwork file f: loaded once per actor and pinned there (never evicted)."""
+
+
+@dataclass(frozen=True)
+class GeneratedRef(ExpertRef):
+    """θ_I for one condition I under `generator`; `sha256` is `condition_key(...)`, `path`
+    the generator's file, `nbytes` |θ| as a cached expert."""
+
+    generator: GeneratorRef = field(default=None, compare=False)  # type: ignore[assignment]
+    condition: bytes = field(default=b"", compare=False)  # condition_bytes(I)
+    spec_json: str = field(default="", compare=False)  # HyperSpec JSON: g's layout
+
+    def condition_tensor(self) -> torch.Tensor:
+        return torch.from_numpy(np.frombuffer(self.condition, dtype="<f4").copy())
+
+    def spec(self) -> HyperSpec:
+        return HyperSpec.model_validate_json(self.spec_json)
+
+
+def save_hypernetwork(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], path: Path) -> str:
+    """Write f's layers (weight [out, in], bias [out]) as safetensors; returns the sha256."""
+    tensors: dict[str, torch.Tensor] = {}
+    widths = [int(layers[0][0].shape[1])]
+    for i, (weight, bias) in enumerate(layers):
+        tensors[f"layers.{i}.weight"] = weight.detach().to("cpu", torch.float32).contiguous()
+        tensors[f"layers.{i}.bias"] = bias.detach().to("cpu", torch.float32).contiguous()
+        widths.append(int(weight.shape[0]))
+    meta = {"format": HYPER_FORMAT, "widths": json.dumps(widths)}
+    return _write(path, safetensors_save(tensors, metadata=meta))
+
+
+def save_conditions(conditions: torch.Tensor, ids: Sequence[str], path: Path) -> str:
+    """Write a named-conditions table [C, m2] (ids in the metadata); returns the sha256."""
+    if conditions.dim() != 2 or conditions.shape[0] != len(ids):
+        raise ValueError(f"{len(ids)} ids for a table of shape {list(conditions.shape)}")
+    if len(set(ids)) != len(ids):
+        raise ValueError("condition ids must be distinct")
+    table = conditions.detach().to("cpu", torch.float32).contiguous()
+    meta = {"format": CONDITIONS_FORMAT, "ids": json.dumps(list(ids))}
+    return _write(path, safetensors_save({"conditions": table}, metadata=meta))
+
+
+def _write(path: Path, data: bytes) -> str:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return hashlib.sha256(data).hexdigest()
+
+
+def _read(path: Path, expected_sha256: str | None, expert_id: int) -> bytes:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError as exc:
+        raise ExpertFileMissing(expert_id=expert_id, path=path) from exc
+    if expected_sha256 is not None:
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != expected_sha256:
+            raise ExpertChecksumError(expert_id=expert_id, expected=expected_sha256, actual=actual)
+    return data
+
+
+def _tensors(data: bytes, path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    # safetensors parses its own format (no pickle); reading from the verified bytes means
+    # what was checked is what is used.
+    from safetensors.torch import load as safetensors_load
+
+    try:
+        tensors = safetensors_load(data)
+        size = int.from_bytes(data[:8], "little")
+        meta = json.loads(data[8 : 8 + size]).get("__metadata__") or {}
+    except Exception as exc:  # a malformed file is a format error, whatever raised it
+        raise ExpertFormatError(expert_id=GENERATOR_ID, reason=f"{path.name}: {exc}") from exc
+    return tensors, {str(k): str(v) for k, v in meta.items()}
+
+
+def load_conditions(
+    path: Path, expected_sha256: str | None = None
+) -> tuple[torch.Tensor, list[str]]:
+    """A named-conditions table and its ids, verified against `expected_sha256`."""
+    data = _read(path, expected_sha256, GENERATOR_ID)
+    tensors, meta = _tensors(data, path)
+    if meta.get("format") != CONDITIONS_FORMAT or "conditions" not in tensors:
+        raise ExpertFormatError(expert_id=GENERATOR_ID, reason=f"{path.name}: not a table")
+    ids = json.loads(meta.get("ids", "[]"))
+    table = tensors["conditions"]
+    if not isinstance(ids, list) or len(ids) != table.shape[0]:
+        raise ExpertFormatError(expert_id=GENERATOR_ID, reason=f"{path.name}: ids and rows differ")
+    return table, [str(i) for i in ids]
+
+
+class FrozenHyperNetwork:
+    """f for inference: ReLU MLP layers as plain tensors, op for op nn.Sequential's forward
+    (F.linear, ReLU), so θ_I is bit-identical to the trained module's `generate`."""
+
+    __slots__ = ("widths", "_layers")
+
+    def __init__(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self._layers = layers
+        self.widths = [int(layers[0][0].shape[1])] + [int(w.shape[0]) for w, _ in layers]
+
+    @classmethod
+    def load(
+        cls,
+        path: Path | str,
+        device: str | torch.device = "cpu",
+        *,
+        expected_sha256: str | None = None,
+    ) -> FrozenHyperNetwork:
+        path = Path(path)
+        data = _read(path, expected_sha256, GENERATOR_ID)
+        tensors, meta = _tensors(data, path)
+        if meta.get("format") != HYPER_FORMAT:
+            raise ExpertFormatError(expert_id=GENERATOR_ID, reason=f"{path.name}: not f")
+        count = len(tensors) // 2
+        try:
+            layers = [
+                (tensors[f"layers.{i}.weight"].to(device), tensors[f"layers.{i}.bias"].to(device))
+                for i in range(count)
+            ]
+        except KeyError as exc:
+            raise ExpertFormatError(expert_id=GENERATOR_ID, reason=f"missing {exc}") from exc
+        net = cls(layers)
+        if net.widths != json.loads(meta.get("widths", "[]")):
+            raise ExpertFormatError(expert_id=GENERATOR_ID, reason="widths differ from tensors")
+        return net
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self._layers for t in layer)
+
+    @property
+    def device(self) -> torch.device:
+        return self._layers[0][0].device
+
+    def flat(self, conditions: torch.Tensor) -> torch.Tensor:
+        """f(I) for conditions [C, m2] → [C, P] (no gradients)."""
+        h = conditions.to(self.device, torch.float32)
+        last = len(self._layers) - 1
+        with torch.inference_mode():
+            for i, (weight, bias) in enumerate(self._layers):
+                h = F.linear(h, weight, bias)
+                if i < last:
+                    h = torch.relu(h)
+        return h
+
+    def expert(self, condition: torch.Tensor, spec: HyperSpec) -> FrozenExpert:
+        """θ_I = f(I) for one condition [m2], as the expert the actors cache and serve.
+
+        One condition per forward, always: the same I gives the same bits whichever other
+        conditions are generated around it.
+        """
+        flat = self.flat(condition.reshape(1, -1))[0]
+        return theta_expert(flat, spec)
+
+
+def _theta_state(flat: torch.Tensor, spec: HyperSpec) -> dict[str, torch.Tensor]:
+    widths = spec.primary.widths
+    values = {s.name: flat[s.offset : s.offset + s.numel].reshape(s.shape) for s in spec.layout}
+    state: dict[str, torch.Tensor] = {}
+    for j in range(len(widths) - 1):
+        weight = values[f"layers.{j}.weight"]
+        state[f"linears.{j}.weight"] = weight.clone().contiguous()
+        bias = values.get(f"layers.{j}.bias")
+        state[f"linears.{j}.bias"] = (
+            bias.clone().contiguous() if bias is not None else weight.new_zeros(widths[j + 1])
+        )
+        if j < len(widths) - 2:
+            # PReLU with γ = 0 is exactly ReLU: max(0, h) + 0·min(0, h).
+            state[f"activations.{j}.weight"] = weight.new_zeros(widths[j + 1])
+    return state
+
+
+def theta_expert(flat: torch.Tensor, spec: HyperSpec) -> FrozenExpert:
+    """A flat θ [P] (f's output) as a store expert: `spec.expert_arch`, γ = 0, zero biases
+    where g has none."""
+    if flat.dim() != 1 or flat.shape[0] != spec.theta_size:
+        raise ExpertFormatError(
+            expert_id=GENERATOR_ID,
+            reason=f"θ of shape {list(flat.shape)}, need [{spec.theta_size}]",
+        )
+    return FrozenExpert(spec.expert_arch, _theta_state(flat, spec))
+
+
+def theta_module(flat: torch.Tensor, spec: HyperSpec) -> ExpertMLP:
+    """The same θ as an `ExpertMLP` (what `save_expert` writes)."""
+    module = ExpertMLP(spec.expert_arch, device="meta")
+    module.load_state_dict(_theta_state(flat.to("cpu"), spec), assign=True)
+    return module.eval()
+
+
+def theta_file_bytes(flat: torch.Tensor, spec: HyperSpec, tmp_dir: Path) -> bytes:
+    """θ as the bytes of a store expert file (exactly `save_expert`'s format)."""
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    path = tmp_dir / f".theta-{os.getpid()}-{id(flat)}.safetensors"
+    try:
+        save_expert(theta_module(flat, spec), path)
+        return path.read_bytes()
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def verify_hyper_files(root: Path, spec: HyperSpec) -> list[str]:
+    """Problems with a hyper store's own files (f, the conditions table): presence, sha256,
+    format and shapes against the manifest block; an empty list when all hold."""
+    problems: list[str] = []
+    f = spec.hypernetwork
+    try:
+        net = FrozenHyperNetwork.load(root / f.file, expected_sha256=f.sha256)
+        if net.widths != f.widths:
+            problems.append(f"hypernetwork {f.file}: widths {net.widths}, manifest {f.widths}")
+    except (ExpertFileMissing, ExpertChecksumError, ExpertFormatError) as exc:
+        problems.append(f"hypernetwork {f.file}: {exc}")
+    table = spec.conditions
+    if table is not None:
+        try:
+            values, _ = load_conditions(root / table.file, table.sha256)
+            if list(values.shape) != [table.count, spec.condition_dim]:
+                problems.append(f"conditions {table.file}: shape {list(values.shape)}")
+        except (ExpertFileMissing, ExpertChecksumError, ExpertFormatError) as exc:
+            problems.append(f"conditions {table.file}: {exc}")
+    return problems

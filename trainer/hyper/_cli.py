@@ -1,0 +1,65 @@
+"""The handler of `momlp build --kind hyper` (registered by `trainer._cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+__all__ = ["handle_hyper_build"]
+
+# `momlp build` options that mean something for a hypernetwork store, by config field.
+_OPTIONS = {
+    "dataset": "dataset", "data": "data", "depth": "depth", "epochs": "epochs", "lr": "lr",
+    "batch_size": "batch_size", "seed": "seed", "hyper_baseline": "baseline",
+    "named_conditions": "named_conditions", "test_fraction": "test_fraction",
+}
+_IGNORED = ("experts", "branching", "routing", "temperature", "prototypes", "target")
+
+
+def handle_hyper_build(args: argparse.Namespace) -> int:
+    import torch
+
+    from experts_store import Store
+
+    from ._exceptions import HyperError
+    from ._publish import HyperBuildConfig, build_hyper_store
+
+    for name in _IGNORED:
+        if getattr(args, name, None) is not None:
+            print(f"momlp build: --{name.replace('_', '-')} does not apply to --kind hyper",
+                  file=sys.stderr)
+            return 2
+    options: dict[str, Any] = {
+        field: getattr(args, arg) for arg, field in _OPTIONS.items()
+        if getattr(args, arg, None) is not None
+    }
+    if args.quick:
+        options.setdefault("epochs", 2)
+    if args.width is not None:
+        options["hidden"] = (args.width,)
+    try:
+        if args.torch_threads is not None:
+            torch.set_num_threads(args.torch_threads)
+        config = HyperBuildConfig(out=args.out, **options)
+        manifest = build_hyper_store(config, progress=args.progress)
+    except HyperError as exc:
+        print(f"momlp build: {exc}", file=sys.stderr)
+        return 2
+    report = Store.open(args.out).report() or {}
+    keep = ("metric", "value", "params")
+    hyper = manifest.hyper
+    assert hyper is not None
+    print(json.dumps({
+        "store": str(args.out),
+        "store_version": manifest.store_version,
+        "kind": "hyper",
+        "hypernetwork": {k: report["hypernetwork"][k] for k in keep},
+        "theta_params": hyper.theta_size,
+        "baseline": None if report.get("baseline") is None
+        else {k: report["baseline"][k] for k in keep},
+        "named_conditions": hyper.conditions.count if hyper.conditions else 0,
+        "total_s": round(report["timings"]["total_s"], 2),
+    }))
+    return 0
