@@ -97,5 +97,10 @@ class Settings(BaseSettings):
         description="a request's gate temperature must lie within the store's τ times or"
         " divided by this",
     )
+    max_conditions: int = Field(
+        default=256, ge=1,
+        description="kind hyper: distinct conditions per request (422 naming it above); each"
+        " costs one generation and |θ| of cache on a miss",
+    )
     watch_store: bool = Field(default=True, description="reload when manifest.json changes")
     watch_interval_s: float = Field(default=2.0, gt=0.0)

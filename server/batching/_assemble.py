@@ -85,5 +85,8 @@ def _stat(result: GroupResult, rows: int, group_rows: int) -> ExpertStat:
         actor=result.actor,
         expert_bytes=result.expert_bytes,
         activation_bytes=result.activation_bytes,
-        vram_bytes=result.expert_bytes + share,
+        # A generated θ needs its hypernetwork resident beside it (pinned on the actor).
+        vram_bytes=result.expert_bytes + result.generator_bytes + share,
+        key=result.key,
+        generator_bytes=result.generator_bytes,
     )

@@ -23,6 +23,8 @@ class ExpertStat:
     expert_bytes: int
     activation_bytes: int
     vram_bytes: int
+    key: str | None = None  # kind hyper: the generated θ's cache key
+    generator_bytes: int = 0  # kind hyper: the pinned hypernetwork's bytes
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from server.http._models import PredictRequest, RouteRequest
-from server.kinds import GateRequest
+from server.kinds import ConditionRequest, GateRequest
 
 __all__ = [
     "HttpError",
@@ -206,6 +206,7 @@ class ParsedInputs:
     x: np.ndarray[Any, np.dtype[np.float32]]
     gate: GateRequest  # top_k, mode and the gate object, None where the request left them
     return_stats: bool
+    conditions: ConditionRequest | None = None  # kind hyper's conditions (JSON bodies)
 
 
 def _media_type(request: Request) -> str:
@@ -243,7 +244,15 @@ def _json_inputs(
         beam=tuple(g.beam) if g and g.beam is not None else None,
         score=g.score if g else None,
     )
-    return ParsedInputs(x, gate, return_stats)
+    given = [name for name in ("conditions", "condition", "condition_ids")
+             if getattr(parsed, name) is not None]
+    if len(given) > 1:
+        raise _invalid(f"give one of {', '.join(given)}, not several", {"fields": given})
+    conditions = ConditionRequest(
+        conditions=parsed.conditions, condition=parsed.condition,
+        condition_ids=parsed.condition_ids,
+    ) if given else None
+    return ParsedInputs(x, gate, return_stats, conditions)
 
 
 async def parse_inputs(

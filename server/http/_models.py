@@ -36,6 +36,7 @@ def _integral(value: object) -> object:
     return value
 
 
+ConditionId = Annotated[str, Field(min_length=1, max_length=128)]
 PositiveWhole = Annotated[int, Field(strict=True, ge=1), BeforeValidator(_integral)]
 Mode = Literal["tree", "exact"]
 
@@ -74,6 +75,16 @@ class RouteRequest(_Strict):
     top_k: PositiveWhole | None = Field(default=None, description="default 1")
     mode: Mode | None = Field(default=None, description="default: the store's routing mode")
     gate: GateModel | None = Field(default=None, description="default: the store's gate")
+    conditions: list[list[FiniteNumber]] | None = Field(
+        default=None, description="kind hyper: one condition per row"
+    )
+    condition: list[FiniteNumber] | None = Field(
+        default=None, description="kind hyper: one condition for every row"
+    )
+    condition_ids: list[ConditionId] | None = Field(
+        default=None, description="kind hyper: named conditions of the store, one per row or "
+        "one for all"
+    )
 
 
 class PredictRequest(RouteRequest):
@@ -92,6 +103,11 @@ class ExpertStatModel(BaseModel):
     expert_bytes: int
     activation_bytes: int
     vram_bytes: int
+    key: str | None = Field(
+        default=None, description="kind hyper: the condition's cache key (cache, load_ms: "
+        "whether θ was generated for this request and how long it took)"
+    )
+    generator_bytes: int = Field(default=0, description="kind hyper: bytes of the pinned f")
 
 
 class PredictStats(BaseModel):

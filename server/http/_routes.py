@@ -39,7 +39,7 @@ from server.http._models import (
     RouteResponse,
 )
 from server.http._openapi import inline_defs
-from server.kinds import GateRequest
+from server.kinds import GateRequest, attach_conditions
 from server.serving import ServingState, StoreVersion
 
 __all__ = ["ERROR_RESPONSES", "add_routes", "model_response"]
@@ -148,7 +148,9 @@ async def _inputs(
     )
     # The store's kind resolves the gate against its defaults and the server's caps, once.
     options = version.model.resolve(parsed.gate, settings)
-    return _Inputs(parsed.x, options, parsed.return_stats)
+    # A kind that takes conditions (hyper) gets them as extra columns of each row.
+    x = attach_conditions(version.model, parsed.x, parsed.conditions, settings)
+    return _Inputs(x, options, parsed.return_stats)
 
 
 def _ragged(rows: list[list[Any]], kept: list[int]) -> list[list[Any]]:
@@ -183,6 +185,9 @@ def add_routes(app: FastAPI) -> None:
             except TimeoutError:
                 raise RequestTimeout(timeout_s=settings.request_timeout_s) from None
         metrics.observe_prediction(x.shape[0], [(s.cache, s.load_ms) for s in answer.stats])
+        metrics.observe_generations(
+            sum(1 for s in answer.stats if s.key is not None and s.cache == "miss")
+        )
         stats = None
         if parsed.return_stats:
             stats = PredictStats.model_construct(

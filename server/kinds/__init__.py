@@ -7,6 +7,8 @@ The batching floor above calls a kind through `ServedModel`, never by its name.
 
 from __future__ import annotations
 
+from server.kinds._conditions import attach_conditions, check_kind_budget
+from server.kinds._hyper import ConditionRequest, HyperModel, HyperOptions, HyperRouting
 from server.kinds._momlp import GateRouter, MomlpModel
 from server.kinds._registry import KINDS, open_model
 from server.kinds._types import (
@@ -21,6 +23,12 @@ from server.kinds._types import (
 __all__ = [
     "KINDS",
     "BatchRun",
+    "ConditionRequest",
+    "HyperModel",
+    "HyperOptions",
+    "HyperRouting",
+    "attach_conditions",
+    "check_kind_budget",
     "GateRequest",
     "GateRouter",
     "MomlpModel",

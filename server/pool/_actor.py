@@ -34,6 +34,9 @@ from experts_store import (
     ExpertRef,
     ExpertRefLoader,
     FrozenExpert,
+    FrozenHyperNetwork,
+    GeneratedRef,
+    GeneratorRef,
     MonotonicClock,
     StoreError,
 )
@@ -71,10 +74,22 @@ def activation_peak_bytes(widths: Sequence[int], rows: int, element_size: int = 
     return rows * element_size * max(linear, hidden)
 
 
+# What an actor's cache holds: loaded experts, generated θ (also FrozenExperts) and pinned
+# hypernetworks.
+Cached = FrozenExpert | FrozenHyperNetwork
+
+
 class _DeviceLoader:
-    """`ExpertLoader` that reads an `ExpertRef`'s file straight onto this actor's device."""
+    """`ExpertLoader` that reads an `ExpertRef`'s file straight onto this actor's device.
+
+    Two more kinds of key, told apart by type (files keep the path below unchanged): a
+    `GeneratorRef` loads a hypernetwork f (verified against its sha256), a `GeneratedRef`
+    generates θ_I with the f its actor pinned beforehand (`generators`).
+    """
 
     def __init__(self, device: str) -> None:
+        self._device = device
+        self.generators: dict[str, FrozenHyperNetwork] = {}
         self._files = ExpertRefLoader(device)
         self._cuda = device.startswith("cuda")
         # A side stream lets a host->device copy overlap another expert's forward on the
@@ -86,7 +101,24 @@ class _DeviceLoader:
     def nbytes(self, ref: ExpertRef) -> int:
         return ref.nbytes
 
-    def load(self, ref: ExpertRef) -> FrozenExpert:
+    def load(self, ref: ExpertRef) -> Cached:
+        if isinstance(ref, GeneratorRef):
+            return FrozenHyperNetwork.load(ref.path, self._device, expected_sha256=ref.sha256)
+        if isinstance(ref, GeneratedRef):
+            return self._generate(ref)
+        return self._load_file(ref)
+
+    def _generate(self, ref: GeneratedRef) -> FrozenExpert:
+        generator = self.generators.get(ref.generator.sha256)
+        if generator is None:
+            # The actor pins f before it leases any of its keys; reaching here is a bug.
+            raise ExpertLoadError(expert_id=ref.expert_id, message="its hypernetwork is not pinned")
+        expert = generator.expert(ref.condition_tensor(), ref.spec())
+        if expert.nbytes() != ref.nbytes:
+            raise ExpertLoadError(expert_id=ref.expert_id, message="θ size differs from its key's")
+        return expert
+
+    def _load_file(self, ref: ExpertRef) -> FrozenExpert:
         # FrozenExpert, not ExpertMLP: serving never trains, and building the nn.Module
         # skeleton would cost as much as reading a small expert's file.
         if not self._cuda:
@@ -121,9 +153,14 @@ class ActorCore:
         self.device = resolve_device(device)
         self._clock: Clock = clock if clock is not None else MonotonicClock()
         self._lease_timeout_s = lease_timeout_s
-        self._cache: ExpertCache[FrozenExpert] = ExpertCache(
-            budget_bytes, _DeviceLoader(self.device), clock=self._clock, policy=cache_policy
+        self._loader = _DeviceLoader(self.device)
+        self._cache: ExpertCache[Cached] = ExpertCache(
+            budget_bytes, self._loader, clock=self._clock, policy=cache_policy
         )
+        # Hypernetworks this actor generates with: leased once and never released, so each
+        # is counted in the budget and never evicted. Key: f's sha256.
+        self._pinned: dict[str, AbstractContextManager[Any]] = {}
+        self._pin_lock = threading.Lock()
         self._compute_lock = threading.Lock()
         # Experts of run calls that arrived and have not finished: a prefetch never evicts them.
         self._wanted: Counter[ExpertRef] = Counter()
@@ -131,11 +168,27 @@ class ActorCore:
         self._lookahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-lease")
 
     @property
-    def cache(self) -> ExpertCache[FrozenExpert]:
+    def cache(self) -> ExpertCache[Cached]:
         return self._cache
 
     def close(self) -> None:
         self._lookahead.shutdown(wait=True)
+
+    def pinned_bytes(self, generator: GeneratorRef) -> int:
+        return generator.nbytes if generator.sha256 in self._pinned else 0
+
+    def _pin(self, generator: GeneratorRef) -> None:
+        """Load f once and keep it leased for the actor's life (CacheError, StoreError)."""
+        with self._pin_lock:
+            if generator.sha256 in self._pinned:
+                return
+            manager = self._cache.lease(generator, timeout=self._lease_timeout_s)
+            lease = manager.__enter__()
+            if not isinstance(lease.value, FrozenHyperNetwork):
+                manager.__exit__(None, None, None)
+                raise ExpertLoadError(expert_id=generator.expert_id, message="not a hypernetwork")
+            self._loader.generators[generator.sha256] = lease.value
+            self._pinned[generator.sha256] = manager
 
     def run(self, groups: Sequence[tuple[ExpertRef, np.ndarray]]) -> ActorReply:
         """Forward each (expert, rows [m, n] float32) group; one outcome per group, in order."""
@@ -176,15 +229,17 @@ class ActorCore:
                     leased = self._open_lease(ref)
                 if index + 1 < len(groups) and groups[index + 1][0] not in resident:
                     pending = self._lookahead.submit(self._open_lease, groups[index + 1][0])
-                outcomes.append(self._compute(ref.expert_id, rows, leased))
+                outcomes.append(self._compute(ref, rows, leased))
         finally:
             if pending is not None:
                 pending.result().release()
         return outcomes
 
     def _open_lease(self, ref: ExpertRef) -> _Leased:
-        manager = self._cache.lease(ref, timeout=self._lease_timeout_s)
         try:
+            if isinstance(ref, GeneratedRef):
+                self._pin(ref.generator)
+            manager = self._cache.lease(ref, timeout=self._lease_timeout_s)
             lease = manager.__enter__()
         except ExpertLoadError as exc:
             logger.warning("actor %s cannot load expert %s: %s", self.name, ref.expert_id, exc)
@@ -195,13 +250,22 @@ class ActorCore:
             return _Leased(None, None, ERROR_LOAD, str(exc))
         return _Leased(manager, lease, None, None)
 
-    def _compute(self, expert_id: int, rows: np.ndarray, leased: _Leased) -> GroupOutcome:
+    def _compute(self, ref: ExpertRef, rows: np.ndarray, leased: _Leased) -> GroupOutcome:
+        expert_id = ref.expert_id
+        generated = isinstance(ref, GeneratedRef)
+        key = ref.sha256 if generated else None
         if leased.lease is None:
             return GroupOutcome(
-                expert_id=expert_id, outputs=None, error=leased.error, error_kind=leased.error_kind
+                expert_id=expert_id,
+                outputs=None,
+                error=leased.error,
+                error_kind=leased.error_kind,
+                key=key,
             )
         try:
-            module: FrozenExpert = leased.lease.value
+            module = leased.lease.value
+            if not isinstance(module, FrozenExpert):
+                raise TypeError(f"key {ref.sha256[:16]} names a hypernetwork, not an expert")
             start = self._clock.now()
             outputs, activation = self._forward(module, rows)
             compute_ms = (self._clock.now() - start) * 1000.0
@@ -213,6 +277,10 @@ class ActorCore:
                 compute_ms=compute_ms,
                 expert_bytes=int(leased.lease.nbytes),
                 activation_bytes=activation,
+                key=key,
+                generator_bytes=(
+                    self.pinned_bytes(ref.generator) if isinstance(ref, GeneratedRef) else 0
+                ),
             )
         except Exception as exc:  # one bad group must not fail the other groups of the call
             logger.exception("actor %s: expert %s failed to compute", self.name, expert_id)
@@ -257,6 +325,8 @@ class ActorCore:
             keep = set(experts) | set(self._wanted)
         for ref in experts:
             try:
+                if isinstance(ref, GeneratedRef):
+                    self._pin(ref.generator)
                 self._cache.prefetch(ref, keep=keep)
             except (StoreError, CacheError) as exc:
                 # The failure is reported by the run that needs the expert.
@@ -277,6 +347,7 @@ class ActorCore:
 
 
 def _content(key: object) -> str:
+    # Files, hypernetworks and generated θ alike: their `sha256` is the cache key.
     return key.sha256 if isinstance(key, ExpertRef) else str(key)
 
 

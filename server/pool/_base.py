@@ -229,6 +229,8 @@ class DispatchingPool(ABC):
                 device_bytes=reply.device_bytes,
                 error=outcome.error,
                 error_kind=outcome.error_kind,
+                key=outcome.key,
+                generator_bytes=outcome.generator_bytes,
             )
 
     def _watch_revival(self, actor: str) -> None:

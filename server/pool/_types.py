@@ -58,6 +58,8 @@ class GroupResult:
     device_bytes: int = 0  # resident expert bytes of the actor after the call
     error: str | None = None
     error_kind: str | None = None
+    key: str | None = None  # a generated θ's cache key (kind hyper); None for expert files
+    generator_bytes: int = 0  # bytes of the pinned hypernetwork that generated it
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,8 @@ class GroupOutcome:
     activation_bytes: int = 0
     error: str | None = None
     error_kind: str | None = None  # "load" (bad file: remembered), "busy", "internal"
+    key: str | None = None  # a generated θ's cache key (kind hyper)
+    generator_bytes: int = 0  # its pinned hypernetwork's bytes
 
 
 @dataclass(frozen=True)

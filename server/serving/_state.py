@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from experts_store import Clock, ExpertRef, Store
 from server._exceptions import NotReady, PoolStartFailed
 from server._settings import Settings
-from server.kinds import ServedModel, open_model
+from server.kinds import ServedModel, check_kind_budget, open_model
 from server.pool import ActorInfo, ExpertPool, Group, GroupResult, check_budget
 from server.serving._version import (
     BatcherFactory,
@@ -189,6 +189,7 @@ class ServingState:
             raise NotReady(reason="the actor pool is not up")
         store, model = await in_daemon_thread(_open_version_files, Path(self.settings.store))
         check_budget(model.experts, pool.budget_bytes)
+        check_kind_budget(model, pool.budget_bytes)
         observed = ObservedPool(pool, self._on_batch)
         batcher = self.batcher_factory(model, observed, self.settings, self.clock)
         return StoreVersion(store, model, batcher)

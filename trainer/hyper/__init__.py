@@ -40,7 +40,13 @@ from ._primary import (
     primary_forward_stacked,
     stack_thetas,
 )
-from ._publish import HyperBuildConfig, build_hyper_store, hypernetwork_layers, load_npz_triples
+from ._publish import (
+    HyperBuildConfig,
+    build_hyper_store,
+    hypernetwork_layers,
+    load_npz_triples,
+    publish_hypernetwork,
+)
 from ._train import TrainHistory, TrainSettings, evaluate_error, predict, train_model
 
 __all__ = [
@@ -69,6 +75,7 @@ __all__ = [
     "make_hyper_dataset",
     "paper_embedding_dim",
     "predict",
+    "publish_hypernetwork",
     "primary_forward",
     "primary_forward_stacked",
     "rotate_digits",

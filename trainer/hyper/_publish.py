@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -40,7 +41,13 @@ from ._model import EmbeddingModel, HyperNetwork, count_parameters
 from ._primary import PrimarySpec
 from ._train import TrainSettings, evaluate_error, train_model
 
-__all__ = ["HyperBuildConfig", "build_hyper_store", "hypernetwork_layers", "load_npz_triples"]
+__all__ = [
+    "HyperBuildConfig",
+    "build_hyper_store",
+    "hypernetwork_layers",
+    "load_npz_triples",
+    "publish_hypernetwork",
+]
 
 # The rates the seed-001 benchmark found stable for plain SGD (benchmarks/seed001_hyper.py).
 _DEFAULT_LR = {"hyper-synthetic": 0.1, "rotate-digits": 0.01}
@@ -195,38 +202,56 @@ def build_hyper_store(config: HyperBuildConfig, progress: bool = True) -> Manife
                            depth=config.depth, width=config.width, hidden=config.hidden[0])
         report["baseline"] = _train(q, data, settings, progress, "embedding")
         report["baseline"]["embedding_dim"] = q.embedding_dim
-    with StoreWriter(config.out) as writer:
+    named = _named_table(data, config.named_conditions)
+    report["timings"] = {"total_s": time.perf_counter() - started}
+    return publish_hypernetwork(
+        config.out, f, task=data.task, conditions=named,
+        condition_ids=[f"test-{i}" for i in range(named.shape[0])], report=report,
+    )
+
+
+def publish_hypernetwork(
+    out: Path,
+    f: HyperNetwork,
+    *,
+    task: Literal["regression", "classification"] = "regression",
+    conditions: torch.Tensor | None = None,
+    condition_ids: Sequence[str] = (),
+    report: dict[str, Any] | None = None,
+) -> Manifest:
+    """Publish `f` (trained or not) as a store of kind "hyper" at `out`, with an optional
+    table of named conditions [C, m2]; returns the manifest."""
+    primary = f.primary
+    with StoreWriter(out) as writer:
         staged = writer.staging / "hyper.safetensors"
         f_sha = save_hypernetwork(hypernetwork_layers(f), staged)
         f_file = writer.kind_file(hypernetwork_file_name(f_sha), staged)
         table = None
-        named = _named_table(data, config.named_conditions)
-        if named.shape[0] > 0:
+        if conditions is not None and conditions.shape[0] > 0:
             staged_table = writer.staging / "conditions.safetensors"
-            ids = [f"test-{i}" for i in range(named.shape[0])]
-            t_sha = save_conditions(named, ids, staged_table)
+            t_sha = save_conditions(conditions, list(condition_ids), staged_table)
             table = ConditionTable(
                 file=writer.kind_file(conditions_file_name(t_sha), staged_table),
-                sha256=t_sha, bytes=staged_table.stat().st_size, count=len(ids),
+                sha256=t_sha, bytes=staged_table.stat().st_size, count=len(condition_ids),
             )
+        layers = hypernetwork_layers(f)
         spec = HyperSpec(
-            input_dim=data.input_dim,
-            condition_dim=data.condition_dim,
-            output_dim=data.output_dim,
+            input_dim=primary.input_dim,
+            condition_dim=f.condition_dim,
+            output_dim=primary.output_dim,
             primary=PrimaryArch(widths=list(primary.widths), bias=primary.bias),
             hypernetwork=HyperFile(
                 file=f_file, sha256=f_sha, bytes=staged.stat().st_size,
-                params=sum(p.numel() for p in f.f.parameters()),
-                widths=[data.condition_dim, *([config.width] * (config.depth + 1)),
-                        f.layout.size],
+                params=sum(w.numel() + b.numel() for w, b in layers),
+                widths=[f.condition_dim, *(int(w.shape[0]) for w, _ in layers)],
             ),
             layout=[ThetaSlotSpec(name=s.name, shape=list(s.shape), offset=s.offset)
                     for s in f.layout.slots],
             conditions=table,
         )
-        report["timings"] = {"total_s": time.perf_counter() - started}
-        writer.write_report(report)
+        if report is not None:
+            writer.write_report(report)
         return writer.publish(
-            task=data.task, input_dim=data.input_dim, output_dim=data.output_dim,
+            task=task, input_dim=primary.input_dim, output_dim=primary.output_dim,
             routing="tree", branching=2, kind="hyper", hyper=spec,
         )

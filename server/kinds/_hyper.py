@@ -1,0 +1,360 @@
+"""Kind "hyper": a hypernetwork f generates, per condition I, the weights θ_I of a small
+primary network g (paper 001); θ_I is cached on the actors like a loaded expert.
+
+Rows: the HTTP floor appends each row's condition to its x (`with_conditions`), so the
+batcher moves [x, I] rows and merges requests of different conditions into one batch.
+Route: each distinct condition is a cache key, `condition_key(f's sha256, I's float32
+bytes)`. Plan: one group per key, a `GeneratedRef` the actor's loader generates θ_I for on a
+miss (f pinned there). Combine: each row takes its key's output as it is (weight 1), so a
+row's output depends only on its x and its condition.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from experts_store import (
+    ExpertTooLarge,
+    FrozenHyperNetwork,
+    GeneratedRef,
+    GeneratorRef,
+    HyperSpec,
+    Store,
+    condition_bytes,
+    condition_key,
+    load_conditions,
+    theta_file_bytes,
+)
+from server._exceptions import CapExceeded, InvalidRequest
+from server._settings import Settings
+from server.kinds._types import GateRequest, Plan, PlannedGroup
+from server.pool import GroupResult
+
+__all__ = ["ConditionRequest", "HyperModel", "HyperOptions", "HyperRouting"]
+
+# Errors about f name this id: it is no expert of the store.
+GENERATOR_ID = -1
+
+
+@dataclass(frozen=True)
+class ConditionRequest:
+    """A request's conditions as the HTTP floor parsed them: at most one field is set."""
+
+    conditions: list[list[float]] | None = None  # one per row
+    condition: list[float] | None = None  # one for every row
+    condition_ids: list[str] | None = None  # one named condition per row
+
+    @property
+    def given(self) -> str | None:
+        """The name of the field the request used, or None."""
+        for name in ("conditions", "condition", "condition_ids"):
+            if getattr(self, name) is not None:
+                return name
+        return None
+
+
+@dataclass(frozen=True)
+class HyperOptions:
+    """A hyper store has no gate: every request merges with every other."""
+
+    source: str = "request"
+
+
+@dataclass(frozen=True)
+class HyperRouting:
+    """Each row's key (hex) and, when its condition is in the store's table, its index."""
+
+    keys: tuple[str, ...]
+    experts: torch.Tensor  # [B, 1] int64: the named condition's index, else -1
+    conditions: torch.Tensor  # [B, m2] float32
+
+    @property
+    def rows(self) -> int:
+        return len(self.keys)
+
+    @property
+    def weights(self) -> torch.Tensor:
+        return (self.experts >= 0).to(torch.float64)
+
+    @property
+    def distances(self) -> torch.Tensor:
+        return torch.zeros(self.experts.shape, dtype=torch.float32)
+
+    @property
+    def distance_evals(self) -> torch.Tensor:
+        return torch.zeros(self.rows, dtype=torch.int64)
+
+    def slice(self, start: int, stop: int) -> HyperRouting:
+        return HyperRouting(
+            self.keys[start:stop], self.experts[start:stop], self.conditions[start:stop]
+        )
+
+    @staticmethod
+    def concat(parts: Sequence[HyperRouting]) -> HyperRouting:
+        return HyperRouting(
+            tuple(k for p in parts for k in p.keys),
+            torch.cat([p.experts for p in parts]),
+            torch.cat([p.conditions for p in parts]),
+        )
+
+
+class HyperModel:
+    """A store of kind "hyper": f's file, g's layout and the named conditions."""
+
+    kind = "hyper"
+
+    def __init__(
+        self,
+        spec: HyperSpec,
+        generator: GeneratorRef,
+        table: torch.Tensor | None = None,
+        ids: Sequence[str] = (),
+    ) -> None:
+        self.spec = spec
+        self.generator = generator
+        self.experts: list[Any] = []  # no expert files: θ is generated
+        self._spec_json = spec.model_dump_json()
+        self._table = table
+        self._ids = {name: i for i, name in enumerate(ids)}
+        self._table_keys: dict[str, int] = {}
+        if table is not None:
+            for i, row in enumerate(table):
+                self._table_keys.setdefault(condition_key(generator.sha256, row), i)
+        self._local: FrozenHyperNetwork | None = None
+        self._local_lock = threading.Lock()
+
+    @classmethod
+    def open(cls, store: Store) -> HyperModel:
+        """Read the manifest block and the conditions table (verified); f stays a file
+        until an actor pins it."""
+        spec = store.manifest.hyper
+        if spec is None:
+            raise InvalidRequest("the store has no hyper block", field="store")
+        f = spec.hypernetwork
+        generator = GeneratorRef(
+            sha256=f.sha256,
+            path=str(store.root / f.file),
+            nbytes=4 * f.params,
+            expert_id=GENERATOR_ID,
+        )
+        table: torch.Tensor | None = None
+        ids: list[str] = []
+        if spec.conditions is not None:
+            table, ids = load_conditions(
+                store.root / spec.conditions.file, spec.conditions.sha256
+            )
+        return cls(spec, generator, table, ids)
+
+    @property
+    def input_dim(self) -> int:
+        """The width of the rows the batcher moves: x then the condition."""
+        return self.spec.input_dim + self.spec.condition_dim
+
+    def prototypes(self) -> torch.Tensor | None:
+        return None
+
+    def check_budget(self, budget_bytes: int) -> None:
+        """An actor must hold f (pinned) and at least one θ beside it."""
+        need = self.generator.nbytes + self.spec.theta_nbytes
+        if need > budget_bytes:
+            raise ExpertTooLarge(expert_id=GENERATOR_ID, nbytes=need, budget_bytes=budget_bytes)
+
+    def resolve(self, request: GateRequest, settings: Settings) -> HyperOptions:
+        if request.top_k not in (None, 1):
+            raise InvalidRequest("a hyper store serves one θ per row: top_k must be 1",
+                                 field="top_k")
+        for name in ("mode", "temperature", "min_weight", "top_p", "beam", "score"):
+            if getattr(request, name) is not None:
+                raise InvalidRequest(f"a hyper store has no gate: {name} does not apply",
+                                     field=name if name == "mode" else "gate")
+        return HyperOptions()
+
+    def check(self, options: Hashable) -> None:
+        if not isinstance(options, HyperOptions):
+            raise InvalidRequest("options of the wrong type for a hyper store", field="gate")
+
+    def with_conditions(
+        self, x: np.ndarray, request: ConditionRequest | None, settings: Settings
+    ) -> np.ndarray:
+        """[x, I] rows from x [B, m1] and the request's conditions (422 naming the field)."""
+        field = request.given if request is not None else None
+        if request is None or field is None:
+            raise InvalidRequest(
+                "a hyper store needs conditions (one per row), condition (one for all rows) "
+                "or condition_ids, in a JSON body",
+                field="conditions",
+            )
+        rows, m2 = x.shape[0], self.spec.condition_dim
+        if request.conditions is not None:
+            values = self._rows(request.conditions, rows, "conditions")
+        elif request.condition is not None:
+            values = self._rows([request.condition], 1, "condition")
+            values = np.repeat(values, rows, axis=0)
+        else:
+            assert request.condition_ids is not None
+            values = self._named(request.condition_ids, rows)
+        distinct = int(np.unique(values, axis=0).shape[0])
+        if distinct > settings.max_conditions:
+            raise CapExceeded(
+                cap="max_conditions", limit=settings.max_conditions, value=distinct, field=field
+            )
+        assert values.shape == (rows, m2)
+        return np.ascontiguousarray(np.concatenate([x, values], axis=1), dtype=np.float32)
+
+    def _rows(self, values: list[list[float]], rows: int, field: str) -> np.ndarray:
+        if len(values) != rows:
+            raise InvalidRequest(f"{field} has {len(values)} entries for {rows} rows",
+                                 field=field)
+        m2 = self.spec.condition_dim
+        bad = next((i for i, row in enumerate(values) if len(row) != m2), None)
+        if bad is not None:
+            raise InvalidRequest(
+                f"{field}[{bad}] has {len(values[bad])} values, the store's conditions have {m2}",
+                field=field,
+            )
+        with np.errstate(over="ignore", invalid="ignore"):
+            array = np.asarray(values, dtype=np.float32).reshape(rows, m2)
+        if not bool(np.isfinite(array).all()):
+            raise InvalidRequest(f"{field} must be finite float32 numbers", field=field)
+        return array
+
+    def _named(self, names: list[str], rows: int) -> np.ndarray:
+        if len(names) not in (1, rows):
+            raise InvalidRequest(
+                f"condition_ids has {len(names)} entries for {rows} rows (give 1 or {rows})",
+                field="condition_ids",
+            )
+        unknown = sorted({n for n in names if n not in self._ids})
+        if unknown or self._table is None:
+            raise InvalidRequest(
+                f"unknown condition ids {unknown[:5]}; the store names {len(self._ids)}",
+                field="condition_ids",
+            )
+        index = [self._ids[n] for n in names] * (rows if len(names) == 1 else 1)
+        values: np.ndarray = self._table[index].numpy()
+        return values
+
+    def condition_of(self, name: str) -> np.ndarray:
+        """A named condition's values (422 `condition_id` when the table lacks it)."""
+        if name not in self._ids or self._table is None:
+            raise InvalidRequest(f"unknown condition id {name!r}", field="condition_id")
+        return self._table[self._ids[name]].numpy()
+
+    def check_condition(self, values: list[float] | None) -> np.ndarray:
+        """One condition's values as float32 (422 `condition`: wrong length, not finite)."""
+        row: np.ndarray = self._rows([values or []], 1, "condition")[0]
+        return row
+
+    def route(self, x: torch.Tensor, options: Hashable) -> HyperRouting:
+        conditions = x[:, self.spec.input_dim :].contiguous()
+        distinct, inverse = torch.unique(conditions, dim=0, return_inverse=True)
+        keys = [condition_key(self.generator.sha256, row) for row in distinct]
+        ids = [self._table_keys.get(k, -1) for k in keys]
+        return HyperRouting(
+            tuple(keys[i] for i in inverse.tolist()),
+            torch.tensor(ids, dtype=torch.int64)[inverse].reshape(-1, 1),
+            conditions,
+        )
+
+    def concat(self, parts: list[Any]) -> HyperRouting:
+        return HyperRouting.concat(parts)
+
+    def key_ref(self, key: str, condition: torch.Tensor, expert_id: int) -> GeneratedRef:
+        """The cache key of θ for `condition`: what the pool places and the actor generates."""
+        return GeneratedRef(
+            sha256=key,
+            path=self.generator.path,
+            nbytes=self.spec.theta_nbytes,
+            expert_id=expert_id,
+            generator=self.generator,
+            condition=condition_bytes(condition),
+            spec_json=self._spec_json,
+        )
+
+    def start(self, x: torch.Tensor, routing: Any) -> _HyperRun:
+        return _HyperRun(self, x, routing)
+
+    def prefetch_keys(self, routing: Any) -> list[Any]:
+        first: dict[str, int] = {}
+        for row, key in enumerate(routing.keys):
+            first.setdefault(key, row)
+        return [
+            self.key_ref(k, routing.conditions[r], int(routing.experts[r, 0]))
+            for k, r in first.items()
+        ]
+
+    def generate_file(
+        self, condition: np.ndarray, tmp_dir: Path | None = None
+    ) -> tuple[str, bytes]:
+        """θ_I as the bytes of a store expert file, generated in this process with the same
+        f and the same one-condition forward the actors use; returns (key, file bytes)."""
+        with self._local_lock:
+            if self._local is None:
+                self._local = FrozenHyperNetwork.load(
+                    self.generator.path, expected_sha256=self.generator.sha256
+                )
+            net = self._local
+        tensor = torch.from_numpy(np.asarray(condition, dtype=np.float32).reshape(1, -1))
+        flat = net.flat(tensor)[0]
+        with tempfile.TemporaryDirectory(prefix="momlp-theta-") as tmp:
+            data = theta_file_bytes(flat, self.spec, Path(tmp_dir or tmp))
+        return condition_key(self.generator.sha256, tensor[0]), data
+
+
+class _HyperRun:
+    """One batch: one round of groups (one per distinct condition), then rows in order."""
+
+    def __init__(self, model: HyperModel, x: torch.Tensor, routing: HyperRouting) -> None:
+        self._model = model
+        self._x = x
+        self._routing = routing
+        self._planned = False
+        self._out: torch.Tensor | None = None
+
+    def plan(self) -> Plan | None:
+        if self._planned:
+            return None
+        self._planned = True
+        by_key: dict[str, list[int]] = {}
+        for row, key in enumerate(self._routing.keys):
+            by_key.setdefault(key, []).append(row)
+        m1 = self._model.spec.input_dim
+        groups: list[PlannedGroup] = []
+        # Key order, not arrival order: the same groups whatever order requests came in.
+        for key in sorted(by_key):
+            rows = torch.tensor(by_key[key], dtype=torch.int64)
+            first = int(rows[0])
+            ref = self._model.key_ref(
+                key, self._routing.conditions[first], int(self._routing.experts[first, 0])
+            )
+            groups.append(
+                PlannedGroup(
+                    key=ref,
+                    rows=rows,
+                    weights=torch.ones(rows.shape[0], dtype=torch.float64),
+                    inputs=self._x[rows, :m1].contiguous(),
+                )
+            )
+        return Plan(groups)
+
+    def combine(self, plan: Plan, results: Sequence[GroupResult]) -> None:
+        good = [(g, r) for g, r in zip(plan.groups, results, strict=True) if r.error is None]
+        out = torch.zeros((self._x.shape[0], self._model.spec.output_dim), dtype=torch.float32)
+        for group, result in good:
+            # Each row is in exactly one group and takes its output unchanged.
+            out[group.rows] = result.outputs.to(torch.float32)
+        self._out = out
+
+    @property
+    def outputs(self) -> torch.Tensor:
+        if self._out is None:
+            raise RuntimeError("outputs asked before the round was combined")
+        return self._out
