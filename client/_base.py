@@ -108,9 +108,13 @@ class BaseClient:
         return_stats: bool,
         binary: bool | None,
         gate: Mapping[str, Any] | None = None,
+        conditions: Mapping[str, Any] | None = None,
     ) -> RequestSpec:
         _check_options(top_k, mode)
         gate = _check_gate(gate)
+        conditions = _check_conditions(conditions)
+        if conditions:
+            binary = False  # conditions travel in the JSON body only
         encoded = encode_inputs(inputs, binary=binary, binary_min_values=self.binary_min_values)
         if encoded.npy is not None:
             params = {"top_k": str(top_k), "return_stats": "true" if return_stats else "false"}
@@ -128,6 +132,8 @@ class BaseClient:
         body["return_stats"] = return_stats
         if gate:
             body["gate"] = gate
+        if conditions:
+            body.update(conditions)
         return RequestSpec("POST", "/v1/predict", json=body)
 
     def _build_route(
@@ -318,6 +324,21 @@ def _check_gate(gate: Mapping[str, Any] | None) -> dict[str, Any] | None:
         raise InputError(f"unknown gate fields {unknown}; known: {list(_GATE_FIELDS)}",
                          gate=dict(gate))
     return {k: (list(v) if k == "beam" else v) for k, v in gate.items() if v is not None}
+
+
+_CONDITION_FIELDS = ("conditions", "condition", "condition_ids")
+
+
+def _check_conditions(conditions: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A hyper store's conditions: one of {"conditions": rows}, {"condition": values},
+    {"condition_ids": names}; numpy arrays become lists."""
+    if not conditions:
+        return None
+    unknown = sorted(set(conditions) - set(_CONDITION_FIELDS))
+    if unknown or len(conditions) != 1:
+        raise InputError(f"give one of {list(_CONDITION_FIELDS)}, got {sorted(conditions)}",
+                         conditions=sorted(conditions))
+    return {k: (v.tolist() if hasattr(v, "tolist") else list(v)) for k, v in conditions.items()}
 
 
 def _gate_query(gate: Mapping[str, Any] | None) -> dict[str, str]:

@@ -50,6 +50,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
     parser.add_argument(
+        "--conditions", type=int, metavar="N", default=None,
+        help="kind hyper: draw each row's condition from N random conditions",
+    )
+    parser.add_argument(
+        "--condition-distribution", default="uniform", metavar="LAW",
+        help="kind hyper: law over the N conditions, uniform or zipf:S (default uniform)",
+    )
+    parser.add_argument(
         "--gate",
         metavar="JSON",
         action="append",
@@ -118,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
             plots=not args.no_plots,
             gate=gates[0],
             eval_data=args.eval,
+            conditions=args.conditions,
+            condition_distribution=args.condition_distribution,
         )
         configs = [config] if len(gates) == 1 else [
             dataclasses.replace(

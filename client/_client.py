@@ -70,11 +70,12 @@ class Client(BaseClient):
         return_stats: bool = False,
         binary: bool | None = None,
         gate: Mapping[str, Any] | None = None,
+        conditions: Mapping[str, Any] | None = None,
     ) -> Prediction:
         """Outputs for a 2-D batch `inputs` [rows, input_dim] (lists, tuples, numpy arrays...)."""
         spec = self._build_predict(
             inputs, top_k=top_k, mode=mode, return_stats=return_stats, binary=binary,
-            gate=gate,
+            gate=gate, conditions=conditions,
         )
         return self._decode_prediction(self._request(spec))
 

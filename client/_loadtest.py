@@ -22,6 +22,7 @@ import httpx
 
 from ._async_client import AsyncClient
 from ._base import _check_gate
+from ._conditions import ConditionWorkload
 from ._eval import EvalSet, load_eval_set
 from ._exceptions import (
     ConnectError,
@@ -96,9 +97,16 @@ class LoadTestConfig:
     gate: dict[str, Any] | None = None
     # An .npz with `x` and `y`: send these rows and report accuracy (replaces the workload).
     eval_data: Path | None = None
+    # Kind hyper: each row's condition drawn from `conditions` random ones under
+    # `condition_distribution` (uniform or zipf:S); replaces the expert workload.
+    conditions: int | None = None
+    condition_distribution: str = "uniform"
 
     def __post_init__(self) -> None:
         Distribution.parse(self.distribution)
+        Distribution.parse(self.condition_distribution)
+        if self.conditions is not None and self.conditions < 1:
+            raise ValueError("conditions must be >= 1")
         if self.requests is None and self.duration_s is None:
             raise ValueError("give requests or duration_s")
         if self.requests is not None and self.requests < 1:
@@ -165,9 +173,14 @@ async def arun_loadtest(
     factory = client_factory or default_client_factory
     async with factory(config) as client:
         model = await client.model(include_prototypes=config.eval_data is None)
-        workload: Workload | None = None
+        workload: Workload | ConditionWorkload | None = None
         evaluation: EvalSet | None = None
-        if config.eval_data is not None:
+        if config.conditions is not None:
+            workload = ConditionWorkload(
+                model, conditions=config.conditions,
+                distribution=Distribution.parse(config.condition_distribution), seed=config.seed,
+            )
+        elif config.eval_data is not None:
             evaluation = load_eval_set(
                 config.eval_data, task=model.task, input_dim=model.input_dim,
                 output_dim=model.output_dim,
@@ -186,7 +199,9 @@ async def arun_loadtest(
         await runner.run()
     duration = max((record.end_s for record in runner.records), default=0.0)
     records = sorted(runner.records, key=lambda record: record.index)
-    if workload is not None:
+    if isinstance(workload, ConditionWorkload):
+        workload_info = workload.describe()
+    elif workload is not None:
         workload_info = workload.describe()
         workload_info["expected_frequencies"] = {
             str(expert): share
@@ -252,7 +267,7 @@ class _Runner:
         self,
         config: LoadTestConfig,
         client: AsyncClient,
-        workload: Workload | None,
+        workload: Workload | ConditionWorkload | None,
         clock: Clock,
         sleep: Sleep,
         progress: TextIO | None,
@@ -290,8 +305,8 @@ class _Runner:
         while self._more(self._next_index, self._elapsed()):
             index = self._next_index
             self._next_index += 1
-            rows, positions = self._rows(index)
-            await self._one(index, rows, self._elapsed(), positions)
+            rows, positions, extra = self._rows(index)
+            await self._one(index, rows, self._elapsed(), positions, extra)
 
     async def _open_loop(self, rate: float) -> None:
         arrivals = random.Random(self.config.seed + 2)
@@ -301,32 +316,43 @@ class _Runner:
             wait = scheduled - self._elapsed()
             if wait > 0:
                 await self.sleep(wait)
-            rows, positions = self._rows(index)
+            rows, positions, extra = self._rows(index)
             # Latency counts from the scheduled arrival, so a slow server cannot hide queueing
             # by delaying the sends (no coordinated omission).
-            task = asyncio.create_task(self._one(index, rows, scheduled, positions))
+            task = asyncio.create_task(self._one(index, rows, scheduled, positions, extra))
             pending.add(task)
             task.add_done_callback(pending.discard)
             index += 1
             scheduled += arrivals.expovariate(rate)
         await asyncio.gather(*pending)
 
-    def _rows(self, index: int) -> tuple[list[list[float]], list[int] | None]:
-        """Request `index`'s rows, and which --eval rows they are (None without --eval)."""
+    def _rows(
+        self, index: int
+    ) -> tuple[list[list[float]], list[int] | None, dict[str, Any] | None]:
+        """Request `index`'s rows, which --eval rows they are (None without --eval) and its
+        conditions (kind hyper; None otherwise)."""
         if self.evaluation is not None:
             positions = self.evaluation.positions(index, self.config.batch)
-            return self.evaluation.rows(positions), positions
+            return self.evaluation.rows(positions), positions, None
         assert self.workload is not None
-        return self.workload.next_request(self.config.batch), None
+        if isinstance(self.workload, ConditionWorkload):
+            rows, conditions = self.workload.next_request(self.config.batch)
+            return rows, None, conditions
+        return self.workload.next_request(self.config.batch), None, None
 
     async def _one(
-        self, index: int, rows: list[list[float]], start_s: float, positions: list[int] | None
+        self,
+        index: int,
+        rows: list[list[float]],
+        start_s: float,
+        positions: list[int] | None,
+        conditions: dict[str, Any] | None = None,
     ) -> None:
         config = self.config
         try:
             prediction = await self.client.predict(
                 rows, top_k=config.top_k, mode=config.mode, return_stats=True,
-                binary=config.binary, gate=config.gate,
+                binary=config.binary, gate=config.gate, conditions=conditions,
             )
         except MomlpError as exc:
             record = RequestRecord(index, start_s, self._elapsed(), len(rows), _status(exc))

@@ -35,6 +35,8 @@ class ExpertStat(_Model):
     expert_bytes: int
     activation_bytes: int
     vram_bytes: int
+    key: str | None = None  # kind hyper: the condition's cache key
+    generator_bytes: int = 0  # kind hyper: the pinned hypernetwork's bytes
 
 
 class PredictStats(_Model):
@@ -105,6 +107,8 @@ class ModelInfo(_Model):
     max_expert_bytes: int
     total_params: int
     prototypes: list[list[float]] | None = None
+    kind: str = "momlp"
+    hyper: dict[str, Any] | None = None  # kind hyper: condition_dim, theta_bytes, ...
 
 
 class ExpertInfo(_Model):

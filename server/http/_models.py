@@ -155,6 +155,10 @@ class ModelResponse(BaseModel):
     max_expert_bytes: int
     total_params: int
     prototypes: list[list[float]] | None = None
+    hyper: dict[str, Any] | None = Field(
+        default=None, description="kind hyper: condition_dim, theta_bytes (|θ| as a cached "
+        "expert), generator_bytes (|f|), condition_source, condition_ids (named conditions)"
+    )
 
 
 class ExpertInfoModel(BaseModel):

@@ -57,6 +57,7 @@ class _Limits:
     max_beam: int
     beam_levels: int
     temperature: tuple[float, float]  # [τ / ratio, τ · ratio] around the store's τ
+    takes_conditions: bool = False  # kind hyper: conditions, condition, condition_ids
 
 
 def _integer_options(node: dict[str, Any]) -> list[dict[str, Any]]:
@@ -77,6 +78,9 @@ def _tighten_gate(gate: dict[str, Any], limits: _Limits) -> None:
 
 def _tighten_body(schema: dict[str, Any], limits: _Limits) -> None:
     props = schema.get("properties", {})
+    if not limits.takes_conditions:
+        for name in ("conditions", "condition", "condition_ids"):
+            props.pop(name, None)
     inputs = props.get("inputs")
     if inputs is not None:
         inputs["maxItems"] = limits.max_rows
@@ -153,6 +157,7 @@ def install_openapi(app: FastAPI, serving: ServingState, model_name: str) -> Non
                 max_beam=settings.max_beam,
                 beam_levels=max(1, int(getattr(router, "depth", 1))),
                 temperature=(tau / ratio, tau * ratio),
+                takes_conditions=hasattr(version.model, "with_conditions"),
             )
             _tighten(schema, limits)
             _name_the_model(schema, model_name, version.version)

@@ -153,6 +153,21 @@ async def _inputs(
     return _Inputs(x, options, parsed.return_stats)
 
 
+def _hyper_summary(version: StoreVersion) -> dict[str, Any] | None:
+    spec = version.manifest.hyper
+    if spec is None:
+        return None
+    ids = getattr(version.model, "condition_ids", [])
+    return {
+        "condition_dim": spec.condition_dim,
+        "theta_bytes": spec.theta_nbytes,
+        "generator_bytes": 4 * spec.hypernetwork.params,
+        "primary_widths": spec.primary.widths,
+        "condition_source": spec.condition_source,
+        "condition_ids": list(ids)[:1000],
+    }
+
+
 def _ragged(rows: list[list[Any]], kept: list[int]) -> list[list[Any]]:
     return [row[:n] for row, n in zip(rows, kept, strict=True)]
 
@@ -265,6 +280,7 @@ def add_routes(app: FastAPI) -> None:
                 max_expert_bytes=max((e.bytes for e in m.experts), default=0),
                 total_params=sum(e.params for e in m.experts),
                 prototypes=prototypes,
+                hyper=_hyper_summary(version),
             )
         )
 

@@ -242,6 +242,11 @@ class HyperModel:
         values: np.ndarray = self._table[index].numpy()
         return values
 
+    @property
+    def condition_ids(self) -> list[str]:
+        """The names of the store's table, in table order."""
+        return list(self._ids)
+
     def condition_of(self, name: str) -> np.ndarray:
         """A named condition's values (422 `condition_id` when the table lacks it)."""
         if name not in self._ids or self._table is None:

@@ -1,0 +1,116 @@
+"""Kind "hyper" on the real path: uvicorn on loopback, two Ray actors, httpx."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from live_support import wait_until
+
+from experts_store import load_expert
+from trainer.hyper import (
+    HyperNetwork,
+    PrimarySpec,
+    generate,
+    primary_forward,
+    publish_hypernetwork,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.ray]
+
+M1, M2, OUT = 6, 5, 3
+
+
+@dataclass
+class HyperServer:
+    url: str
+    store: Path
+    f: HyperNetwork
+
+
+@pytest.fixture(scope="module")
+def hyper_server(
+    ray_session: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[HyperServer]:
+    import uvicorn
+
+    from server import Settings, create_app
+
+    torch.manual_seed(3)
+    f = HyperNetwork(M2, PrimarySpec(M1, (10,), OUT), depth=2, width=32)
+    store = tmp_path_factory.mktemp("hyper") / "store"
+    publish_hypernetwork(store, f)
+    settings = Settings(store=store, port=0, actors=2, cache_bytes=1 << 20, watch_store=False,
+                        max_rows=1000, max_conditions=1000)
+    app = create_app(settings)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, lifespan="on")
+    )
+    thread = threading.Thread(target=server.run, name="momlp-uvicorn-hyper", daemon=True)
+    thread.start()
+    wait_until(lambda: server.started or not thread.is_alive(), 120.0, "server start")
+    if not server.started:
+        raise RuntimeError("the server failed to start (see the log)")
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield HyperServer(f"http://127.0.0.1:{port}", store, f)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+
+
+def offline(f: HyperNetwork, x: np.ndarray, conditions: np.ndarray) -> np.ndarray:
+    thetas = [generate(f, torch.from_numpy(c)) for c in conditions]
+    return np.stack([primary_forward(torch.from_numpy(x[i : i + 1]), t, f.primary)[0].numpy()
+                     for i, t in enumerate(thetas)])
+
+
+def test_served_outputs_equal_g_of_f_on_a_thousand_random_pairs(
+    hyper_server: HyperServer,
+) -> None:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(1000, M1)).astype(np.float32)
+    conditions = rng.normal(size=(1000, M2)).astype(np.float32)
+    with httpx.Client(timeout=120) as http:
+        r = http.post(f"{hyper_server.url}/v1/predict",
+                      json={"inputs": x.tolist(), "conditions": conditions.tolist(),
+                            "return_stats": True})
+    assert r.status_code == 200, r.text
+    served = np.asarray(r.json()["outputs"], dtype=np.float32)
+    expected = offline(hyper_server.f, x, conditions)
+    assert np.abs(served - expected).max() <= 1e-6 * np.abs(expected).max()
+    stats = r.json()["stats"]
+    assert len(stats["experts"]) == 1000 and {s["actor"] for s in stats["experts"]} == {
+        "actor-0", "actor-1"}
+
+
+def test_ten_conditions_miss_ten_times_then_hit_and_generate_matches(
+    hyper_server: HyperServer, tmp_path: Path
+) -> None:
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(1000, M1)).astype(np.float32)
+    table = rng.normal(size=(10, M2)).astype(np.float32)
+    conditions = table[rng.integers(0, 10, size=1000)]
+    body = {"inputs": x.tolist(), "conditions": conditions.tolist(), "return_stats": True}
+    with httpx.Client(timeout=120) as http:
+        first = http.post(f"{hyper_server.url}/v1/predict", json=body).json()
+        again = http.post(f"{hyper_server.url}/v1/predict", json=body).json()
+        generated = http.post(f"{hyper_server.url}/v1/generate",
+                              json={"condition": table[0].tolist()})
+        metrics = http.get(f"{hyper_server.url}/metrics").text
+    assert sorted(s["cache"] for s in first["stats"]["experts"]) == ["miss"] * 10
+    assert [s["cache"] for s in again["stats"]["experts"]] == ["hit"] * 10
+    assert again["outputs"] == first["outputs"]
+    assert "momlp_generations_total" in metrics
+    path = tmp_path / "theta.safetensors"
+    path.write_bytes(generated.content)
+    rows = np.flatnonzero((conditions == table[0]).all(axis=1))
+    with torch.no_grad():
+        plain = load_expert(path)(torch.from_numpy(x[rows])).numpy()
+    assert np.array_equal(plain, np.asarray(first["outputs"], dtype=np.float32)[rows])

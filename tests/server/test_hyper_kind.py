@@ -1,0 +1,248 @@
+"""Kind "hyper" served in-process (fake pool, real ActorCore caches): keys, hits and misses,
+batch invariance, the pinned hypernetwork, caps and /v1/generate."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from app_support import app_settings, fake_app, running
+
+from experts_store import (
+    ExpertTooLarge,
+    GeneratedRef,
+    Store,
+    condition_key,
+    load_expert,
+)
+from server import create_app
+from server.kinds import HyperModel
+from server.pool import ActorCore, FakeExpertPool
+from trainer.hyper import (
+    HyperNetwork,
+    PrimarySpec,
+    generate,
+    primary_forward,
+    publish_hypernetwork,
+)
+
+pytestmark = pytest.mark.unit
+
+M1, M2, OUT = 4, 5, 2
+
+
+@pytest.fixture(scope="module")
+def hyper() -> tuple[Path, HyperNetwork]:
+    """A random (untrained) f: 5 → 32 → 32 → |θ| for g: 4 → 8 → 2, and 3 named conditions."""
+    torch.manual_seed(0)
+    f = HyperNetwork(M2, PrimarySpec(M1, (8,), OUT), depth=1, width=32)
+    root = Path(tempfile.mkdtemp(prefix="momlp-hyper-")) / "store"
+    table = torch.randn(3, M2, generator=torch.Generator().manual_seed(1))
+    publish_hypernetwork(root, f, conditions=table, condition_ids=["a", "b", "c"])
+    return root, f
+
+
+def offline(f: HyperNetwork, x: np.ndarray, conditions: np.ndarray) -> np.ndarray:
+    """g(x; f(I)) row by row with the trainer's own modules (independent of the server)."""
+    return np.stack([
+        primary_forward(torch.from_numpy(x[i : i + 1]), generate(f, torch.from_numpy(c)),
+                        f.primary)[0].numpy()
+        for i, c in enumerate(conditions)
+    ])
+
+
+def data(rows: int, distinct: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(rows, M1)).astype(np.float32)
+    table = rng.normal(size=(distinct, M2)).astype(np.float32)
+    return x, table[rng.integers(0, distinct, size=rows)]
+
+
+async def predict(client: Any, x: np.ndarray, **body: Any) -> dict[str, Any]:
+    r = await client.post("/v1/predict", json={"inputs": x.tolist(), **body})
+    assert r.status_code == 200, r.text
+    answer: dict[str, Any] = r.json()
+    return answer
+
+
+def test_outputs_equal_g_of_f_and_ten_conditions_miss_exactly_ten_times(
+    hyper: tuple[Path, HyperNetwork],
+) -> None:
+    root, f = hyper
+    x, conditions = data(1000, 10, seed=2)
+
+    async def go() -> tuple[dict[str, Any], dict[str, Any], str]:
+        async with running(fake_app(root, max_rows=2000)) as client:
+            first = await predict(client, x, conditions=conditions.tolist(), return_stats=True)
+            again = await predict(client, x, conditions=conditions.tolist(), return_stats=True)
+            return first, again, (await client.get("/metrics")).text
+
+    first, again, metrics = asyncio.run(go())
+    expected = offline(f, x, conditions)
+    served = np.asarray(first["outputs"], dtype=np.float32)
+    assert np.abs(served - expected).max() <= 1e-6 * np.abs(expected).max()
+    stats = first["stats"]["experts"]
+    keys = {condition_key(Store.open(root).manifest.hyper.hypernetwork.sha256, c)  # type: ignore[union-attr]
+            for c in conditions}
+    assert {s["key"] for s in stats} == keys and len(keys) == 10
+    assert [s["cache"] for s in stats] == ["miss"] * 10
+    assert sum(s["rows"] for s in stats) == 1000
+    assert all(s["generator_bytes"] > 0 and s["expert_bytes"] > 0 for s in stats)
+    assert [s["cache"] for s in again["stats"]["experts"]] == ["hit"] * 10
+    assert again["outputs"] == first["outputs"]
+    assert 'momlp_generations_total{where="actor"} 10.0' in metrics
+
+
+def test_a_rows_output_does_not_depend_on_the_other_conditions_in_its_batch(
+    hyper: tuple[Path, HyperNetwork],
+) -> None:
+    root, _ = hyper
+    x, conditions = data(64, 6, seed=3)
+    rng = np.random.default_rng(4)
+
+    async def go() -> tuple[list[np.ndarray], list[tuple[np.ndarray, np.ndarray]]]:
+        async with running(fake_app(root)) as client:
+            alone = [
+                np.asarray((await predict(client, x[i : i + 1],
+                                          conditions=conditions[i : i + 1].tolist()))["outputs"],
+                           dtype=np.float32)
+                for i in range(len(x))
+            ]
+            mixed = []
+            for _ in range(6):
+                pick = rng.choice(len(x), size=int(rng.integers(2, 40)), replace=False)
+                other_x, other_c = data(len(pick), 9, seed=int(rng.integers(1 << 30)))
+                batch_x = np.concatenate([x[pick], other_x])
+                batch_c = np.concatenate([conditions[pick], other_c])
+                out = await predict(client, batch_x, conditions=batch_c.tolist())
+                mixed.append((pick, np.asarray(out["outputs"], dtype=np.float32)[: len(pick)]))
+            return alone, mixed
+
+    alone, mixed = asyncio.run(go())
+    for pick, outputs in mixed:
+        for j, i in enumerate(pick):
+            assert np.array_equal(outputs[j], alone[i][0]), f"row {i} changed with its batch"
+
+
+def test_generate_returns_a_plain_expert_file_with_identical_outputs(
+    hyper: tuple[Path, HyperNetwork], tmp_path: Path
+) -> None:
+    root, f = hyper
+    x, _ = data(50, 1, seed=5)
+    condition = np.random.default_rng(6).normal(size=M2).astype(np.float32)
+
+    async def go() -> tuple[bytes, str, dict[str, Any], dict[str, Any]]:
+        async with running(fake_app(root)) as client:
+            r = await client.post("/v1/generate", json={"condition": condition.tolist()})
+            assert r.status_code == 200, r.text
+            served = await predict(client, x, condition=condition.tolist())
+            named = await client.post("/v1/generate", json={"condition_id": "b"})
+            by_id = await predict(client, x, condition_ids=["b"], return_stats=True)
+            assert named.status_code == 200
+            return r.content, r.headers["x-momlp-key"], served, by_id
+
+    content, key, served, by_id = asyncio.run(go())
+    path = tmp_path / "theta.safetensors"
+    path.write_bytes(content)
+    expert = load_expert(path)  # the store's own loader: header, arch, dtypes all checked
+    assert expert.arch.widths == (M1, 8, OUT) and expert.arch.prelu_init == 0.0
+    with torch.no_grad():
+        plain = expert(torch.from_numpy(x)).numpy()
+    assert np.array_equal(plain, np.asarray(served["outputs"], dtype=np.float32))
+    sha = Store.open(root).manifest.hyper.hypernetwork.sha256  # type: ignore[union-attr]
+    assert key == condition_key(sha, condition)
+    assert by_id["experts"] == [[1]] * len(x)  # the table's index of "b"
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "status"),
+    [
+        ({}, "conditions", 422),
+        ({"condition": [1.0, 2.0]}, "condition", 422),
+        ({"conditions": [[0.0] * M2]}, "conditions", 422),  # 1 condition for 3 rows
+        ({"conditions": [[1e39] + [0.0] * (M2 - 1)] * 3}, "conditions", 422),  # inf in float32
+        ({"condition_ids": ["nope"]}, "condition_ids", 422),
+        ({"condition": [0.0] * M2, "condition_ids": ["a"]}, None, 422),
+        ({"conditions": [[float(i)] * M2 for i in range(3)]}, "conditions", 422),  # cap 2
+        ({"condition": [0.0] * M2, "top_k": 2}, "top_k", 422),
+    ],
+)
+def test_bad_conditions_are_refused_naming_the_field(
+    hyper: tuple[Path, HyperNetwork], body: dict[str, Any], field: str | None, status: int
+) -> None:
+    root, _ = hyper
+    x = np.zeros((3, M1), dtype=np.float32)
+
+    async def go() -> Any:
+        async with running(fake_app(root, max_conditions=2)) as client:
+            return await client.post("/v1/predict", json={"inputs": x.tolist(), **body})
+
+    r = asyncio.run(go())
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["code"] == "invalid_input"
+    if field is not None:
+        detail = error["detail"]
+        assert detail.get("field") == field, error
+    if body.get("conditions") and len(body["conditions"]) == 3 and body["conditions"][0][0] == 0:
+        assert error["detail"]["cap"] == "max_conditions"
+
+
+def test_a_momlp_store_refuses_conditions_and_generate(make_store: Any) -> None:
+    root = make_store(K=4, n=4)
+
+    async def go() -> tuple[Any, Any]:
+        async with running(fake_app(root)) as client:
+            r = await client.post("/v1/predict", json={"inputs": [[0.0] * 4],
+                                                       "condition": [1.0]})
+            g = await client.post("/v1/generate", json={"condition": [1.0]})
+            return r, g
+
+    r, g = asyncio.run(go())
+    assert r.status_code == 422 and r.json()["error"]["detail"]["field"] == "condition"
+    assert g.status_code == 404 and g.json()["error"]["code"] == "not_found"
+
+
+def test_startup_fails_when_f_and_one_theta_exceed_the_budget(
+    hyper: tuple[Path, HyperNetwork],
+) -> None:
+    root, _ = hyper
+    model = HyperModel.open(Store.open(root))
+    budget = model.generator.nbytes + model.spec.theta_nbytes - 1
+    app = create_app(app_settings(root, cache_bytes=budget),
+                     pool_factory=lambda s: FakeExpertPool(s))
+
+    async def go() -> None:
+        async with app.router.lifespan_context(app):
+            pass
+
+    with pytest.raises(ExpertTooLarge):
+        asyncio.run(go())
+
+
+def test_the_actor_pins_f_and_caches_theta_within_its_budget(
+    hyper: tuple[Path, HyperNetwork],
+) -> None:
+    root, f = hyper
+    model = HyperModel.open(Store.open(root))
+    theta = model.spec.theta_nbytes
+    budget = model.generator.nbytes + 3 * theta  # room for f and three θ
+    core = ActorCore(name="a", budget_bytes=budget, cache_policy="lru")
+    x, conditions = data(40, 40, seed=7)
+    conditions = np.unique(conditions, axis=0)
+    for i, c in enumerate(conditions):
+        key = condition_key(model.generator.sha256, c)
+        ref: GeneratedRef = model.key_ref(key, torch.from_numpy(c), -1)
+        reply = core.run([(ref, x[i : i + 1])])
+        outcome = reply.results[0]
+        assert outcome.error is None and not outcome.hit and outcome.key == key
+        assert np.abs(outcome.outputs - offline(f, x[i : i + 1], c[None])).max() < 1e-6
+        assert reply.device_bytes <= budget
+        assert model.generator.sha256 in reply.resident  # f never leaves
+    assert core.cache.resident_bytes == budget
+    assert core.cache.stats.evictions == len(conditions) - 3
