@@ -67,6 +67,7 @@ def create_app(
         pool_factory=pool_factory,
         batcher_factory=batcher_factory,
         on_batch=metrics.observe_batch,
+        on_generated=metrics.observe_generations,
     )
 
     @asynccontextmanager

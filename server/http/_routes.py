@@ -200,9 +200,6 @@ def add_routes(app: FastAPI) -> None:
             except TimeoutError:
                 raise RequestTimeout(timeout_s=settings.request_timeout_s) from None
         metrics.observe_prediction(x.shape[0], [(s.cache, s.load_ms) for s in answer.stats])
-        metrics.observe_generations(
-            sum(1 for s in answer.stats if s.key is not None and s.cache == "miss")
-        )
         stats = None
         if parsed.return_stats:
             stats = PredictStats.model_construct(

@@ -84,9 +84,15 @@ async def _default_pool(settings: Settings) -> ExpertPool:
 class ObservedPool:
     """The pool as one version's batcher sees it: each `run` is one batch, its rows counted."""
 
-    def __init__(self, pool: ExpertPool, on_batch: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        pool: ExpertPool,
+        on_batch: Callable[[int], None],
+        on_generated: Callable[[int], None] | None = None,
+    ) -> None:
         self._pool = pool
         self._on_batch = on_batch
+        self._on_generated = on_generated
 
     @property
     def budget_bytes(self) -> int:
@@ -94,7 +100,14 @@ class ObservedPool:
 
     async def run(self, groups: list[Group]) -> list[GroupResult]:
         self._on_batch(sum(int(group.rows.shape[0]) for group in groups))
-        return await self._pool.run(groups)
+        results = await self._pool.run(groups)
+        if self._on_generated is not None:
+            # Generated θ (kind hyper) that missed: each is one generation on an actor,
+            # however many requests of the batch shared it.
+            self._on_generated(
+                sum(1 for r in results if r.key is not None and not r.hit and r.error is None)
+            )
+        return results
 
     async def prefetch(self, experts: Sequence[ExpertRef]) -> None:
         await self._pool.prefetch(experts)
@@ -127,8 +140,10 @@ class ServingState:
         pool_factory: PoolFactory | None = None,
         batcher_factory: BatcherFactory | None = None,
         on_batch: Callable[[int], None] | None = None,
+        on_generated: Callable[[int], None] | None = None,
     ) -> None:
         self.settings = settings
+        self._on_generated = on_generated
         self.clock = clock
         self.pool_factory: PoolFactory = pool_factory or _default_pool
         self.batcher_factory: BatcherFactory = batcher_factory or default_batcher
@@ -190,7 +205,7 @@ class ServingState:
         store, model = await in_daemon_thread(_open_version_files, Path(self.settings.store))
         check_budget(model.experts, pool.budget_bytes)
         check_kind_budget(model, pool.budget_bytes)
-        observed = ObservedPool(pool, self._on_batch)
+        observed = ObservedPool(pool, self._on_batch, self._on_generated)
         batcher = self.batcher_factory(model, observed, self.settings, self.clock)
         return StoreVersion(store, model, batcher)
 

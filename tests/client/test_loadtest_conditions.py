@@ -1,0 +1,42 @@
+"""`momlp loadtest --conditions N --condition-distribution zipf:S` against a hyper store
+(in-process app, fake pool): every request carries conditions; hits and misses add up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from client import AsyncClient, LoadTestConfig, arun_loadtest
+
+pytestmark = pytest.mark.integration
+
+torch = pytest.importorskip("torch")
+
+
+async def test_conditions_workload_misses_once_per_condition_per_actor(tmp_path: Path) -> None:
+    from server import Settings, create_app
+    from server.pool import FakeExpertPool
+    from trainer.hyper import HyperNetwork, PrimarySpec, publish_hypernetwork
+
+    torch.manual_seed(0)
+    f = HyperNetwork(3, PrimarySpec(4, (8,), 2), depth=1, width=16)
+    publish_hypernetwork(tmp_path / "store", f)
+    settings = Settings(store=tmp_path / "store", watch_store=False, actors=2,
+                        cache_bytes=1 << 20, max_batch_wait_ms=0.0)
+    app = create_app(settings, pool_factory=FakeExpertPool)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        config = LoadTestConfig(url="http://momlp.test", requests=60, concurrency=1, batch=3,
+                                conditions=20, condition_distribution="zipf:1.0", plots=False)
+        report = await arun_loadtest(
+            config,
+            client_factory=lambda c: AsyncClient(c.url, transport=transport, max_retries=0),
+        )
+    assert report.ok == 60 and report.errors == 0
+    assert report.workload["conditions"] == 20
+    # The cache holds every θ and requests go one at a time: each condition misses once.
+    assert 1 <= report.misses <= 20
+    assert report.hits + report.misses >= 60
+    assert report.vram_bytes["max"] > 4 * sum(p.numel() for p in f.f.parameters())

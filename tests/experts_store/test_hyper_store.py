@@ -1,0 +1,118 @@
+"""Stores of kind "hyper": the manifest block, f and the conditions table on disk, θ as an
+expert, the generated-θ cache key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import trainer.hyper as hyper
+from experts_store import (
+    FrozenHyperNetwork,
+    Manifest,
+    Store,
+    StoreWriter,
+    condition_key,
+    load_conditions,
+    theta_expert,
+)
+from trainer.hyper import HyperNetwork, PrimarySpec
+
+pytestmark = pytest.mark.unit
+
+
+def _f(bias: bool = False, seed: int = 0) -> HyperNetwork:
+    torch.manual_seed(seed)
+    return HyperNetwork(3, PrimarySpec(4, (6, 5), 2, bias=bias), depth=1, width=16)
+
+
+def test_publish_writes_content_named_files_the_manifest_references(tmp_path: Path) -> None:
+    table = torch.randn(4, 3)
+    manifest = hyper.publish_hypernetwork(tmp_path / "s", _f(), conditions=table,
+                                    condition_ids=["w", "x", "y", "z"])
+    spec = manifest.hyper
+    assert manifest.kind == "hyper" and spec is not None and manifest.router_file is None
+    assert manifest.num_experts == 0 and manifest.max_expert_bytes == 0
+    assert spec.hypernetwork.file == f"hyper-{spec.hypernetwork.sha256[:16]}.safetensors"
+    assert spec.conditions is not None and spec.conditions.count == 4
+    assert manifest.referenced_files == {spec.hypernetwork.file, spec.conditions.file}
+    assert sorted(p.name for p in (tmp_path / "s").glob("*.safetensors")) == sorted(
+        manifest.referenced_files)
+    values, ids = load_conditions(tmp_path / "s" / spec.conditions.file, spec.conditions.sha256)
+    assert ids == ["w", "x", "y", "z"] and torch.equal(values, table)
+    assert Store.open(tmp_path / "s").verify() == []
+
+
+def test_a_republish_removes_the_files_two_versions_back(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    first = hyper.publish_hypernetwork(root, _f(seed=0))
+    hyper.publish_hypernetwork(root, _f(seed=1))
+    third = hyper.publish_hypernetwork(root, _f(seed=2))
+    names = {p.name for p in root.glob("hyper-*.safetensors")}
+    assert first.hyper is not None and third.hyper is not None
+    assert first.hyper.hypernetwork.file not in names
+    assert third.hyper.hypernetwork.file in names and len(names) == 2
+
+
+def test_verify_names_a_corrupted_hypernetwork(tmp_path: Path) -> None:
+    manifest = hyper.publish_hypernetwork(tmp_path / "s", _f())
+    assert manifest.hyper is not None
+    path = tmp_path / "s" / manifest.hyper.hypernetwork.file
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    problems = Store.open(tmp_path / "s").verify()
+    assert len(problems) == 1 and "hypernetwork" in problems[0].message
+    assert "checksum" in problems[0].message
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_theta_as_an_expert_equals_the_primary(tmp_path: Path, bias: bool) -> None:
+    f = _f(bias=bias)
+    manifest = hyper.publish_hypernetwork(tmp_path / "s", f)
+    spec = manifest.hyper
+    assert spec is not None
+    net = FrozenHyperNetwork.load(tmp_path / "s" / spec.hypernetwork.file,
+                                  expected_sha256=spec.hypernetwork.sha256)
+    condition = torch.randn(3)
+    expert = net.expert(condition, spec)
+    x = torch.randn(50, 4)
+    expected = hyper.primary_forward(x, hyper.generate(f, condition), f.primary)
+    assert torch.allclose(expert(x), expected, rtol=0, atol=1e-6)
+    flat = f.flat_theta(condition[None])[0].detach()
+    assert torch.equal(net.flat(condition[None])[0], flat)  # same ops, same bits
+    assert expert.nbytes() == spec.theta_nbytes == theta_expert(flat, spec).nbytes()
+
+
+def test_the_cache_key_is_the_condition_bytes_under_f() -> None:
+    c = np.array([0.0, 1.5, -2.0], dtype=np.float32)
+    key = condition_key("a" * 64, c)
+    assert key == condition_key("a" * 64, torch.from_numpy(c))
+    assert key == condition_key("a" * 64, np.array([-0.0, 1.5, -2.0], dtype=np.float32))
+    assert key != condition_key("b" * 64, c)
+    assert key != condition_key("a" * 64, np.nextafter(c, np.float32(9)))
+
+
+def test_the_block_must_match_the_kind_and_the_primary(tmp_path: Path) -> None:
+    manifest = hyper.publish_hypernetwork(tmp_path / "s", _f())
+    data = json.loads(manifest.model_dump_json())
+    with pytest.raises(ValueError, match="hyper block"):
+        Manifest.model_validate({**data, "kind": "momlp", "router_file": None})
+    bad = json.loads(json.dumps(data))
+    bad["hyper"]["layout"][1]["offset"] += 1
+    with pytest.raises(ValueError, match="layout"):
+        Manifest.model_validate(bad)
+    bad = json.loads(json.dumps(data))
+    bad["hyper"]["hypernetwork"]["file"] = "../hyper-0000000000000000.safetensors"
+    with pytest.raises(ValueError, match="hypernetwork file"):
+        Manifest.model_validate(bad)
+
+
+def test_a_momlp_store_still_needs_its_router(tmp_path: Path) -> None:
+    with StoreWriter(tmp_path / "s") as writer, pytest.raises(Exception, match="router"):
+        writer.publish(task="regression", input_dim=2, output_dim=1, routing="tree",
+                       branching=2)
