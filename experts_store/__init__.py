@@ -62,12 +62,14 @@ if TYPE_CHECKING:
     )
     from experts_store._load import load_expert, load_frozen_expert
     from experts_store._manifest import MANIFEST_FORMAT_VERSION, ExpertEntry, GateSpec, Manifest
+    from experts_store._materialize import materialize_store
     from experts_store._model import ExpertMLP
     from experts_store._ref import ExpertRef, ExpertRefLoader
     from experts_store._store import Store, StoreExpertLoader, StoreProblem
     from experts_store._writer import StoreWriter
 
 __all__ = [
+    "materialize_store",
     "ConditionTable",
     "HyperFile",
     "HyperSpec",
@@ -168,6 +170,7 @@ _HOMES = {
     "StoreExpertLoader": "experts_store._store",
     "StoreProblem": "experts_store._store",
     "StoreWriter": "experts_store._writer",
+    "materialize_store": "experts_store._materialize",
     "ConditionTable": "experts_store._hyper",
     "HyperFile": "experts_store._hyper",
     "HyperSpec": "experts_store._hyper",

@@ -38,6 +38,15 @@ def register(subparsers: Any) -> None:
         "--top-k", default="2,3", metavar="K,K", help="top-k mixtures to fit for (default 2,3)"
     )
     calibrate.set_defaults(handler=_calibrate)
+    materialize = commands.add_parser(
+        "materialize",
+        help="write a prototype-conditioned hyper store out as an ordinary K-expert store",
+        description="Expert k = g(·; f(p_k)) as a store expert file, the same router, exact "
+        "routing: a plain momlp server serves it with the same outputs.",
+    )
+    materialize.add_argument("dir", metavar="STORE", help="hyper store directory")
+    materialize.add_argument("--out", required=True, metavar="DIR", help="new store directory")
+    materialize.set_defaults(handler=_materialize)
 
 
 def _human_bytes(n: int) -> str:
@@ -154,6 +163,19 @@ def _verify(args: argparse.Namespace) -> int:
         print(f"FAIL {who}: {problem.message}")
     print(f"failing experts: {' '.join(str(i) for i in failing) or 'none'}")
     return 1
+
+
+def _materialize(args: argparse.Namespace) -> int:
+    from experts_store import StoreError, materialize_store
+
+    try:
+        manifest = materialize_store(args.dir, args.out)
+    except StoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"materialized {manifest.num_experts} experts ({manifest.total_expert_bytes} bytes) "
+          f"into {args.out}, version {manifest.store_version}")
+    return 0
 
 
 def _calibrate(args: argparse.Namespace) -> int:

@@ -75,6 +75,9 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--baseline", dest="hyper_baseline", choices=("embedding",), default=None,
                    help="kind hyper: also train the embedding model q(x, e(I)) and report it")
+    p.add_argument("--condition-source", choices=("request", "prototype"), default="request",
+                   help="kind hyper: request (requests name conditions) or prototype (expert "
+                   "k = g(.; f(p_k)) for --experts K prototypes; a regression --dataset/--data)")
     p.add_argument("--named-conditions", type=int, default=None, metavar="N",
                    help="kind hyper: store the first N distinct test conditions as test-0..")
     p.set_defaults(handler=_handle_build)

@@ -117,8 +117,12 @@ class HyperModel:
         generator: GeneratorRef,
         table: torch.Tensor | None = None,
         ids: Sequence[str] = (),
+        router: Any = None,
     ) -> None:
+        """`router` (a PrototypeTree over the table's rows): prototype-conditioned, each row
+        served by g(·; f(p_k)) of its nearest prototype; None: requests name conditions."""
         self.spec = spec
+        self.router = router
         self.generator = generator
         self.experts: list[Any] = []  # no expert files: θ is generated
         self._spec_json = spec.model_dump_json()
@@ -128,6 +132,7 @@ class HyperModel:
         if table is not None:
             for i, row in enumerate(table):
                 self._table_keys.setdefault(condition_key(generator.sha256, row), i)
+        self._prototype_keys: list[str] | None = None
         self._local: FrozenHyperNetwork | None = None
         self._local_lock = threading.Lock()
 
@@ -151,15 +156,25 @@ class HyperModel:
             table, ids = load_conditions(
                 store.root / spec.conditions.file, spec.conditions.sha256
             )
-        return cls(spec, generator, table, ids)
+        router = None
+        if spec.condition_source == "prototype":
+            from router import PrototypeTree
+
+            router = PrototypeTree.load(store.router_path)
+            if table is None or router.num_prototypes != table.shape[0]:
+                raise InvalidRequest("the router and the prototypes table differ", field="store")
+        return cls(spec, generator, table, ids, router)
 
     @property
     def input_dim(self) -> int:
-        """The width of the rows the batcher moves: x then the condition."""
+        """The width of the rows the batcher moves: x then the condition (x alone when the
+        store routes to its prototypes)."""
+        if self.router is not None:
+            return self.spec.input_dim
         return self.spec.input_dim + self.spec.condition_dim
 
     def prototypes(self) -> torch.Tensor | None:
-        return None
+        return self._table if self.router is not None else None
 
     def check_budget(self, budget_bytes: int) -> None:
         """An actor must hold f (pinned) and at least one θ beside it."""
@@ -186,6 +201,13 @@ class HyperModel:
     ) -> np.ndarray:
         """[x, I] rows from x [B, m1] and the request's conditions (422 naming the field)."""
         field = request.given if request is not None else None
+        if self.router is not None:
+            if field is not None:
+                raise InvalidRequest(
+                    f"this store routes each row to its nearest prototype; it takes no {field}",
+                    field=field,
+                )
+            return x
         if request is None or field is None:
             raise InvalidRequest(
                 "a hyper store needs conditions (one per row), condition (one for all rows) "
@@ -259,6 +281,8 @@ class HyperModel:
         return row
 
     def route(self, x: torch.Tensor, options: Hashable) -> HyperRouting:
+        if self.router is not None:
+            return self._route_to_prototypes(x)
         conditions = x[:, self.spec.input_dim :].contiguous()
         distinct, inverse = torch.unique(conditions, dim=0, return_inverse=True)
         keys = [condition_key(self.generator.sha256, row) for row in distinct]
@@ -267,6 +291,17 @@ class HyperModel:
             tuple(keys[i] for i in inverse.tolist()),
             torch.tensor(ids, dtype=torch.int64)[inverse].reshape(-1, 1),
             conditions,
+        )
+
+    def _route_to_prototypes(self, x: torch.Tensor) -> HyperRouting:
+        assert self._table is not None
+        # Exact: the nearest prototype, as the build assigned training rows.
+        experts = self.router.route(x, mode="exact").experts[:, :1]
+        if self._prototype_keys is None:
+            self._prototype_keys = [condition_key(self.generator.sha256, p) for p in self._table]
+        keys = self._prototype_keys
+        return HyperRouting(
+            tuple(keys[k] for k in experts[:, 0].tolist()), experts, self._table[experts[:, 0]]
         )
 
     def concat(self, parts: list[Any]) -> HyperRouting:

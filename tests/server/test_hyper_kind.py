@@ -246,3 +246,32 @@ def test_the_actor_pins_f_and_caches_theta_within_its_budget(
         assert model.generator.sha256 in reply.resident  # f never leaves
     assert core.cache.resident_bytes == budget
     assert core.cache.stats.evictions == len(conditions) - 3
+
+
+def test_prototype_store_serves_what_its_materialized_store_serves(tmp_path: Path) -> None:
+    from experts_store import materialize_store
+    from router import PrototypeTree
+
+    torch.manual_seed(8)
+    f = HyperNetwork(M1, PrimarySpec(M1, (8,), OUT), depth=1, width=32)
+    prototypes = torch.randn(12, M1, generator=torch.Generator().manual_seed(9))
+    tree = PrototypeTree.build(prototypes, branching=4, seed=0)
+    source = tmp_path / "hyper"
+    publish_hypernetwork(source, f, conditions=prototypes,
+                         condition_ids=[str(k) for k in range(12)], router=tree)
+    plain = materialize_store(source, tmp_path / "plain")
+    assert plain.kind == "momlp" and plain.num_experts == 12 and plain.routing == "exact"
+    x = np.random.default_rng(10).normal(size=(300, M1)).astype(np.float32)
+
+    async def serve(root: Path) -> dict[str, Any]:
+        async with running(fake_app(root)) as client:
+            return await predict(client, x, return_stats=True)
+
+    hyper_answer, plain_answer = asyncio.run(serve(source)), asyncio.run(serve(tmp_path / "plain"))
+    assert hyper_answer["outputs"] == plain_answer["outputs"]  # bit for bit
+    assert hyper_answer["experts"] == plain_answer["experts"]
+    nearest = torch.cdist(torch.from_numpy(x).double(), prototypes.double()).argmin(dim=1)
+    assert [e[0] for e in hyper_answer["experts"]] == nearest.tolist()
+    expected = offline(f, x, prototypes[nearest].numpy())
+    served = np.asarray(hyper_answer["outputs"], dtype=np.float32)
+    assert np.abs(served - expected).max() <= 1e-6 * np.abs(expected).max()

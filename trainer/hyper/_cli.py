@@ -26,6 +26,8 @@ def handle_hyper_build(args: argparse.Namespace) -> int:
     from ._exceptions import HyperError
     from ._publish import HyperBuildConfig, build_hyper_store
 
+    if args.condition_source == "prototype":
+        return _prototype_build(args)
     for name in _IGNORED:
         if getattr(args, name, None) is not None:
             print(f"momlp build: --{name.replace('_', '-')} does not apply to --kind hyper",
@@ -61,5 +63,37 @@ def handle_hyper_build(args: argparse.Namespace) -> int:
         else {k: report["baseline"][k] for k in keep},
         "named_conditions": hyper.conditions.count if hyper.conditions else 0,
         "total_s": round(report["timings"]["total_s"], 2),
+    }))
+    return 0
+
+
+def _prototype_build(args: argparse.Namespace) -> int:
+    from ._exceptions import HyperError
+    from ._prototype import PrototypeBuildConfig, build_prototype_store
+
+    options: dict[str, Any] = {
+        name: getattr(args, name)
+        for name in ("dataset", "data", "experts", "branching", "depth", "epochs", "lr",
+                     "batch_size", "seed", "grid_size")
+        if getattr(args, name, None) is not None
+    }
+    if args.quick:
+        options.setdefault("epochs", 2)
+    if args.width is not None:
+        options["hidden"] = (args.width,)
+    try:
+        manifest = build_prototype_store(
+            PrototypeBuildConfig(out=args.out, **options), progress=args.progress
+        )
+    except HyperError as exc:
+        print(f"momlp build: {exc}", file=sys.stderr)
+        return 2
+    hyper = manifest.hyper
+    assert hyper is not None and hyper.conditions is not None
+    print(json.dumps({
+        "store": str(args.out), "store_version": manifest.store_version, "kind": "hyper",
+        "condition_source": "prototype", "experts": hyper.conditions.count,
+        "theta_params": hyper.theta_size, "store_bytes": hyper.hypernetwork.bytes
+        + hyper.conditions.bytes,
     }))
     return 0

@@ -218,11 +218,18 @@ def publish_hypernetwork(
     conditions: torch.Tensor | None = None,
     condition_ids: Sequence[str] = (),
     report: dict[str, Any] | None = None,
+    router: Any = None,
 ) -> Manifest:
     """Publish `f` (trained or not) as a store of kind "hyper" at `out`, with an optional
-    table of named conditions [C, m2]; returns the manifest."""
+    table of named conditions [C, m2]; returns the manifest.
+
+    With `router` (a `PrototypeTree` over the table's rows) the store is prototype-conditioned:
+    a row is routed to its nearest prototype p_k (exact) and served by g(·; f(p_k)).
+    """
     primary = f.primary
     with StoreWriter(out) as writer:
+        if router is not None:
+            router.save(writer.router_path)
         staged = writer.staging / "hyper.safetensors"
         f_sha = save_hypernetwork(hypernetwork_layers(f), staged)
         f_file = writer.kind_file(hypernetwork_file_name(f_sha), staged)
@@ -248,10 +255,12 @@ def publish_hypernetwork(
             layout=[ThetaSlotSpec(name=s.name, shape=list(s.shape), offset=s.offset)
                     for s in f.layout.slots],
             conditions=table,
+            condition_source="prototype" if router is not None else "request",
         )
         if report is not None:
             writer.write_report(report)
         return writer.publish(
             task=task, input_dim=primary.input_dim, output_dim=primary.output_dim,
-            routing="tree", branching=2, kind="hyper", hyper=spec,
+            routing="exact" if router is not None else "tree",
+            branching=router.branching if router is not None else 2, kind="hyper", hyper=spec,
         )
