@@ -40,6 +40,7 @@ from ._primary import (
     primary_forward_stacked,
     stack_thetas,
 )
+from ._prototype import PrototypeBuildConfig, build_prototype_store
 from ._publish import (
     HyperBuildConfig,
     build_hyper_store,
@@ -60,6 +61,7 @@ __all__ = [
     "HyperError",
     "HyperNetwork",
     "PrimarySpec",
+    "PrototypeBuildConfig",
     "ThetaLayout",
     "ThetaLayoutError",
     "ThetaSlot",
@@ -67,6 +69,7 @@ __all__ = [
     "TrainSettings",
     "angle_to_class",
     "build_hyper_store",
+    "build_prototype_store",
     "hypernetwork_layers",
     "load_npz_triples",
     "count_parameters",
