@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -53,6 +53,8 @@ ERROR_INTERNAL = "internal"
 
 # Rows of a group are computed in whole blocks of this many (zero rows pad the last one).
 ROW_BLOCK = 16
+# Hypernetworks held pinned per actor: the served store version's and the one before it.
+MAX_PINNED = 2
 
 
 def resolve_device(device: str) -> str:
@@ -111,8 +113,11 @@ class _DeviceLoader:
     def _generate(self, ref: GeneratedRef) -> FrozenExpert:
         generator = self.generators.get(ref.generator.sha256)
         if generator is None:
-            # The actor pins f before it leases any of its keys; reaching here is a bug.
-            raise ExpertLoadError(expert_id=ref.expert_id, message="its hypernetwork is not pinned")
+            # The actor pins f before leasing its keys; only a pin released in between (a
+            # third f pinned concurrently) lands here: read f for this one generation.
+            generator = FrozenHyperNetwork.load(
+                ref.generator.path, self._device, expected_sha256=ref.generator.sha256
+            )
         expert = generator.expert(ref.condition_tensor(), ref.spec())
         if expert.nbytes() != ref.nbytes:
             raise ExpertLoadError(expert_id=ref.expert_id, message="θ size differs from its key's")
@@ -157,9 +162,10 @@ class ActorCore:
         self._cache: ExpertCache[Cached] = ExpertCache(
             budget_bytes, self._loader, clock=self._clock, policy=cache_policy
         )
-        # Hypernetworks this actor generates with: leased once and never released, so each
-        # is counted in the budget and never evicted. Key: f's sha256.
-        self._pinned: dict[str, AbstractContextManager[Any]] = {}
+        # Hypernetworks this actor generates with: each leased once and held, so it is counted
+        # in the budget and never evicted. Key: f's sha256, least recently used first; past
+        # MAX_PINNED the oldest is released (an older store version's f after hot swaps).
+        self._pinned: OrderedDict[str, AbstractContextManager[Any]] = OrderedDict()
         self._pin_lock = threading.Lock()
         self._compute_lock = threading.Lock()
         # Experts of run calls that arrived and have not finished: a prefetch never evicts them.
@@ -174,14 +180,23 @@ class ActorCore:
     def close(self) -> None:
         self._lookahead.shutdown(wait=True)
 
-    def pinned_bytes(self, generator: GeneratorRef) -> int:
-        return generator.nbytes if generator.sha256 in self._pinned else 0
+    def pinned(self) -> list[str]:
+        """The sha256 of each hypernetwork pinned now, least recently used first."""
+        with self._pin_lock:
+            return list(self._pinned)
 
     def _pin(self, generator: GeneratorRef) -> None:
-        """Load f once and keep it leased for the actor's life (CacheError, StoreError)."""
+        """Load f once and keep it leased while it is in use (CacheError, StoreError)."""
         with self._pin_lock:
             if generator.sha256 in self._pinned:
+                self._pinned.move_to_end(generator.sha256)
                 return
+            while len(self._pinned) >= MAX_PINNED:
+                # The cache may now evict it like any expert; a generation racing this falls
+                # back to reading the file (see _DeviceLoader._generate).
+                sha, old = self._pinned.popitem(last=False)
+                self._loader.generators.pop(sha, None)
+                old.__exit__(None, None, None)
             manager = self._cache.lease(generator, timeout=self._lease_timeout_s)
             lease = manager.__enter__()
             if not isinstance(lease.value, FrozenHyperNetwork):
@@ -278,9 +293,7 @@ class ActorCore:
                 expert_bytes=int(leased.lease.nbytes),
                 activation_bytes=activation,
                 key=key,
-                generator_bytes=(
-                    self.pinned_bytes(ref.generator) if isinstance(ref, GeneratedRef) else 0
-                ),
+                generator_bytes=ref.generator.nbytes if isinstance(ref, GeneratedRef) else 0,
             )
         except Exception as exc:  # one bad group must not fail the other groups of the call
             logger.exception("actor %s: expert %s failed to compute", self.name, expert_id)

@@ -275,3 +275,21 @@ def test_prototype_store_serves_what_its_materialized_store_serves(tmp_path: Pat
     expected = offline(f, x, prototypes[nearest].numpy())
     served = np.asarray(hyper_answer["outputs"], dtype=np.float32)
     assert np.abs(served - expected).max() <= 1e-6 * np.abs(expected).max()
+
+
+def test_a_third_hypernetwork_releases_the_oldest_pin(tmp_path: Path) -> None:
+    models = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        f = HyperNetwork(M2, PrimarySpec(M1, (8,), OUT), depth=1, width=32)
+        publish_hypernetwork(tmp_path / f"s{seed}", f)
+        models.append(HyperModel.open(Store.open(tmp_path / f"s{seed}")))
+    budget = sum(m.generator.nbytes for m in models[:2]) + 2 * models[0].spec.theta_nbytes
+    core = ActorCore(name="a", budget_bytes=budget, cache_policy="lru")
+    x, c = data(1, 1, seed=11)
+    for model in models:
+        key = condition_key(model.generator.sha256, c[0])
+        reply = core.run([(model.key_ref(key, torch.from_numpy(c[0]), -1), x)])
+        assert reply.results[0].error is None and reply.device_bytes <= budget
+    assert core.pinned() == [m.generator.sha256 for m in models[1:]]
+    assert models[0].generator.sha256 not in core.resident()  # released, then evicted
