@@ -9,8 +9,6 @@ process with the same f and the same one-condition forward the actors use.
 
 from __future__ import annotations
 
-from typing import Annotated
-
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import Field, ValidationError
@@ -34,7 +32,7 @@ class GenerateRequest(_Strict):
     """One condition: its values, or its name in the store's table."""
 
     condition: list[FiniteNumber] | None = Field(default=None, min_length=1)
-    condition_id: Annotated[ConditionId | None, Field(default=None)] = None
+    condition_id: ConditionId | None = None
 
 
 def add_hyper_routes(app: FastAPI) -> None:
