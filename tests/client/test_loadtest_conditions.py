@@ -40,3 +40,25 @@ async def test_conditions_workload_misses_once_per_condition_per_actor(tmp_path:
     assert 1 <= report.misses <= 20
     assert report.hits + report.misses >= 60
     assert report.vram_bytes["max"] > 4 * sum(p.numel() for p in f.f.parameters())
+
+
+
+def test_cli_conditions_flags_reach_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from client import _cli
+
+    seen: list[LoadTestConfig] = []
+    def capture(config: LoadTestConfig, args: argparse.Namespace) -> object:
+        seen.append(config)
+        return argparse.Namespace(ok=1)
+
+    monkeypatch.setattr(_cli, "_one", capture)
+    root = argparse.ArgumentParser(prog="momlp")
+    _cli.register(root.add_subparsers(dest="command"))
+    args = root.parse_args(["loadtest", "--conditions", "1000",
+                            "--condition-distribution", "zipf:1.0", "--quiet"])
+    assert args.handler(args) == 0
+    assert seen[0].conditions == 1000 and seen[0].condition_distribution == "zipf:1.0"
+    bad = root.parse_args(["loadtest", "--conditions", "10", "--condition-distribution", "x"])
+    assert bad.handler(bad) == 2
