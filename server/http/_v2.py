@@ -131,7 +131,9 @@ def _metadata(current: StoreVersion, name: str) -> ModelMetadata:
         name=name,
         versions=[current.version],
         platform="momlp",
-        inputs=[TensorMetadata(name=INPUT_NAME, datatype="FP32", shape=[-1, m.input_dim])],
+        # The rows the kind routes on: x, or [x, I] for a hyper store (x then its condition).
+        inputs=[TensorMetadata(name=INPUT_NAME, datatype="FP32",
+                               shape=[-1, current.model.input_dim])],
         outputs=[
             TensorMetadata(name="output", datatype="FP32", shape=[-1, m.output_dim]),
             TensorMetadata(name="experts", datatype="INT64", shape=[-1, -1]),
@@ -180,7 +182,7 @@ def add_v2_routes(app: FastAPI) -> None:
                 body,
                 request.headers.get(HEADER_LENGTH),
                 input_name=INPUT_NAME,
-                input_dim=current.manifest.input_dim,
+                input_dim=current.model.input_dim,
                 max_rows=settings.max_rows,
             )
             options = current.model.resolve(_gate(parsed.request.parameters), settings)

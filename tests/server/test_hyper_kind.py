@@ -293,3 +293,25 @@ def test_a_third_hypernetwork_releases_the_oldest_pin(tmp_path: Path) -> None:
         assert reply.results[0].error is None and reply.device_bytes <= budget
     assert core.pinned() == [m.generator.sha256 for m in models[1:]]
     assert models[0].generator.sha256 not in core.resident()  # released, then evicted
+
+
+def test_v2_infer_takes_x_and_condition_rows(hyper: tuple[Path, HyperNetwork]) -> None:
+    root, _ = hyper
+    x, conditions = data(8, 3, seed=12)
+    rows = np.concatenate([x, conditions], axis=1)
+
+    async def go() -> tuple[Any, dict[str, Any]]:
+        async with running(fake_app(root)) as client:
+            meta = (await client.get(f"/v2/models/{root.name}")).json()
+            r = await client.post(f"/v2/models/{root.name}/infer", json={"inputs": [
+                {"name": "input", "shape": list(rows.shape), "datatype": "FP32",
+                 "data": rows.reshape(-1).tolist()}]})
+            assert r.status_code == 200, r.text
+            v1 = await predict(client, x, conditions=conditions.tolist())
+            return (meta, r.json()), v1
+
+    (meta, v2), v1 = asyncio.run(go())
+    assert meta["inputs"][0]["shape"] == [-1, M1 + M2]
+    out = next(o for o in v2["outputs"] if o["name"] == "output")
+    assert np.array_equal(np.asarray(out["data"], dtype=np.float32).reshape(8, OUT),
+                          np.asarray(v1["outputs"], dtype=np.float32))
