@@ -14,7 +14,15 @@ from typing import Any, Protocol
 import torch
 
 from experts_store import ExpertRef, GateSpec, Manifest, Store
-from router import Gate, GateRouting, PrototypeTree, RouterInputError, check_gate
+from router import (
+    LIFT_EXTRA_DIMS,
+    Gate,
+    GateRouting,
+    PrototypeTree,
+    RouterInputError,
+    check_gate,
+    lift_rows,
+)
 from server._exceptions import CapExceeded, InvalidRequest
 from server._settings import Settings
 from server.kinds._types import GateRequest, Plan, PlannedGroup
@@ -57,6 +65,10 @@ class MomlpModel:
         self.manifest = manifest
         self.gate_spec = gate or (manifest.gate_spec if manifest is not None else GateSpec())
         self.default_mode: str = manifest.routing if manifest is not None else "tree"
+        # A learned linear gate's prototypes are lifted router rows (router/_lift.py): rows
+        # are lifted to [x, 1, 0, 0] before routing, so exact routing serves the linear
+        # softmax exactly; the store's input dimension is the rows', not the router's.
+        self._lifted = self.gate_spec.lift == "linear"
 
     @classmethod
     def open(cls, store: Store) -> MomlpModel:
@@ -67,9 +79,11 @@ class MomlpModel:
 
     @property
     def input_dim(self) -> int:
-        return self.router.dim
+        return self.router.dim - LIFT_EXTRA_DIMS if self._lifted else self.router.dim
 
     def prototypes(self) -> torch.Tensor | None:
+        if self._lifted:
+            return None  # lifted router rows, not points of the input space
         return getattr(self.router, "prototypes", None)
 
     @property
@@ -128,7 +142,7 @@ class MomlpModel:
 
     def route(self, x: torch.Tensor, options: Hashable) -> GateRouting:
         assert isinstance(options, Gate)
-        return self.router.gate(x, options)
+        return self.router.gate(lift_rows(x) if self._lifted else x, options)
 
     def concat(self, parts: list[Any]) -> GateRouting:
         return GateRouting.concat(parts)
