@@ -1,6 +1,7 @@
 """Learned linear gates through the prototype tree (the linear lift), and expert activations.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/linear_gate.py [--quick] [--part lift|activations|all]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/linear_gate.py [--quick]
+        [--part lift|activations|all] [--seed N ...]
 
 lift: linear routers of K experts on n = 16 inputs, lifted (router/_lift.py) into a
 PrototypeTree; 10,000 queries; exact top-1 and top-4 of the tree on lifted rows against the
@@ -10,15 +11,17 @@ tree walk), beside the same figures for the plain prototype tree on the same poi
 routers: "voronoi" (wᵢ = 2pᵢ, bᵢ = −‖pᵢ‖², the logits of the sqdist prototype gate, on the
 clustered data of benchmarks/routing.py: K/100 centres in [0,1]^16, noise 0.02) and "random"
 (wᵢ, bᵢ ~ N(0, 1), queries N(0, 1)). K ∈ {10³, 10⁴, 10⁵} (quick: 10³, 10⁴).
-activations: quick stores (`momlp build --quick`, local executor, no baseline) on Ackley-2D
-(K=16, ν=4) and digits (K=16, ν=4) with prelu, gelu and sigmoid experts, and on Ackley-2D
-with the learned-linear gate (τ 1 → 0.25, exact routing): the build's test metric.
+activations: quick stores (`momlp build --quick`, local executor, no baseline; seeds 0-2) on
+Ackley-2D (K=16, ν=4) and digits (K=16, ν=4) with prelu, gelu and sigmoid experts, and on
+Ackley-2D with exact routing, with the learned-linear gate (τ 1 → 0.25) in exact and tree
+routing, and learned-linear with gelu experts: the build's test metric (held-out split).
 Prints one JSON line per figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import tempfile
@@ -97,26 +100,32 @@ def lift_part(quick: bool) -> None:
             emit(record)
 
 
-def activations_part(work: Path) -> None:
+def activations_part(work: Path, seeds: list[int]) -> None:
     cases: list[tuple[str, str, dict[str, Any]]] = [
         (dataset, act, {"expert_activation": act})
         for dataset in ("ackley2d", "digits")
         for act in ("prelu", "gelu", "sigmoid")
     ]
-    cases.append(("ackley2d", "prelu", {"gate": "learned-linear", "routing": "exact",
-                                        "gate_temperature_schedule": (1.0, 0.25)}))
-    for dataset, act, options in cases:
-        out = work / f"{dataset}-{act}-{options.get('gate', 'prototype')}"
+    schedule = {"gate": "learned-linear", "gate_temperature_schedule": (1.0, 0.25)}
+    cases += [
+        ("ackley2d", "prelu", {"routing": "exact"}),
+        ("ackley2d", "prelu", {**schedule, "routing": "exact"}),
+        ("ackley2d", "prelu", {**schedule, "routing": "tree"}),
+        ("ackley2d", "gelu", {**schedule, "routing": "exact", "expert_activation": "gelu"}),
+    ]
+    for (dataset, act, options), seed in itertools.product(cases, seeds):
+        out = work / f"{dataset}-{act}-{options.get('gate', 'prototype')}-{seed}"
         config = BuildConfig(
             out=out, dataset=dataset, experts=16, branching=4, executor="local",
-            baseline=False, **{**quick_overrides(dataset), **options},
+            baseline=False, seed=seed, **{**quick_overrides(dataset), **options},
         )
         start = time.perf_counter()
         build_store(config, progress=False)
         report = json.loads((out / "report.json").read_text())
         emit({"part": "activations", "dataset": dataset, "activation": act,
               "gate": options.get("gate", "prototype"), "routing": config.routing,
-              "metric": report["mixture"]["metric"], "value": report["mixture"]["value"],
+              "seed": seed, "metric": report["mixture"]["metric"],
+              "value": report["mixture"]["value"],
               "build_s": round(time.perf_counter() - start, 1),
               "tree_top1_agreement_train": (report["gate"].get("calibration") or {}).get(
                   "tree_top1_agreement_train")})
@@ -125,13 +134,14 @@ def activations_part(work: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--seed", type=int, action="append", help="activations: seeds (0 1 2)")
     parser.add_argument("--part", choices=("lift", "activations", "all"), default="all")
     args = parser.parse_args()
     if args.part in ("lift", "all"):
         lift_part(args.quick)
     if args.part in ("activations", "all"):
         with tempfile.TemporaryDirectory(prefix="momlp-act-") as tmp:
-            activations_part(Path(tmp))
+            activations_part(Path(tmp), args.seed or [0, 1, 2])
 
 
 if __name__ == "__main__":
