@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from routing import make_data
 
-from router import Gate, PrototypeTree, lift_rows, linear_lift
+from router import Gate, LinearGateRouter, PrototypeTree, lift_rows, linear_lift
 from trainer import BuildConfig, build_store, quick_overrides
 
 
@@ -88,6 +88,20 @@ def lift_part(quick: bool) -> None:
                 "tree_top1_agree": float((walk.experts[:, 0] == top.indices[:, 0]).double().mean()),
                 "tree_evals_per_query": float(walk.distance_evals.double().mean()),
             }
+            # The logit-bound search (router.LinearGateRouter), forced on: its evaluations.
+            searcher = LinearGateRouter(tree, search="always")
+            start = time.perf_counter()
+            found = searcher.gate(xt, Gate(top_k=1, mode="exact"))
+            record["search_s"] = round(time.perf_counter() - start, 3)
+            four_s = searcher.gate(xt, Gate(top_k=4, mode="exact", temperature=2 * tau))
+            record["search_top1_agree"] = float(
+                (found.experts[:, 0] == top.indices[:, 0]).double().mean())
+            record["search_top4_same_as_scan"] = bool(
+                torch.equal(four_s.experts, four.experts)
+                and torch.equal(four_s.weights, four.weights))
+            record["search_evals_per_query"] = float(found.distance_evals.double().mean())
+            record["search_top4_evals_per_query"] = float(four_s.distance_evals.double().mean())
+            record["exact_s"] = round(exact_s, 3)
             if kind == "voronoi":
                 # The same points as a plain prototype tree: what the lift costs the search.
                 p, _ = make_data("clustered", k, n, queries, 0)

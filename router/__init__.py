@@ -31,6 +31,7 @@ from ._lift import (
     linear_logits,
     unlift,
 )
+from ._linear_search import LinearGateRouter
 from ._routing import Mode, Routing
 from ._tree import PrototypeTree
 
@@ -45,6 +46,7 @@ __all__ = [
     "Gate",
     "GateRouting",
     "InputOutOfRange",
+    "LinearGateRouter",
     "Mode",
     "NonFiniteInput",
     "PrototypeTree",

@@ -15,13 +15,12 @@ import torch
 
 from experts_store import ExpertRef, GateSpec, Manifest, Store
 from router import (
-    LIFT_EXTRA_DIMS,
     Gate,
     GateRouting,
+    LinearGateRouter,
     PrototypeTree,
     RouterInputError,
     check_gate,
-    lift_rows,
 )
 from server._exceptions import CapExceeded, InvalidRequest
 from server._settings import Settings
@@ -66,20 +65,23 @@ class MomlpModel:
         self.gate_spec = gate or (manifest.gate_spec if manifest is not None else GateSpec())
         self.default_mode: str = manifest.routing if manifest is not None else "tree"
         # A learned linear gate's prototypes are lifted router rows (router/_lift.py): rows
-        # are lifted to [x, 1, 0, 0] before routing, so exact routing serves the linear
-        # softmax exactly; the store's input dimension is the rows', not the router's.
+        # are lifted to [x, 1, 0, 0] before routing (by LinearGateRouter), so exact routing
+        # serves the linear softmax exactly; its dim is the rows', not the lifted tree's.
         self._lifted = self.gate_spec.lift == "linear"
 
     @classmethod
     def open(cls, store: Store) -> MomlpModel:
         """Read the store's router (blocking); experts stay files until the pool loads them."""
-        router = PrototypeTree.load(store.router_path)
+        router: GateRouter = PrototypeTree.load(store.router_path)
+        if store.manifest.gate_spec.lift == "linear":
+            # Takes input-space rows and lifts them itself; exact top-k by logit bounds.
+            router = LinearGateRouter(router)
         experts = [store.expert_ref(e.id) for e in store.manifest.experts]
         return cls(router, experts, store.manifest)
 
     @property
     def input_dim(self) -> int:
-        return self.router.dim - LIFT_EXTRA_DIMS if self._lifted else self.router.dim
+        return self.router.dim
 
     def prototypes(self) -> torch.Tensor | None:
         if self._lifted:
@@ -142,7 +144,7 @@ class MomlpModel:
 
     def route(self, x: torch.Tensor, options: Hashable) -> GateRouting:
         assert isinstance(options, Gate)
-        return self.router.gate(lift_rows(x) if self._lifted else x, options)
+        return self.router.gate(x, options)
 
     def concat(self, parts: list[Any]) -> GateRouting:
         return GateRouting.concat(parts)
