@@ -162,6 +162,7 @@ async def calibration_part(work: Path) -> None:
             got = await predict(client, x_eval, top_k=k)
             emit({"part": "calibration", "stage": "build-calibrated", "top_k": k,
                   "temperature": manifest["temperature"],
+                  "calibration": manifest["gate"].get("calibration"),
                   "mse_vs_true": float(((got["outputs"] - y_eval) ** 2).mean()),
                   "points": len(x_eval)})
 

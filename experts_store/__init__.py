@@ -10,7 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from experts_store._arch import ExpertArch, paper_parameter_count
+    from experts_store._arch import ACTIVATIONS, Activation, ExpertArch, paper_parameter_count
     from experts_store._cache import ExpertCache
     from experts_store._cache_types import (
         CACHE_POLICIES,
@@ -89,8 +89,10 @@ __all__ = [
     "theta_file_bytes",
     "theta_module",
     "verify_hyper_files",
+    "ACTIVATIONS",
     "CACHE_POLICIES",
     "FORMAT_VERSION",
+    "Activation",
     "CacheBusy",
     "CacheError",
     "CachePolicy",
@@ -131,6 +133,8 @@ __all__ = [
 ]
 
 _HOMES = {
+    "ACTIVATIONS": "experts_store._arch",
+    "Activation": "experts_store._arch",
     "ExpertArch": "experts_store._arch",
     "paper_parameter_count": "experts_store._arch",
     "CACHE_POLICIES": "experts_store._cache_types",

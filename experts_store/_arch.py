@@ -6,9 +6,15 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["ExpertArch", "paper_parameter_count"]
+__all__ = ["ACTIVATIONS", "Activation", "ExpertArch", "paper_parameter_count"]
+
+Activation = Literal["prelu", "relu", "gelu", "tanh", "sigmoid"]
+# The hidden activation σ of an expert. "prelu" (one trainable γ per neuron) is the paper's
+# and the default; the others have no parameters. Seed 002 (Thm 1) asks for *strongly
+# identifiable* experts such as sigmoid, tanh or GELU ones for polynomial estimation rates.
+ACTIVATIONS: tuple[Activation, ...] = ("prelu", "relu", "gelu", "tanh", "sigmoid")
 
 
 @dataclass(frozen=True)
@@ -17,11 +23,15 @@ class ExpertArch:
 
     ``widths[0]`` is the input dimension, ``widths[-1]`` the output dimension, the ones in
     between the hidden widths (J = len(widths) - 2 hidden layers, possibly none).
+    ``activation`` is the hidden layers' σ (see ACTIVATIONS); ``prelu_init`` only matters
+    for "prelu". The JSON form names the activation only when it is not "prelu", so a PReLU
+    expert's header (hence its file and content hash) is the same as before the field existed.
     """
 
     widths: tuple[int, ...]
     batchnorm: bool = False
     prelu_init: float = 0.25
+    activation: Activation = "prelu"
 
     def __post_init__(self) -> None:
         widths = tuple(self.widths)
@@ -35,6 +45,10 @@ class ExpertArch:
             raise ValueError(f"batchnorm must be a bool, got {self.batchnorm!r}")
         if not math.isfinite(float(self.prelu_init)):
             raise ValueError(f"prelu_init must be finite, got {self.prelu_init!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(
+                f"activation must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}"
+            )
         object.__setattr__(self, "widths", widths)
         object.__setattr__(self, "prelu_init", float(self.prelu_init))
 
@@ -56,13 +70,14 @@ class ExpertArch:
         return len(self.widths) - 1
 
     def num_parameters(self) -> int:
-        """Trainable parameters: affine weights and biases, one γ per hidden neuron,
+        """Trainable parameters: affine weights and biases, one γ per hidden neuron (PReLU),
         and BatchNorm's affine weight and bias when enabled."""
         affine = sum(
             d_in * d_out + d_out for d_in, d_out in zip(self.widths, self.widths[1:], strict=False)
         )
         hidden = sum(self.hidden_widths)
-        return affine + hidden + (2 * hidden if self.batchnorm else 0)
+        gammas = hidden if self.activation == "prelu" else 0
+        return affine + gammas + (2 * hidden if self.batchnorm else 0)
 
     def nbytes(self) -> int:
         """Bytes of parameters and buffers as float32 (+ BatchNorm's int64 batch counters)."""
@@ -76,21 +91,27 @@ class ExpertArch:
             raise ValueError(f"extra_layers must be >= 0, got {extra_layers}")
         width = self.widths[-2]
         widths = self.widths[:-1] + (width,) * extra_layers + self.widths[-1:]
-        return ExpertArch(widths=widths, batchnorm=self.batchnorm, prelu_init=self.prelu_init)
+        return ExpertArch(
+            widths=widths, batchnorm=self.batchnorm, prelu_init=self.prelu_init,
+            activation=self.activation,
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "widths": list(self.widths),
             "batchnorm": self.batchnorm,
             "prelu_init": self.prelu_init,
         }
+        if self.activation != "prelu":
+            out["activation"] = self.activation
+        return out
 
     @classmethod
     def from_dict(cls, data: Any) -> ExpertArch:
         """Rebuild from :meth:`to_dict` output; ValueError on anything else."""
         if not isinstance(data, dict):
             raise ValueError(f"arch must be a JSON object, got {type(data).__name__}")
-        unknown = set(data) - {"widths", "batchnorm", "prelu_init"}
+        unknown = set(data) - {"widths", "batchnorm", "prelu_init", "activation"}
         if unknown:
             raise ValueError(f"unknown arch keys {sorted(unknown)}")
         widths = data.get("widths")
@@ -99,10 +120,15 @@ class ExpertArch:
         prelu_init = data.get("prelu_init", 0.25)
         if isinstance(prelu_init, bool) or not isinstance(prelu_init, int | float):
             raise ValueError("arch.prelu_init must be a number")
+        # Written before the field existed (or by a PReLU expert since): "prelu".
+        activation = data.get("activation", "prelu")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"arch.activation must be one of {', '.join(ACTIVATIONS)}")
         return cls(
             widths=tuple(widths),
             batchnorm=data.get("batchnorm", False),
             prelu_init=float(prelu_init),
+            activation=activation,
         )
 
     def to_json(self) -> str:

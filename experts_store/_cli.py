@@ -90,6 +90,7 @@ def _info(args: argparse.Namespace) -> int:
                 "bytes": e.bytes,
                 "params": e.params,
                 "widths": e.arch["widths"],
+                "activation": e.arch.get("activation", "prelu"),
                 "file": e.file,
                 "sha256": e.sha256,
                 "checksum": e.checksum,
@@ -109,11 +110,21 @@ def _info(args: argparse.Namespace) -> int:
     )
     gate = m.gate_spec
     how: str = gate.temperature_source
-    if gate.calibration:
+    if gate.calibration and gate.lift is None:
         c = gate.calibration
         how += f" on {c.get('rows')} rows of {c.get('data')}, top_k {c.get('top_k')}"
     print(f"kind       {m.kind}")
     print(f"gate       softmax(-{gate.score}/τ), τ={gate.temperature:.6g} ({how})")
+    if gate.lift == "linear":
+        c = gate.calibration or {}
+        agree = c.get("tree_top1_agreement_train")
+        print(
+            f"           learned linear router softmax((w·x+b)/τ), τ={gate.temperature / 2:.6g}, "
+            "served by the lift x -> [x, 1, 0, 0]: routing=exact is exact; routing=tree "
+            "walks the lifted points, an APPROXIMATION"
+            + (f" (top-1 = router argmax on {agree:.1%} of training rows)" if agree is not None
+               else "")
+        )
     print(f"size       {_human_bytes(m.total_expert_bytes)} in experts, {m.total_params} params")
     if m.hyper is not None:
         _print_hyper(m.hyper)

@@ -48,7 +48,14 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION: int = 1
+# Version 2 added `activation` to the header's arch (ExpertArch.activation). A PReLU expert
+# is still written as version 1, byte for byte as before (its arch JSON does not name the
+# activation), so its content hash and store file name do not change and older readers
+# keep reading it; any other activation is written as version 2, which an older reader
+# refuses by its version instead of failing on an arch key it does not know. A version-1
+# header is a PReLU expert: one that names another activation is refused.
+FORMAT_VERSION: int = 2
+_READABLE_VERSIONS = ("1", "2")
 
 _RESERVED_METADATA = ("format_version", "arch")
 # A header larger than this is not one of ours; refuse before allocating for it.
@@ -119,7 +126,8 @@ def expected_tensors(arch: ExpertArch) -> dict[str, tuple[str, tuple[int, ...]]]
         out[f"linears.{j}.weight"] = ("F32", (d_out, d_in))
         out[f"linears.{j}.bias"] = ("F32", (d_out,))
     for j, width in enumerate(arch.hidden_widths):
-        out[f"activations.{j}.weight"] = ("F32", (width,))
+        if arch.activation == "prelu":
+            out[f"activations.{j}.weight"] = ("F32", (width,))
         if arch.batchnorm:
             for leaf in ("weight", "bias", "running_mean", "running_var"):
                 out[f"norms.{j}.{leaf}"] = ("F32", (width,))
@@ -146,7 +154,8 @@ def save_expert(
     a partial file.
     """
     path = Path(path)
-    header_meta = {"format_version": str(FORMAT_VERSION), "arch": expert.arch.to_json()}
+    version = 1 if expert.arch.activation == "prelu" else FORMAT_VERSION
+    header_meta = {"format_version": str(version), "arch": expert.arch.to_json()}
     for key, value in (metadata or {}).items():
         if key in _RESERVED_METADATA:
             raise ValueError(f"metadata key {key!r} is reserved")
@@ -309,14 +318,17 @@ def _parse_header_bytes(header_bytes: bytes, total: int) -> ExpertHeader:
     metadata = header.pop("__metadata__", None)
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise _BadHeader("header has no string metadata")
-    if metadata.get("format_version") != str(FORMAT_VERSION):
+    version = metadata.get("format_version")
+    if version not in _READABLE_VERSIONS:
         raise _BadHeader(
-            f"format_version {metadata.get('format_version')!r}, expected {FORMAT_VERSION!r}",
+            f"format_version {version!r}, expected one of {', '.join(_READABLE_VERSIONS)}",
         )
     try:
         arch = ExpertArch.from_json(metadata.get("arch", ""))
     except ValueError as exc:
         raise _BadHeader(f"bad arch metadata: {exc}") from exc
+    if version == "1" and arch.activation != "prelu":
+        raise _BadHeader(f"format_version 1 holds PReLU experts, the arch says {arch.activation}")
     data_offset = 8 + header_len
     data_bytes = total - data_offset
     tensors: dict[str, TensorSpec] = {}

@@ -9,7 +9,7 @@ on the running statistics, F.prelu), so its outputs are bit-identical.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -21,22 +21,31 @@ __all__ = ["FrozenExpert"]
 
 # nn.BatchNorm1d's default, which ExpertMLP uses.
 _BN_EPS = 1e-5
+# The functional form of ExpertMLP's parameterless activation modules (same ops, same bits).
+_ACTIVATION_FNS: dict[str, Callable[[Tensor], Tensor]] = {
+    "relu": F.relu, "gelu": F.gelu, "tanh": torch.tanh, "sigmoid": torch.sigmoid,
+}
 
 
 class FrozenExpert:
     """Callable like an eval-mode ExpertMLP on a batch [B, d0]; never trains."""
 
-    __slots__ = ("arch", "_layers")
+    __slots__ = ("arch", "_layers", "_sigma")
 
     def __init__(self, arch: ExpertArch, state: Mapping[str, Tensor]) -> None:
         """state: the tensors an ExpertMLP of ``arch`` has, under the same names."""
         self.arch = arch
         last = len(arch.widths) - 2
+        prelu = arch.activation == "prelu"
+        # F.prelu with the layer's γ, or the parameterless activation (γ slot left empty).
+        self._sigma = None if prelu else _ACTIVATION_FNS[arch.activation]
+        empty = torch.empty(0)
         # One tuple per layer, told apart by length: (A, b) for the output layer,
         # (A, b, γ) for a hidden one, (A, b, γ, mean, var, bn weight, bn bias) with BatchNorm.
         layers: list[tuple[Tensor, ...]] = []
         for j in range(last + 1):
             weight, bias = state[f"linears.{j}.weight"], state[f"linears.{j}.bias"]
+            gamma = state[f"activations.{j}.weight"] if prelu and j < last else empty
             if j == last:
                 layers.append((weight, bias))
             elif arch.batchnorm:
@@ -44,9 +53,9 @@ class FrozenExpert:
                     state[f"norms.{j}.{leaf}"]
                     for leaf in ("running_mean", "running_var", "weight", "bias")
                 )
-                layers.append((weight, bias, state[f"activations.{j}.weight"], *norm))
+                layers.append((weight, bias, gamma, *norm))
             else:
-                layers.append((weight, bias, state[f"activations.{j}.weight"]))
+                layers.append((weight, bias, gamma))
         self._layers = layers
 
     @classmethod
@@ -74,5 +83,5 @@ class FrozenExpert:
             if len(layer) == 7:
                 mean, var, weight, bias = layer[3:]
                 h = F.batch_norm(h, mean, var, weight, bias, False, 0.0, _BN_EPS)
-            h = F.prelu(h, layer[2])
+            h = F.prelu(h, layer[2]) if self._sigma is None else self._sigma(h)
         return h

@@ -111,6 +111,10 @@ class GateSpec(BaseModel):
     `tree_top_k`: what top_k > 1 means in tree routing: "nearest" (the exact k nearest, as
     format 1 served it) or "beam" (the k best leaves of the soft tree walk, consistent with
     experts trained on the tree's cells; what `momlp build` now writes).
+    `lift`: "linear" when the prototypes are a linear router's lifted rows [wᵢ, bᵢ, hᵢ, lᵢ]
+    (router/_lift.py): the server routes [x, 1, 0, 0], so exact routing serves
+    softmax((wᵢᵀx + bᵢ)/τ) with τ = temperature / 2 exactly; tree routing on lifted points
+    is an approximation of it. None: plain prototypes.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -121,6 +125,7 @@ class GateSpec(BaseModel):
     calibration: dict[str, Any] | None = None
     hierarchy: dict[str, int] | None = None
     tree_top_k: Literal["nearest", "beam"] = "nearest"
+    lift: Literal["linear"] | None = None
 
 
 class Manifest(BaseModel):

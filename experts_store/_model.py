@@ -1,4 +1,5 @@
-"""The expert: a PReLU MLP with one trainable γ per neuron (Definition 3.1 / eq. (2))."""
+"""The expert: a PReLU MLP with one trainable γ per neuron (Definition 3.1 / eq. (2)), or
+an MLP with another hidden activation (`ExpertArch.activation`)."""
 
 from __future__ import annotations
 
@@ -21,11 +22,21 @@ class _Linear(nn.Linear):
             super().reset_parameters()
 
 
+def _activation_module(arch: ExpertArch, width: int, device: torch.device) -> nn.Module:
+    if arch.activation == "prelu":
+        return nn.PReLU(num_parameters=width, init=arch.prelu_init, device=device)
+    # FrozenExpert's forward applies the functional form of the same op (bit-identical).
+    modules: dict[str, type[nn.Module]] = {
+        "relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid,
+    }
+    return modules[arch.activation]()
+
+
 class ExpertMLP(nn.Module):
     """x ↦ A(J) x(J) + b(J), x(j+1) = σ_γ(j)(BN?(A(j) x(j) + b(j))), x(0) = x.
 
     Tensor names (the file format relies on them): ``linears.{j}.weight|bias`` for
-    j = 0..J, ``activations.{j}.weight`` (the γ vector) and, with BatchNorm,
+    j = 0..J, ``activations.{j}.weight`` (the γ vector; PReLU only) and, with BatchNorm,
     ``norms.{j}.*`` for j = 0..J-1.
     """
 
@@ -49,8 +60,7 @@ class ExpertMLP(nn.Module):
             for d_in, d_out in zip(widths, widths[1:], strict=False)
         )
         self.activations = nn.ModuleList(
-            nn.PReLU(num_parameters=width, init=arch.prelu_init, device=target)
-            for width in arch.hidden_widths
+            _activation_module(arch, width, target) for width in arch.hidden_widths
         )
         self.norms = (
             nn.ModuleList(nn.BatchNorm1d(width, device=target) for width in arch.hidden_widths)
@@ -105,7 +115,11 @@ class ExpertMLP(nn.Module):
         The new layers' γ are 1 (not ``arch.prelu_init``): the previous PReLU's outputs can
         be negative (γ ≠ 0), and only σ_1 = id passes them through unchanged, so the new
         layer is exactly the linear map (I + noise) and the output moves by
-        A(J)·(product of (I + E_l) − I)·x(J), small for small noise.
+        A(J)·(product of (I + E_l) − I)·x(J), small for small noise. ReLU experts are as
+        exact (the previous layer's outputs are ≥ 0, which ReLU passes unchanged); with GELU,
+        tanh or sigmoid the new layers apply σ to near-copies of their inputs, which is not
+        the identity: the deepened expert starts as a different function, and training
+        after deepening (the trainer always trains it) starts from there.
         """
         if noise_std < 0:
             raise ValueError(f"noise_std must be >= 0, got {noise_std}")
@@ -131,7 +145,8 @@ class ExpertMLP(nn.Module):
                 weight += noise.to(device) * noise_std
             state[f"linears.{j}.weight"] = weight
             state[f"linears.{j}.bias"] = torch.zeros(width, device=device, dtype=dtype)
-            state[f"activations.{j}.weight"] = torch.ones(width, device=device, dtype=dtype)
+            if arch.activation == "prelu":
+                state[f"activations.{j}.weight"] = torch.ones(width, device=device, dtype=dtype)
             if arch.batchnorm:
                 # Eval-mode BatchNorm computes (x - mean) / sqrt(var + eps); var = 1 - eps
                 # makes it the identity, so the deepened expert serves like the original.

@@ -23,10 +23,20 @@ from ._exceptions import (
     RouterInputError,
 )
 from ._gate import Gate, GateRouting, Score, check_gate
+from ._lift import (
+    LIFT_EXTRA_DIMS,
+    lift_rows,
+    lifted_temperature,
+    linear_lift,
+    linear_logits,
+    unlift,
+)
+from ._linear_search import LinearGateRouter
 from ._routing import Mode, Routing
 from ._tree import PrototypeTree
 
 __all__ = [
+    "LIFT_EXTRA_DIMS",
     "BadGate",
     "BadMode",
     "BadTopK",
@@ -36,6 +46,7 @@ __all__ = [
     "Gate",
     "GateRouting",
     "InputOutOfRange",
+    "LinearGateRouter",
     "Mode",
     "NonFiniteInput",
     "PrototypeTree",
@@ -46,4 +57,9 @@ __all__ = [
     "Routing",
     "Score",
     "check_gate",
+    "lift_rows",
+    "lifted_temperature",
+    "linear_lift",
+    "linear_logits",
+    "unlift",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from experts_store import ExpertArch
+from experts_store import Activation, ExpertArch
 
 __all__ = ["baseline_arch", "baseline_width"]
 
@@ -15,7 +15,10 @@ def baseline_width(width: int, num_experts: int) -> int:
 
 
 def baseline_arch(
-    input_dim: int, output_dim: int, *, width: int, depth: int, num_experts: int, batchnorm: bool
+    input_dim: int, output_dim: int, *, width: int, depth: int, num_experts: int, batchnorm: bool,
+    activation: Activation = "prelu",
 ) -> ExpertArch:
     hidden = (baseline_width(width, num_experts),) * depth
-    return ExpertArch(widths=(input_dim, *hidden, output_dim), batchnorm=batchnorm)
+    return ExpertArch(
+        widths=(input_dim, *hidden, output_dim), batchnorm=batchnorm, activation=activation
+    )

@@ -24,6 +24,7 @@ from ._datasets import Dataset, load_data_file, make_dataset
 from ._evaluate import ExpertFileRef, evaluate_mixture
 from ._exceptions import DataError
 from ._executors import plan_jobs, runtime, train_locally, train_on_ray
+from ._linear_gate import TemperatureSchedule, learned_linear_router
 from ._prototypes import kmeans_prototypes, learned_prototypes
 from ._tasks import StateArrays
 from ._train import make_loss, rescale_output, target_scaling
@@ -67,7 +68,7 @@ def load_config_dataset(config: BuildConfig) -> Dataset:
 def build_store(config: BuildConfig, progress: bool = True) -> Manifest:
     """Train a mixture on the config's data and publish it as a store at `config.out`."""
     from experts_store import ExpertArch, StoreWriter
-    from router import PrototypeTree
+    from router import PrototypeTree, lift_rows
 
     timings: dict[str, float] = {}
     started = time.perf_counter()
@@ -85,17 +86,22 @@ def build_store(config: BuildConfig, progress: bool = True) -> Manifest:
     small_arch = ExpertArch(
         widths=(dataset.input_dim, *(config.width,) * config.initial_depth, dataset.output_dim),
         batchnorm=training.batchnorm,
+        activation=config.expert_activation,
     )
     prototypes, small_states = _discover_prototypes(config, training, dataset, small_arch)
     timings["prototypes_s"] = time.perf_counter() - mark
 
     mark = time.perf_counter()
+    lift = "linear" if config.gate == "learned-linear" else None
     tree = PrototypeTree.build(
         prototypes, branching=config.branching, seed=config.seed,
-        temperature=config.temperature or 1.0,
+        temperature=_tree_temperature(config),
     )
     # Training rows go to the expert the server's walk will reach: what is served was trained.
-    assignment = tree.route(torch.as_tensor(dataset.x_train), mode=config.routing).experts[:, 0]
+    x_route = torch.as_tensor(dataset.x_train)
+    if lift is not None:
+        x_route = lift_rows(x_route)
+    assignment = tree.route(x_route, mode=config.routing).experts[:, 0]
     assigned = assignment.numpy()
     timings["tree_s"] = time.perf_counter() - mark
 
@@ -116,6 +122,7 @@ def build_store(config: BuildConfig, progress: bool = True) -> Manifest:
             dataset.y_test,
             dataset.task,
             dataset.output_dim,
+            lift=lift,
         )
         timings["evaluate_s"] = time.perf_counter() - mark
         mark = time.perf_counter()
@@ -197,6 +204,8 @@ def _choose_gate(
     from experts_store import GateSpec, load_frozen_expert
 
     hierarchy = {"branching": config.branching, "depth": int(tree.depth)}
+    if config.gate == "learned-linear":
+        return _linear_gate_spec(config, tree, dataset, hierarchy)
     if config.temperature is not None or config.experts < 2:
         if config.temperature is not None:
             return GateSpec(temperature=config.temperature, temperature_source="config",
@@ -221,6 +230,53 @@ def _choose_gate(
                     calibration=fit.calibration, hierarchy=hierarchy, tree_top_k="beam")
 
 
+def _router_schedule(config: BuildConfig) -> TemperatureSchedule:
+    if config.gate_temperature_schedule is not None:
+        return TemperatureSchedule(*config.gate_temperature_schedule)
+    tau = config.temperature or 1.0
+    return TemperatureSchedule(tau, tau)
+
+
+def _tree_temperature(config: BuildConfig) -> float:
+    if config.gate == "learned-linear":
+        from router import lifted_temperature
+
+        return lifted_temperature(_router_schedule(config).final)
+    return config.temperature or 1.0
+
+
+def _linear_gate_spec(
+    config: BuildConfig, tree: Any, dataset: Dataset, hierarchy: dict[str, int]
+) -> Any:
+    """The learned-linear store's gate: its training τ (never fitted afterwards), served as
+    the sqdist gate on lifted points at 2τ; how often the tree walk on lifted points finds
+    the router's argmax is measured on the training rows and recorded, since tree mode is
+    only an approximation of the linear gate."""
+    from experts_store import GateSpec
+    from router import lift_rows, linear_logits
+
+    schedule = _router_schedule(config)
+    x = torch.as_tensor(dataset.x_train)
+    argmax = linear_logits(tree.prototypes, x).argmax(dim=1)
+    walked = tree.route(lift_rows(x), mode="tree").experts[:, 0]
+    how: dict[str, Any] = {
+        "method": "linear softmax router trained jointly with the small networks; τ "
+        + ("on a geometric schedule" if schedule.start != schedule.end else "fixed")
+        + ", never learned (seed 002, Thm 3)",
+        "router_temperature": schedule.final,
+        "schedule": [schedule.start, schedule.end],
+        "epochs": config.prototype_epochs,
+        "served_as": "sqdist gate on lifted rows [x, 1, 0, 0] at temperature 2τ",
+        "exact_mode": "exact: top-k and weights of softmax((w·x + b)/τ)",
+        "tree_mode": "approximation: the tree walk on lifted points",
+        "tree_top1_agreement_train": float((walked == argmax).double().mean()),
+    }
+    given = config.temperature is not None or config.gate_temperature_schedule is not None
+    return GateSpec(temperature=tree.temperature,
+                    temperature_source="config" if given else "default",
+                    calibration=how, hierarchy=hierarchy, tree_top_k="beam", lift="linear")
+
+
 def _finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
@@ -231,7 +287,7 @@ def _discover_prototypes(
     """Prototypes [K, n], and the small networks trained with them (learned mode only)."""
     from experts_store import ExpertMLP
 
-    if config.prototypes == "kmeans":
+    if config.prototypes == "kmeans" and config.gate != "learned-linear":
         return kmeans_prototypes(dataset.x_train, config.experts, seed=config.seed), None
     generator = torch.Generator().manual_seed(config.seed)
     networks = [ExpertMLP(small_arch, generator=generator) for _ in range(config.experts)]
@@ -241,18 +297,29 @@ def _discover_prototypes(
         # Trained on standardised targets like the experts (see TrainSpec), handed on raw.
         mean, std = target_scaling(y)
         y = (y - mean) / std
-    prototypes = learned_prototypes(
-        x,
-        y,
-        networks,
-        loss_fn=make_loss(training.loss, y, dataset.num_classes),
-        epochs=config.prototype_epochs,
-        lr=training.lr,
-        prototype_lr=training.prototype_lr,
-        batch_size=config.batch_size,
-        optimizer=training.optimizer,
-        generator=generator,
-    )
+    loss_fn = make_loss(training.loss, y, dataset.num_classes)
+    if config.gate == "learned-linear":
+        from router import linear_lift
+
+        weights, biases = learned_linear_router(
+            x, y, networks, loss_fn=loss_fn, schedule=_router_schedule(config),
+            epochs=config.prototype_epochs, lr=training.lr, router_lr=training.prototype_lr,
+            batch_size=config.batch_size, optimizer=training.optimizer, generator=generator,
+        )
+        prototypes = linear_lift(weights, biases)  # the router, as lifted prototypes
+    else:
+        prototypes = learned_prototypes(
+            x,
+            y,
+            networks,
+            loss_fn=loss_fn,
+            epochs=config.prototype_epochs,
+            lr=training.lr,
+            prototype_lr=training.prototype_lr,
+            batch_size=config.batch_size,
+            optimizer=training.optimizer,
+            generator=generator,
+        )
     if dataset.task == "regression":
         for net in networks:
             rescale_output(net, std, mean)

@@ -66,6 +66,21 @@ def register(subparsers: Any) -> None:
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of an embedded Ray")
     p.add_argument("--max-retries", type=int, default=None)
     p.add_argument("--torch-threads", type=int, default=None)
+    p.add_argument(
+        "--expert-activation", choices=("prelu", "relu", "gelu", "tanh", "sigmoid"),
+        default=None, help="hidden activation of the experts (default prelu, the paper's)",
+    )
+    p.add_argument(
+        "--gate", choices=("prototype", "learned-linear"), default=None,
+        help="prototype (default): eq. (39) prototypes; learned-linear: a linear softmax "
+        "router trained with the experts at a set τ (--temperature, default 1), served "
+        "exactly through the prototype tree by the linear lift (exact routing)",
+    )
+    p.add_argument(
+        "--gate-temperature-schedule", type=_schedule, default=None, metavar="START:END",
+        help="learned-linear only: τ geometric from START to END over the joint phase "
+        "(never learned; the store serves END)",
+    )
     p.add_argument("--quick", action="store_true", help="small preset for tests and the demo")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument(
@@ -88,8 +103,18 @@ _CONFIG_OPTIONS = (
     "prototypes", "width", "depth", "initial_depth", "prototype_epochs", "warmup_epochs",
     "epochs", "baseline_epochs", "lr", "prototype_lr", "batch_size", "loss", "noise_std",
     "baseline", "seed", "grid_size", "hurst", "test_fraction", "executor", "ray_address",
-    "num_cpus", "max_retries", "torch_threads",
+    "num_cpus", "max_retries", "torch_threads", "expert_activation", "gate",
+    "gate_temperature_schedule",
 )
+
+
+def _schedule(text: str) -> tuple[float, float]:
+    parts = text.split(":")
+    try:
+        start, end = (float(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected START:END like 1.0:0.1, got {text!r}") from None
+    return start, end
 
 
 def _handle_build(args: argparse.Namespace) -> int:

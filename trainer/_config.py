@@ -64,6 +64,14 @@ class BuildConfig:
     torch_threads: int = 1
     quick: bool = False  # recorded in the report; set by the quick preset
     crash_once_expert: int | None = None  # test hook: kill the first attempt of this expert
+    # Hidden activation of every expert (ExpertArch.activation); "prelu" is the paper's.
+    expert_activation: Literal["prelu", "relu", "gelu", "tanh", "sigmoid"] = "prelu"
+    # "prototype": eq. (39)'s prototypes (or k-means); "learned-linear": a linear softmax
+    # router (logits wᵢᵀx + bᵢ) trained with the small networks at a set τ (`temperature`,
+    # default 1, or the schedule), served exactly through the tree by the linear lift.
+    gate: Literal["prototype", "learned-linear"] = "prototype"
+    # (start, end): τ of the learned-linear router, geometric over the joint phase's epochs.
+    gate_temperature_schedule: tuple[float, float] | None = None
 
     def validate(self) -> None:
         """ConfigError naming the first option that cannot work."""
@@ -94,6 +102,26 @@ class BuildConfig:
         for option in ("prototype_epochs", "warmup_epochs", "epochs", "max_retries"):
             if getattr(self, option) < 0:
                 raise ConfigError("must not be negative", option=option)
+        if self.expert_activation not in ("prelu", "relu", "gelu", "tanh", "sigmoid"):
+            raise ConfigError(
+                f"unknown activation {self.expert_activation!r}", option="expert_activation"
+            )
+        if self.gate not in ("prototype", "learned-linear"):
+            raise ConfigError(f"unknown gate {self.gate!r}", option="gate")
+        schedule = self.gate_temperature_schedule
+        if schedule is not None:
+            if self.gate != "learned-linear":
+                raise ConfigError("only --gate learned-linear has a temperature schedule",
+                                  option="gate_temperature_schedule")
+            if self.temperature is not None:
+                raise ConfigError("give --temperature (fixed τ) or the schedule, not both",
+                                  option="gate_temperature_schedule")
+            if len(schedule) != 2 or not all(math.isfinite(t) and t > 0 for t in schedule):
+                raise ConfigError(f"needs two positive numbers START:END, got {schedule}",
+                                  option="gate_temperature_schedule")
+        if self.gate == "learned-linear" and self.prototypes != "learned":
+            raise ConfigError("--gate learned-linear trains its own router; --prototypes "
+                              f"{self.prototypes} does not apply", option="prototypes")
         for option in ("lr", "prototype_lr", "temperature"):
             value = getattr(self, option)
             if value is not None and not (math.isfinite(value) and value > 0):

@@ -47,14 +47,18 @@ def mixture_outputs(
     experts: Mapping[int, ExpertFileRef],
     x: npt.NDArray[np.float32],
     output_dim: int,
+    *,
+    lift: str | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(outputs [B, out], expert ids [B]) of the mixture read back from files."""
+    """(outputs [B, out], expert ids [B]) of the mixture read back from files; with
+    lift="linear" rows are lifted before routing, as the server does."""
     from experts_store import load_expert
-    from router import PrototypeTree
+    from router import PrototypeTree, lift_rows
 
     tree = PrototypeTree.load(router_path)
     xt = torch.as_tensor(np.asarray(x), dtype=torch.float32)
-    chosen = tree.route(xt, mode="exact" if routing == "exact" else "tree", top_k=1).experts[:, 0]
+    xr = lift_rows(xt) if lift == "linear" else xt
+    chosen = tree.route(xr, mode="exact" if routing == "exact" else "tree", top_k=1).experts[:, 0]
     outputs = torch.zeros(xt.shape[0], output_dim, dtype=torch.float32)
     for expert_id in torch.unique(chosen).tolist():
         rows = torch.nonzero(chosen == expert_id).squeeze(1)
@@ -74,9 +78,13 @@ def evaluate_mixture(
     y_test: npt.NDArray[np.generic],
     task: Task,
     output_dim: int,
+    *,
+    lift: str | None = None,
 ) -> MixtureScore:
     start = time.perf_counter()
-    outputs, chosen = mixture_outputs(router_path, routing, experts, x_test, output_dim)
+    outputs, chosen = mixture_outputs(
+        router_path, routing, experts, x_test, output_dim, lift=lift
+    )
     dtype = torch.int64 if task == "classification" else torch.float32
     targets = torch.as_tensor(np.asarray(y_test), dtype=dtype)
     value = score_outputs(task, outputs, targets)

@@ -74,6 +74,7 @@ def plan_jobs(
             depth=training.depth,
             num_experts=config.experts,
             batchnorm=training.batchnorm,
+            activation=config.expert_activation,
         )
         baseline = (
             arch.to_json(), dataclasses.replace(spec, epochs=training.baseline_epochs),

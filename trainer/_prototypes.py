@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import numpy as np
@@ -19,7 +19,9 @@ from torch import Tensor, nn
 
 from ._train import LossFn
 
-__all__ = ["MixtureOfSmallNetworks", "kmeans_prototypes", "learned_prototypes"]
+__all__ = [
+    "MixtureOfSmallNetworks", "kmeans_prototypes", "learned_prototypes", "run_joint_epochs",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,41 @@ class MixtureOfSmallNetworks(nn.Module):
         return (weights[:, :, None] * outputs).sum(dim=1)
 
 
+def run_joint_epochs(
+    mixture: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    opt: torch.optim.Optimizer,
+    *,
+    loss_fn: LossFn,
+    epochs: int,
+    batch_size: int,
+    generator: torch.Generator | None,
+    before_epoch: Callable[[int], None] | None = None,
+    after_step: Callable[[], None] | None = None,
+) -> None:
+    """Minibatch epochs of a joint phase (gate and small networks together), in train mode."""
+    rows = int(x.shape[0])
+    mixture.train()
+    for epoch in range(epochs):
+        if before_epoch is not None:
+            before_epoch(epoch)
+        order = torch.randperm(rows, generator=generator).to(x.device)
+        total = 0.0
+        for begin in range(0, rows, batch_size):
+            idx = order[begin : begin + batch_size]
+            if idx.numel() < 2:
+                continue
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(mixture(x[idx]), y[idx])
+            loss.backward()  # type: ignore[no-untyped-call]
+            opt.step()
+            if after_step is not None:
+                after_step()
+            total += float(loss.detach()) * idx.numel()
+        logger.debug("joint epoch %s: loss %.6g", epoch, total / max(rows, 1))
+
+
 def learned_prototypes(
     x: Tensor,
     y: Tensor,
@@ -96,24 +133,14 @@ def learned_prototypes(
             {"params": mixture.networks.parameters(), "lr": lr},
         ]
     )
-    rows = int(x.shape[0])
-    mixture.train()
-    for epoch in range(epochs):
-        order = torch.randperm(rows, generator=generator).to(x.device)
-        total = 0.0
-        for begin in range(0, rows, batch_size):
-            idx = order[begin : begin + batch_size]
-            if idx.numel() < 2:
-                continue
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(mixture(x[idx]), y[idx])
-            loss.backward()  # type: ignore[no-untyped-call]
-            opt.step()
-            # Keep prototypes within the data's bounding box: one that drifts outside wins
-            # no training points and its expert would be wasted.
-            with torch.no_grad():
-                mixture.prototypes.clamp_(min=low, max=high)
-            total += float(loss.detach()) * idx.numel()
-        logger.debug("prototype epoch %s: loss %.6g", epoch, total / max(rows, 1))
+
+    def keep_in_box() -> None:
+        # Keep prototypes within the data's bounding box: one that drifts outside wins
+        # no training points and its expert would be wasted.
+        with torch.no_grad():
+            mixture.prototypes.clamp_(min=low, max=high)
+
+    run_joint_epochs(mixture, x, y, opt, loss_fn=loss_fn, epochs=epochs, batch_size=batch_size,
+                     generator=generator, after_step=keep_in_box)
     mixture.eval()
     return mixture.prototypes.detach().clone().cpu()

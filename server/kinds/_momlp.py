@@ -14,7 +14,14 @@ from typing import Any, Protocol
 import torch
 
 from experts_store import ExpertRef, GateSpec, Manifest, Store
-from router import Gate, GateRouting, PrototypeTree, RouterInputError, check_gate
+from router import (
+    Gate,
+    GateRouting,
+    LinearGateRouter,
+    PrototypeTree,
+    RouterInputError,
+    check_gate,
+)
 from server._exceptions import CapExceeded, InvalidRequest
 from server._settings import Settings
 from server.kinds._types import GateRequest, Plan, PlannedGroup
@@ -57,11 +64,18 @@ class MomlpModel:
         self.manifest = manifest
         self.gate_spec = gate or (manifest.gate_spec if manifest is not None else GateSpec())
         self.default_mode: str = manifest.routing if manifest is not None else "tree"
+        # A learned linear gate's prototypes are lifted router rows (router/_lift.py): rows
+        # are lifted to [x, 1, 0, 0] before routing (by LinearGateRouter), so exact routing
+        # serves the linear softmax exactly; its dim is the rows', not the lifted tree's.
+        self._lifted = self.gate_spec.lift == "linear"
 
     @classmethod
     def open(cls, store: Store) -> MomlpModel:
         """Read the store's router (blocking); experts stay files until the pool loads them."""
-        router = PrototypeTree.load(store.router_path)
+        router: GateRouter = PrototypeTree.load(store.router_path)
+        if store.manifest.gate_spec.lift == "linear":
+            # Takes input-space rows and lifts them itself; exact top-k by logit bounds.
+            router = LinearGateRouter(router)
         experts = [store.expert_ref(e.id) for e in store.manifest.experts]
         return cls(router, experts, store.manifest)
 
@@ -70,6 +84,8 @@ class MomlpModel:
         return self.router.dim
 
     def prototypes(self) -> torch.Tensor | None:
+        if self._lifted:
+            return None  # lifted router rows, not points of the input space
         return getattr(self.router, "prototypes", None)
 
     @property

@@ -124,7 +124,7 @@ def test_missing_tensor_is_a_format_error(tmp_path: Path) -> None:
     "metadata",
     [
         {},
-        {"format_version": "2", "arch": '{"widths": [3, 8, 2]}'},
+        {"format_version": "3", "arch": '{"widths": [3, 8, 2]}'},
         {"format_version": "1"},
         {"format_version": "1", "arch": "{not json"},
         {"format_version": "1", "arch": '{"widths": [3, 9, 2]}'},

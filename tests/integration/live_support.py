@@ -73,6 +73,27 @@ class LiveServer:
     local: LocalModel
 
 
+@contextlib.contextmanager
+def serve_app(app: Any, *, name: str = "momlp-uvicorn") -> Iterator[str]:
+    """uvicorn on 127.0.0.1 (free port) in a daemon thread; yields the base URL."""
+    import uvicorn
+
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, lifespan="on")
+    )
+    thread = threading.Thread(target=server.run, name=name, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started or not thread.is_alive(), 120.0, "server start")
+    if not server.started:
+        raise RuntimeError("the server failed to start (see the log)")
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+
+
 def wait_until(condition: Any, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():

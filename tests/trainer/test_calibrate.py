@@ -38,6 +38,10 @@ def test_build_chooses_tau_from_held_out_rows_and_says_how(built: Path) -> None:
     # The chosen τ is the grid's best: no worse than τ = 1 on the rows it was fitted on.
     for k in ("2", "3"):
         assert c["loss_at_temperature"][k] <= c["loss_at_1"][k]
+    # One-standard-error rule: the smallest τ within one SE of the grid's best.
+    assert gate.temperature <= c["best_temperature"]
+    mean_loss = sum(c["loss_at_temperature"].values()) / 2
+    assert mean_loss <= c["loss_at_best"] + c["standard_error_at_temperature"] + 1e-12
     assert PrototypeTree.load(Store.open(built).router_path).temperature == gate.temperature
 
 
