@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from experts_store._load import load_expert, load_frozen_expert
     from experts_store._manifest import MANIFEST_FORMAT_VERSION, ExpertEntry, GateSpec, Manifest
     from experts_store._model import ExpertMLP
+    from experts_store._pmoe import PMOE_ROUTER_TENSOR, ImageLayout, PatchLayout, PMoESpec
     from experts_store._ref import ExpertRef, ExpertRefLoader
     from experts_store._store import Store, StoreExpertLoader, StoreProblem
     from experts_store._writer import StoreWriter
@@ -71,6 +72,10 @@ __all__ = [
     "Manifest",
     "MANIFEST_FORMAT_VERSION",
     "GateSpec",
+    "ImageLayout",
+    "PMOE_ROUTER_TENSOR",
+    "PMoESpec",
+    "PatchLayout",
     "ManifestError",
     "MonotonicClock",
     "Store",
@@ -120,6 +125,10 @@ _HOMES = {
     "MANIFEST_FORMAT_VERSION": "experts_store._manifest",
     "GateSpec": "experts_store._manifest",
     "ExpertMLP": "experts_store._model",
+    "PMOE_ROUTER_TENSOR": "experts_store._pmoe",
+    "ImageLayout": "experts_store._pmoe",
+    "PatchLayout": "experts_store._pmoe",
+    "PMoESpec": "experts_store._pmoe",
     "ExpertRef": "experts_store._ref",
     "ExpertRefLoader": "experts_store._ref",
     "Store": "experts_store._store",

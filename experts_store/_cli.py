@@ -71,6 +71,7 @@ def _info(args: argparse.Namespace) -> int:
         "temperature": m.temperature,
         "kind": m.kind,
         "gate": m.gate_spec.model_dump(),
+        "pmoe": m.pmoe.model_dump() if m.pmoe is not None else None,
         "router_file": m.router_file,
         "total_expert_bytes": m.total_expert_bytes,
         "total_params": m.total_params,
@@ -104,6 +105,13 @@ def _info(args: argparse.Namespace) -> int:
         how += f" on {c.get('rows')} rows of {c.get('data')}, top_k {c.get('top_k')}"
     print(f"kind       {m.kind}")
     print(f"gate       softmax(-{gate.score}/τ), τ={gate.temperature:.6g} ({how})")
+    if m.pmoe is not None:
+        p = m.pmoe
+        image = f", images {list(p.layout.image.shape)}" if p.layout.image is not None else ""
+        print(
+            f"patches    n={p.layout.num_patches} of d={p.layout.patch_dim}{image}; "
+            f"{p.routing} l={p.patches_per_expert}, gating {p.gating}"
+        )
     print(f"size       {_human_bytes(m.total_expert_bytes)} in experts, {m.total_params} params")
     print()
     print(f"{'id':>6}  {'bytes':>12}  {'params':>12}  widths")

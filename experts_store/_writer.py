@@ -39,6 +39,7 @@ from experts_store._manifest import (
     router_file_name,
 )
 from experts_store._model import ExpertMLP
+from experts_store._pmoe import PMoESpec
 
 __all__ = ["StoreWriter"]
 
@@ -180,6 +181,7 @@ class StoreWriter:
         extra: Mapping[str, Any] | None = None,
         kind: str = "momlp",
         gate: GateSpec | None = None,
+        pmoe: PMoESpec | None = None,
     ) -> Manifest:
         """Make the staged store the live one and return its manifest.
 
@@ -208,6 +210,7 @@ class StoreWriter:
                 extra=dict(extra or {}),
                 kind=kind,
                 gate=gate if gate is not None else GateSpec(temperature=temperature),
+                pmoe=pmoe,
             )
         except ValidationError as exc:
             raise ManifestError(root=self.root, message=str(exc)) from exc

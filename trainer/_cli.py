@@ -12,6 +12,7 @@ __all__ = ["register"]
 
 # Repeated here rather than imported: this module must not import numpy/torch at load time.
 _DATASETS = ("holder1d", "ackley2d", "ackley3d", "rastrigin2d", "rastrigin3d", "digits")
+_PMOE_DATASETS = ("digits-patches", "digits-patches-4class")  # trainer.pmoe.PMOE_DATASETS
 
 
 def register(subparsers: Any) -> None:
@@ -26,8 +27,13 @@ def register(subparsers: Any) -> None:
         ),
     )
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--dataset", choices=_DATASETS, help="a built-in dataset")
-    source.add_argument("--data", type=Path, metavar="FILE", help=".npz (X, y), .csv or .parquet")
+    source.add_argument(
+        "--dataset", choices=_DATASETS + _PMOE_DATASETS, help="a built-in dataset"
+    )
+    source.add_argument(
+        "--data", type=Path, nargs="+", metavar="FILE",
+        help=".npz (X, y), .csv or .parquet; for --kind pmoe two files: X.npy y.npy",
+    )
     p.add_argument("--target", metavar="COLUMN", help="target column of a .csv/.parquet table")
     p.add_argument("--task", choices=("auto", "regression", "classification"), default=None)
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="store directory")
@@ -67,6 +73,22 @@ def register(subparsers: Any) -> None:
     p.add_argument("--torch-threads", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="small preset for tests and the demo")
     p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument(
+        "--kind", choices=("momlp", "pmoe"), default="momlp",
+        help="momlp (default): prototype-tree mixture; pmoe: patch-level routing (paper 003)",
+    )
+    pmoe = p.add_argument_group("--kind pmoe (see trainer.pmoe.PMoEBuildConfig)")
+    pmoe.add_argument("--patches-per-expert", type=int, default=None, metavar="L")
+    pmoe.add_argument("--train", choices=("separate", "joint"), default=None)
+    pmoe.add_argument("--baseline", dest="pmoe_baseline", choices=("cnn",), default=None)
+    pmoe.add_argument(
+        "--patch-routing", choices=("expert_choice", "token_choice"), default=None,
+        help="token_choice: each patch to its nearest prototype's expert",
+    )
+    pmoe.add_argument("--patch-shape", default=None, metavar="PHxPW", help="for image X.npy")
+    pmoe.add_argument("--router-epochs", type=int, default=None)
+    pmoe.add_argument("--num-train", type=int, default=None)
+    pmoe.add_argument("--num-test", type=int, default=None)
     p.set_defaults(handler=_handle_build)
 
 
@@ -79,7 +101,27 @@ _CONFIG_OPTIONS = (
 )
 
 
+_PMOE_ONLY = (
+    "patches_per_expert", "train", "pmoe_baseline", "patch_routing", "patch_shape",
+    "router_epochs", "num_train", "num_test",
+)
+
+
 def _handle_build(args: argparse.Namespace) -> int:
+    if args.kind == "pmoe":
+        from trainer.pmoe import handle_pmoe_build
+
+        return handle_pmoe_build(args)
+    stray = [o for o in _PMOE_ONLY if getattr(args, o) is not None]
+    if stray:
+        flags = ", ".join("--" + o.replace("pmoe_", "").replace("_", "-") for o in stray)
+        print(f"momlp build: {flags} only apply to --kind pmoe", file=sys.stderr)
+        return 2
+    if args.data is not None:
+        if len(args.data) != 1:
+            print("momlp build: --data takes one file", file=sys.stderr)
+            return 2
+        args.data = args.data[0]
     import torch
 
     from experts_store import Store
