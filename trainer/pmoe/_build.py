@@ -116,7 +116,8 @@ def _load_npy(path: Path) -> np.ndarray[Any, Any]:
     try:
         if path.stat().st_size > _MAX_FILE_BYTES:
             raise PMoEConfigError(f"{path} is larger than 2 GiB", option="data")
-        return np.load(path, allow_pickle=False)
+        array: np.ndarray[Any, Any] = np.load(path, allow_pickle=False)
+        return array
     except (OSError, ValueError) as exc:
         raise PMoEConfigError(f"cannot read {path}: {exc}", option="data") from exc
 
@@ -191,13 +192,18 @@ def build_pmoe(config: PMoEBuildConfig, progress: bool = True) -> PMoEBuild:
     router_epochs = config.router_epochs if config.train == "separate" else 0
     cnn_epochs = config.epochs if config.baseline == "cnn" else 0
     with _progress(progress, router_epochs + config.epochs + cnn_epochs) as bar:
+
+        def on_epoch(stage: str, done: int) -> None:
+            bar.set_postfix(stage=stage)
+            bar.update(1)
+
         settings = TrainSettings(
             lr=config.lr,
             batch_size=config.batch_size,
             epochs=config.epochs,
             router_epochs=config.router_epochs,
             seed=config.seed,
-            on_epoch=lambda stage, done: (bar.set_postfix(stage=stage), bar.update(1)),
+            on_epoch=on_epoch,
         )
         history = train_model(model, data.x_train, data.y_train, config.train, settings)
         report: dict[str, Any] = {
@@ -207,7 +213,7 @@ def build_pmoe(config: PMoEBuildConfig, progress: bool = True) -> PMoEBuild:
             "routing": config.routing,
             "num_train": int(len(data.y_train)),
             "num_test": int(len(data.y_test)),
-            "expert_choice_accuracy": accuracy(model, data.x_test, data.y_test),
+            "expert_choice_accuracy": accuracy(model, data.x_test.numpy(), data.y_test.numpy()),
             "final_loss": history.losses[-1] if history.losses else None,
             "train_s": history.seconds,
             "expert_macs_per_sample": model.expert_macs_per_sample(),
@@ -224,7 +230,7 @@ def build_pmoe(config: PMoEBuildConfig, progress: bool = True) -> PMoEBuild:
             train_model(cnn, data.x_train, data.y_train, "cnn", settings)
             report["baseline"] = {
                 "model": "cnn",
-                "accuracy": accuracy(cnn, data.x_test, data.y_test),
+                "accuracy": accuracy(cnn, data.x_test.numpy(), data.y_test.numpy()),
                 "expert_macs_per_sample": cnn.expert_macs_per_sample(),
             }
     tree = None
