@@ -12,6 +12,7 @@ __all__ = [
     "ErrorBody",
     "ErrorResponse",
     "ExpertInfoModel",
+    "ExpertPatchesModel",
     "ExpertStatModel",
     "ExpertsResponse",
     "HealthResponse",
@@ -80,6 +81,11 @@ class PredictRequest(RouteRequest):
     """Rows to predict; `top_k > 1` returns the gate-weighted sum of the k nearest experts."""
 
     return_stats: bool = Field(default=False, strict=True)
+    return_routing: bool = Field(
+        default=False,
+        strict=True,
+        description="pmoe stores: add `patches`, each expert's patches and gates per row",
+    )
 
 
 class ExpertStatModel(BaseModel):
@@ -102,6 +108,20 @@ class PredictStats(BaseModel):
     route_ms: float
     queue_ms: float
     total_ms: float
+    patches_computed: int | None = Field(
+        default=None, description="pmoe: patch computations made (sum of the experts' rows)"
+    )
+    patches_dense: int | None = Field(
+        default=None, description="pmoe: rows·n·k, what every expert on every patch would make"
+    )
+
+
+class ExpertPatchesModel(BaseModel):
+    """One expert's patches for one row (indices 0..n-1, in the order it took them)."""
+
+    expert_id: int
+    patches: list[int]
+    gates: list[float]
 
 
 class PredictResponse(BaseModel):
@@ -113,6 +133,7 @@ class PredictResponse(BaseModel):
     weights: list[list[float]]
     store_version: str
     stats: PredictStats | None = None
+    patches: list[list[ExpertPatchesModel]] | None = None
 
 
 class RouteResponse(BaseModel):
@@ -121,6 +142,7 @@ class RouteResponse(BaseModel):
     distances: list[list[float]]
     distance_evals: list[int]
     store_version: str
+    patches: list[list[ExpertPatchesModel]] | None = None
 
 
 class ModelResponse(BaseModel):

@@ -19,7 +19,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from server._exceptions import NotReady, RequestTimeout
+from server._exceptions import InvalidRequest, NotReady, RequestTimeout
 from server._settings import Settings
 from server.http._body import parse_inputs
 from server.http._metrics import CONTENT_TYPE, Metrics
@@ -27,6 +27,7 @@ from server.http._models import (
     ActorInfoModel,
     ErrorResponse,
     ExpertInfoModel,
+    ExpertPatchesModel,
     ExpertsResponse,
     ExpertStatModel,
     HealthResponse,
@@ -39,7 +40,7 @@ from server.http._models import (
     RouteResponse,
 )
 from server.http._openapi import inline_defs
-from server.kinds import GateRequest
+from server.kinds import GateRequest, PatchInputs, PatchRowRouting
 from server.serving import ServingState, StoreVersion
 
 __all__ = ["ERROR_RESPONSES", "add_routes", "model_response"]
@@ -99,6 +100,7 @@ class _Inputs(NamedTuple):
     x: np.ndarray[Any, np.dtype[np.float32]]
     options: Hashable  # the kind's resolved options (for momlp a router.Gate)
     return_stats: bool
+    return_routing: bool = False
 
 
 async def _query_gate(
@@ -135,7 +137,9 @@ async def _inputs(
     model: type[RouteRequest],
     gate: GateRequest,
     return_stats: bool,
+    return_routing: bool = False,
 ) -> _Inputs:
+    patch_model = version.model if isinstance(version.model, PatchInputs) else None
     parsed = await parse_inputs(
         request,
         max_bytes=settings.max_body_bytes,
@@ -145,10 +149,28 @@ async def _inputs(
         return_stats=return_stats,
         model=model,
         body_timeout_s=settings.body_timeout_s,
+        image=patch_model,
+        return_routing=return_routing,
     )
+    if parsed.return_routing and patch_model is None:
+        raise InvalidRequest(
+            "return_routing applies to patch (pmoe) stores; experts and weights already "
+            "give this store's routing",
+            field="return_routing",
+        )
     # The store's kind resolves the gate against its defaults and the server's caps, once.
     options = version.model.resolve(parsed.gate, settings)
-    return _Inputs(parsed.x, options, parsed.return_stats)
+    return _Inputs(parsed.x, options, parsed.return_stats, parsed.return_routing)
+
+
+def _patch_rows(routing: Any) -> list[list[ExpertPatchesModel]] | None:
+    """Each row's patch choices, when the kind's routing has them."""
+    if not isinstance(routing, PatchRowRouting):
+        return None
+    return [
+        [ExpertPatchesModel.model_construct(**vars(choice)) for choice in row]
+        for row in routing.patch_choices()
+    ]
 
 
 def _ragged(rows: list[list[Any]], kept: list[int]) -> list[list[Any]]:
@@ -169,11 +191,16 @@ def add_routes(app: FastAPI) -> None:
         metrics: AppMetrics,
         gate: QueryGate,
         return_stats: Annotated[bool, Query(description="binary bodies only")] = False,
+        return_routing: Annotated[
+            bool, Query(description="binary bodies only; pmoe stores")
+        ] = False,
     ) -> Response:
         start = time.perf_counter()
         settings = serving.settings
         async with serving.use() as version:
-            parsed = await _inputs(request, version, settings, PredictRequest, gate, return_stats)
+            parsed = await _inputs(
+                request, version, settings, PredictRequest, gate, return_stats, return_routing
+            )
             x = torch.from_numpy(parsed.x)
             try:
                 answer = await asyncio.wait_for(
@@ -194,6 +221,9 @@ def add_routes(app: FastAPI) -> None:
                 queue_ms=answer.queue_ms,
                 total_ms=max(answer.total_ms, (time.perf_counter() - start) * 1000.0),
             )
+            if isinstance(answer.routing, PatchRowRouting):
+                stats.patches_computed = sum(s.rows for s in answer.stats)
+                stats.patches_dense = answer.routing.dense_patches
         kept = answer.kept()
         return model_response(
             PredictResponse.model_construct(
@@ -202,6 +232,7 @@ def add_routes(app: FastAPI) -> None:
                 weights=[weights for _, weights in kept],
                 store_version=version.version,
                 stats=stats,
+                patches=_patch_rows(answer.routing) if parsed.return_routing else None,
             )
         )
 
@@ -229,6 +260,7 @@ def add_routes(app: FastAPI) -> None:
                 distances=_ragged(routing.distances.tolist(), kept),
                 distance_evals=routing.distance_evals.tolist(),
                 store_version=version.version,
+                patches=_patch_rows(routing),
             )
         )
 

@@ -8,6 +8,7 @@ The batching floor above calls a kind through `ServedModel`, never by its name.
 from __future__ import annotations
 
 from server.kinds._momlp import GateRouter, MomlpModel
+from server.kinds._pmoe import PatchModel, PatchOptions, PatchRouting
 from server.kinds._registry import KINDS, open_model
 from server.kinds._types import (
     BatchRun,
@@ -17,6 +18,7 @@ from server.kinds._types import (
     RowRouting,
     ServedModel,
 )
+from server.kinds._views import PatchChoice, PatchInputs, PatchRowRouting
 
 __all__ = [
     "KINDS",
@@ -24,6 +26,12 @@ __all__ = [
     "GateRequest",
     "GateRouter",
     "MomlpModel",
+    "PatchChoice",
+    "PatchInputs",
+    "PatchModel",
+    "PatchOptions",
+    "PatchRouting",
+    "PatchRowRouting",
     "Plan",
     "PlannedGroup",
     "RowRouting",

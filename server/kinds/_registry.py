@@ -7,6 +7,7 @@ from collections.abc import Callable
 from experts_store import Store
 from server._exceptions import UnknownStoreKind
 from server.kinds._momlp import MomlpModel
+from server.kinds._pmoe import PatchModel
 from server.kinds._types import ServedModel
 
 __all__ = ["KINDS", "open_model"]
@@ -14,6 +15,7 @@ __all__ = ["KINDS", "open_model"]
 # One entry per kind; a kind is its planner/combiner (a ServedModel), opened from its store.
 KINDS: dict[str, Callable[[Store], ServedModel]] = {
     MomlpModel.kind: MomlpModel.open,
+    PatchModel.kind: PatchModel.open,
 }
 
 
