@@ -40,7 +40,13 @@ if TYPE_CHECKING:
     from experts_store._load import load_expert, load_frozen_expert
     from experts_store._manifest import MANIFEST_FORMAT_VERSION, ExpertEntry, GateSpec, Manifest
     from experts_store._model import ExpertMLP
-    from experts_store._pmoe import PMOE_ROUTER_TENSOR, ImageLayout, PatchLayout, PMoESpec
+    from experts_store._pmoe import (
+        PATCH_ALIGN,
+        PMOE_ROUTER_TENSOR,
+        ImageLayout,
+        PatchLayout,
+        PMoESpec,
+    )
     from experts_store._ref import ExpertRef, ExpertRefLoader
     from experts_store._store import Store, StoreExpertLoader, StoreProblem
     from experts_store._writer import StoreWriter
@@ -73,6 +79,7 @@ __all__ = [
     "MANIFEST_FORMAT_VERSION",
     "GateSpec",
     "ImageLayout",
+    "PATCH_ALIGN",
     "PMOE_ROUTER_TENSOR",
     "PMoESpec",
     "PatchLayout",
@@ -125,6 +132,7 @@ _HOMES = {
     "MANIFEST_FORMAT_VERSION": "experts_store._manifest",
     "GateSpec": "experts_store._manifest",
     "ExpertMLP": "experts_store._model",
+    "PATCH_ALIGN": "experts_store._pmoe",
     "PMOE_ROUTER_TENSOR": "experts_store._pmoe",
     "ImageLayout": "experts_store._pmoe",
     "PatchLayout": "experts_store._pmoe",

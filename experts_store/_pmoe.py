@@ -25,10 +25,20 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from experts_store._arch import ExpertArch
 
-__all__ = ["PMOE_ROUTER_TENSOR", "ImageLayout", "PatchLayout", "PMoESpec"]
+__all__ = ["PATCH_ALIGN", "PMOE_ROUTER_TENSOR", "ImageLayout", "PatchLayout", "PMoESpec"]
 
 # Name of the [k, d] router matrix inside an expert-choice store's router file.
 PMOE_ROUTER_TENSOR = "router_weight"
+# Experts take patches zero-padded to a multiple of this many values, and their hidden widths
+# are padded (with zero neurons) the same way: CPU GEMM kernels otherwise sum a row in an
+# order that depends on its memory alignment, i.e. on where the row sits in its group, and a
+# sample's output would depend on the other samples of its batch.
+PATCH_ALIGN = 8
+
+
+def aligned(width: int) -> int:
+    """`width` rounded up to a multiple of PATCH_ALIGN."""
+    return -(-width // PATCH_ALIGN) * PATCH_ALIGN
 
 
 class ImageLayout(BaseModel):
@@ -94,6 +104,11 @@ class PatchLayout(BaseModel):
     def input_dim(self) -> int:
         return self.num_patches * self.patch_dim
 
+    @property
+    def expert_input_dim(self) -> int:
+        """What an expert takes: a patch zero-padded to a multiple of PATCH_ALIGN."""
+        return aligned(self.patch_dim)
+
 
 class PMoESpec(BaseModel):
     """`manifest["pmoe"]`: input layout, routing mode, gating, and how it was trained."""
@@ -105,7 +120,7 @@ class PMoESpec(BaseModel):
     patches_per_expert: int | None = Field(default=None, ge=1, description="l (expert choice)")
     gating: Literal["softmax", "ones"] = "softmax"
     num_classes: int = Field(ge=2)
-    hidden: int = Field(ge=1, description="neurons of each expert")
+    hidden: int = Field(ge=1, description="neurons of each expert (before padding)")
     train: Literal["separate", "joint"] | None = None
 
     @model_validator(mode="after")
@@ -134,9 +149,11 @@ class PMoESpec(BaseModel):
             )
         if output_dim != self.num_classes:
             raise ValueError(f"output_dim {output_dim} is not num_classes {self.num_classes}")
+        expected = self.layout.expert_input_dim
         for expert_id, arch in enumerate(archs):
-            if arch.input_dim != self.layout.patch_dim or arch.output_dim != output_dim:
+            if arch.input_dim != expected or arch.output_dim != output_dim:
                 raise ValueError(
                     f"expert {expert_id}: arch maps {arch.input_dim} -> {arch.output_dim}, "
-                    f"a patch expert maps {self.layout.patch_dim} -> {output_dim}"
+                    f"a patch expert maps {expected} (d={self.layout.patch_dim} padded) -> "
+                    f"{output_dim}"
                 )

@@ -299,7 +299,9 @@ class PatchModel:
         return PatchRouting.concat(parts)
 
     def start(self, x: torch.Tensor, routing: Any) -> _PatchRun:
-        return _PatchRun(x, routing, self.experts, self.num_patches, self.patch_dim)
+        return _PatchRun(
+            x, routing, self.experts, self.num_patches, self.spec.layout.expert_input_dim
+        )
 
     def prefetch_keys(self, routing: Any) -> list[ExpertRef]:
         ids = torch.unique(routing.slot_expert[routing.slot_expert >= 0]).tolist()
@@ -315,9 +317,12 @@ class _PatchRun:
         routing: PatchRouting,
         experts: list[ExpertRef],
         num_patches: int,
-        patch_dim: int,
+        expert_input_dim: int,
     ) -> None:
-        self._patches = x.reshape(x.shape[0] * num_patches, patch_dim)
+        patches = x.reshape(x.shape[0] * num_patches, -1)
+        pad = expert_input_dim - patches.shape[1]
+        # Experts take patches zero-padded to an aligned width (experts_store.PATCH_ALIGN).
+        self._patches = torch.nn.functional.pad(patches, (0, pad)) if pad else patches
         self._routing = routing
         self._experts = experts
         self._num_patches = num_patches

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from experts_store import (
+    PATCH_ALIGN,
     PMOE_ROUTER_TENSOR,
     ExpertArch,
     ExpertMLP,
@@ -54,16 +55,27 @@ def _readout(model: PatchMoE, expert_id: int) -> torch.Tensor:
     return a.T.contiguous()
 
 
+def _aligned(width: int) -> int:
+    return -(-width // PATCH_ALIGN) * PATCH_ALIGN
+
+
 @torch.no_grad()
 def expert_mlp(model: PatchMoE, expert_id: int) -> ExpertMLP:
-    """Expert `expert_id` of `model` as a per-patch MLP d -> h -> num_classes."""
-    arch = ExpertArch(widths=(model.patch_dim, model.hidden, model.num_classes), prelu_init=0.0)
+    """Expert `expert_id` of `model` as a per-patch MLP d -> h -> num_classes.
+
+    d and h are zero-padded to multiples of PATCH_ALIGN (zero weights: the same function)
+    so that the server's results do not depend on a row's alignment in its group.
+    """
+    d, h = model.patch_dim, model.hidden
+    arch = ExpertArch(widths=(_aligned(d), _aligned(h), model.num_classes), prelu_init=0.0)
     expert = ExpertMLP(arch)
     first, last = expert.linears[0], expert.linears[1]
     assert isinstance(first, torch.nn.Linear) and isinstance(last, torch.nn.Linear)
-    first.weight.copy_(model.expert_weight[expert_id].detach())
+    first.weight.zero_()
+    first.weight[:h, :d] = model.expert_weight[expert_id].detach()
     first.bias.zero_()
-    last.weight.copy_(_readout(model, expert_id))
+    last.weight.zero_()
+    last.weight[:, :h] = _readout(model, expert_id)
     last.bias.zero_()
     expert.eval()
     return expert
