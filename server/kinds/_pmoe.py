@@ -49,8 +49,8 @@ class PatchRouting:
     slot_expert: torch.Tensor  # [B, T] int64
     slot_patch: torch.Tensor  # [B, T] int64
     slot_gate: torch.Tensor  # [B, T] float64
-    experts: torch.Tensor  # [B, L] int64: the experts used, heaviest first, -1 padded
-    weights: torch.Tensor  # [B, L] float64: each expert's share of the row's gate mass
+    experts: torch.Tensor  # [B, L] int64: the experts used, most patches first, -1 padded
+    weights: torch.Tensor  # [B, L] float64: each expert's share of the row's patches
     distance_evals: torch.Tensor  # [B] int64: router evaluations per row
     num_patches: int
     num_experts: int
@@ -113,14 +113,14 @@ class PatchRouting:
 
 
 def _expert_summary(
-    slot_expert: torch.Tensor, slot_gate: torch.Tensor, num_experts: int
+    slot_expert: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, the experts used, by share of the gate mass (ties to the lower id)."""
-    mass = torch.zeros(slot_expert.shape[0], num_experts, dtype=torch.float64)
+    """Per row, the experts used and each one's share of the row's patch computations,
+    largest first (ties to the lower id): 1/k each under expert choice."""
     used = slot_expert >= 0
-    mass.scatter_add_(1, slot_expert.clamp(min=0), torch.where(used, slot_gate, 0.0))
-    count = torch.zeros_like(mass).scatter_add_(1, slot_expert.clamp(min=0), used.double())
-    share = mass / mass.sum(dim=1, keepdim=True).clamp(min=1e-300)
+    count = torch.zeros(slot_expert.shape[0], num_experts, dtype=torch.float64)
+    count.scatter_add_(1, slot_expert.clamp(min=0), used.double())
+    share = count / count.sum(dim=1, keepdim=True).clamp(min=1.0)
     order = torch.sort(-share, dim=1, stable=True).indices
     experts = torch.where(torch.gather(count, 1, order) > 0, order, -1)
     weights = torch.where(experts >= 0, torch.gather(share, 1, order), 0.0)
@@ -264,7 +264,7 @@ class PatchModel:
             gates = torch.ones(indices.shape, dtype=torch.float32)
         slot_expert = torch.arange(k).repeat_interleave(top).expand(b, k * top).contiguous()
         slot_gate = gates.reshape(b, k * top).to(torch.float64)
-        experts, weights = _expert_summary(slot_expert, slot_gate, k)
+        experts, weights = _expert_summary(slot_expert, k)
         return PatchRouting(
             slot_expert,
             indices.reshape(b, k * top),
@@ -283,7 +283,7 @@ class PatchModel:
         routed = self.tree.route(patches.reshape(b * n, d), mode=mode)
         slot_expert = routed.experts[:, 0].reshape(b, n).to(torch.int64)
         slot_gate = torch.ones(b, n, dtype=torch.float64)
-        experts, weights = _expert_summary(slot_expert, slot_gate, k)
+        experts, weights = _expert_summary(slot_expert, k)
         return PatchRouting(
             slot_expert,
             torch.arange(n).expand(b, n).contiguous(),
