@@ -84,7 +84,8 @@ class PredictRequest(RouteRequest):
     return_routing: bool = Field(
         default=False,
         strict=True,
-        description="pmoe stores: add `patches`, each expert's patches and gates per row",
+        description="pmoe stores: add `patches`, each expert's patches and gates per row "
+        "(other kinds: `patches` stays null)",
     )
 
 

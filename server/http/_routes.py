@@ -19,7 +19,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from server._exceptions import InvalidRequest, NotReady, RequestTimeout
+from server._exceptions import NotReady, RequestTimeout
 from server._settings import Settings
 from server.http._body import parse_inputs
 from server.http._metrics import CONTENT_TYPE, Metrics
@@ -152,19 +152,14 @@ async def _inputs(
         image=patch_model,
         return_routing=return_routing,
     )
-    if parsed.return_routing and patch_model is None:
-        raise InvalidRequest(
-            "return_routing applies to patch (pmoe) stores; experts and weights already "
-            "give this store's routing",
-            field="return_routing",
-        )
     # The store's kind resolves the gate against its defaults and the server's caps, once.
     options = version.model.resolve(parsed.gate, settings)
     return _Inputs(parsed.x, options, parsed.return_stats, parsed.return_routing)
 
 
 def _patch_rows(routing: Any) -> list[list[ExpertPatchesModel]] | None:
-    """Each row's patch choices, when the kind's routing has them."""
+    """Each row's patch choices, when the kind's routing has them (else None: for other
+    kinds `experts` and `weights` already are the whole routing)."""
     if not isinstance(routing, PatchRowRouting):
         return None
     return [
