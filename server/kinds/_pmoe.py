@@ -222,8 +222,14 @@ class PatchModel:
         return None
 
     def resolve(self, request: GateRequest, settings: Settings) -> PatchOptions:
-        """Patch routing has no gate knobs; a request that sets one is refused, naming it."""
-        for name in ("top_k", "temperature", "min_weight", "top_p", "beam", "score"):
+        """Patch routing has no gate knobs; a request that sets one is refused, naming it
+        (top_k=1, which the SDK always sends, means the default and is accepted)."""
+        if request.top_k not in (None, 1):
+            raise InvalidRequest(
+                "top_k does not apply to a pmoe store (each expert takes its top-l patches)",
+                field="top_k",
+            )
+        for name in ("temperature", "min_weight", "top_p", "beam", "score"):
             if getattr(request, name) is not None:
                 raise InvalidRequest(
                     f"{name} does not apply to a pmoe store (patch-level routing)", field=name

@@ -21,6 +21,7 @@ import pytest
 import torch
 from live_support import serve_process
 
+import client
 from trainer.pmoe import (
     PMoEBuild,
     PMoEBuildConfig,
@@ -213,3 +214,13 @@ def test_the_four_class_variant_serves_per_class_outputs(served: Served) -> None
     assert accuracy == pytest.approx(build.report["expert_choice_accuracy"], abs=1e-6)
     assert accuracy > 0.25  # better than chance after a few epochs
     assert torch.equal(torch.as_tensor(outputs.argmax(1)), torch.as_tensor(offline.argmax(1)))
+
+    # The SDK (which always sends top_k=1) gets the per-class outputs and the patch choices.
+    with client.Client(served.url) as sdk:
+        prediction = sdk.predict(flat(build)[:5], return_routing=True, return_stats=True)
+    assert prediction.numpy().shape == (5, 4)
+    assert prediction.patches is not None and prediction.stats is not None
+    with torch.no_grad():
+        expected = build.model.route(build.x_test[:5]).indices.tolist()
+    assert [[e.patches for e in row] for row in prediction.patches] == expected
+    assert prediction.stats.patches_computed == 5 * 4 * 2  # rows · k · l
