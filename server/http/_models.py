@@ -158,6 +158,9 @@ class ModelResponse(BaseModel):
     temperature: float
     kind: str = "momlp"
     gate: dict[str, Any] | None = None
+    pmoe: dict[str, Any] | None = Field(
+        default=None, description="kind pmoe: patch layout (n, d, image), routing, gating"
+    )
     total_expert_bytes: int
     max_expert_bytes: int
     total_params: int

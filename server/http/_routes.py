@@ -283,6 +283,7 @@ def add_routes(app: FastAPI) -> None:
                 temperature=m.temperature,
                 kind=m.kind,
                 gate=m.gate_spec.model_dump(),
+                pmoe=m.pmoe.model_dump() if m.pmoe is not None else None,
                 total_expert_bytes=m.total_expert_bytes,
                 max_expert_bytes=max((e.bytes for e in m.experts), default=0),
                 total_params=sum(e.params for e in m.experts),

@@ -205,6 +205,8 @@ def test_the_four_class_variant_serves_per_class_outputs(served: Served) -> None
     assert build.model.num_classes == 4
     model_info = httpx.get(f"{served.url}/v1/model", timeout=30).json()
     assert (model_info["kind"], model_info["output_dim"]) == ("pmoe", 4)
+    assert model_info["pmoe"]["layout"]["image"]["height"] == 32
+    assert model_info["pmoe"]["num_classes"] == 4
     offline = predict_logits(build.model, build.x_test).numpy()
     answer = post_npy(served.url, "/v1/predict", flat(build)).json()
     outputs = np.asarray(answer["outputs"])
