@@ -34,6 +34,7 @@ from ._loadtest import Clock, LoadTestConfig, MonotonicClock, arun_loadtest, run
 from ._models import (
     ActorInfo,
     ExpertInfo,
+    ExpertPatches,
     ExpertsInfo,
     ExpertStat,
     ModelInfo,
@@ -55,6 +56,7 @@ __all__ = [
     "DecodingError",
     "Distribution",
     "ExpertInfo",
+    "ExpertPatches",
     "ExpertStat",
     "ExpertUnavailable",
     "ExpertsInfo",

@@ -71,11 +71,16 @@ class AsyncClient(BaseClient):
         binary: bool | None = None,
         gate: Mapping[str, Any] | None = None,
         conditions: Mapping[str, Any] | None = None,
+        return_routing: bool = False,
     ) -> Prediction:
-        """Outputs for a 2-D batch `inputs` [rows, input_dim] (lists, tuples, numpy arrays...)."""
+        """Outputs for a 2-D batch `inputs` [rows, input_dim] (lists, tuples, numpy arrays...).
+
+        `return_routing` (pmoe stores): `Prediction.patches` says which patches each expert
+        took for each row, with their gates.
+        """
         spec = self._build_predict(
             inputs, top_k=top_k, mode=mode, return_stats=return_stats, binary=binary,
-            gate=gate, conditions=conditions,
+            gate=gate, conditions=conditions, return_routing=return_routing,
         )
         return self._decode_prediction(await self._request(spec))
 

@@ -109,6 +109,7 @@ class BaseClient:
         binary: bool | None,
         gate: Mapping[str, Any] | None = None,
         conditions: Mapping[str, Any] | None = None,
+        return_routing: bool = False,
     ) -> RequestSpec:
         _check_options(top_k, mode)
         gate = _check_gate(gate)
@@ -120,6 +121,8 @@ class BaseClient:
             params = {"top_k": str(top_k), "return_stats": "true" if return_stats else "false"}
             if mode is not None:
                 params["mode"] = mode
+            if return_routing:
+                params["return_routing"] = "true"
             params.update(_gate_query(gate))
             return RequestSpec(
                 "POST",
@@ -130,6 +133,8 @@ class BaseClient:
             )
         body: dict[str, Any] = {"inputs": encoded.rows, "top_k": top_k, "mode": mode}
         body["return_stats"] = return_stats
+        if return_routing:
+            body["return_routing"] = True
         if gate:
             body["gate"] = gate
         if conditions:

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 __all__ = [
     "ActorInfo",
     "ExpertInfo",
+    "ExpertPatches",
     "ExpertStat",
     "ExpertsInfo",
     "ModelInfo",
@@ -49,6 +50,8 @@ class PredictStats(_Model):
     route_ms: float = 0.0
     queue_ms: float = 0.0
     total_ms: float = 0.0
+    patches_computed: int | None = None  # pmoe stores: patch computations made
+    patches_dense: int | None = None  # pmoe stores: rows·n·k
 
     @property
     def hits(self) -> int:
@@ -59,6 +62,14 @@ class PredictStats(_Model):
         return sum(1 for stat in self.experts if stat.cache == "miss")
 
 
+class ExpertPatches(_Model):
+    """pmoe stores: the patches one expert took for one row, and their gates."""
+
+    expert_id: int
+    patches: list[int]
+    gates: list[float]
+
+
 class Prediction(_Model):
     """`POST /v1/predict`: one output row per input row, in input order."""
 
@@ -67,6 +78,7 @@ class Prediction(_Model):
     weights: list[list[float]]
     store_version: str
     stats: PredictStats | None = None
+    patches: list[list[ExpertPatches]] | None = None  # with return_routing (pmoe stores)
 
     def numpy(self) -> Any:
         """The outputs as a float32 numpy array [rows, output_dim] (needs numpy)."""
@@ -85,6 +97,7 @@ class Routing(_Model):
     distances: list[list[float]]
     distance_evals: list[int]
     store_version: str
+    patches: list[list[ExpertPatches]] | None = None  # pmoe stores
 
     def numpy(self) -> Any:
         """The experts as an int64 numpy array [rows, top_k] (needs numpy)."""

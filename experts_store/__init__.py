@@ -64,6 +64,13 @@ if TYPE_CHECKING:
     from experts_store._manifest import MANIFEST_FORMAT_VERSION, ExpertEntry, GateSpec, Manifest
     from experts_store._materialize import materialize_store
     from experts_store._model import ExpertMLP
+    from experts_store._pmoe import (
+        PATCH_ALIGN,
+        PMOE_ROUTER_TENSOR,
+        ImageLayout,
+        PatchLayout,
+        PMoESpec,
+    )
     from experts_store._ref import ExpertRef, ExpertRefLoader
     from experts_store._store import Store, StoreExpertLoader, StoreProblem
     from experts_store._writer import StoreWriter
@@ -117,6 +124,11 @@ __all__ = [
     "Manifest",
     "MANIFEST_FORMAT_VERSION",
     "GateSpec",
+    "ImageLayout",
+    "PATCH_ALIGN",
+    "PMOE_ROUTER_TENSOR",
+    "PMoESpec",
+    "PatchLayout",
     "ManifestError",
     "MonotonicClock",
     "Store",
@@ -168,6 +180,11 @@ _HOMES = {
     "MANIFEST_FORMAT_VERSION": "experts_store._manifest",
     "GateSpec": "experts_store._manifest",
     "ExpertMLP": "experts_store._model",
+    "PATCH_ALIGN": "experts_store._pmoe",
+    "PMOE_ROUTER_TENSOR": "experts_store._pmoe",
+    "ImageLayout": "experts_store._pmoe",
+    "PatchLayout": "experts_store._pmoe",
+    "PMoESpec": "experts_store._pmoe",
     "ExpertRef": "experts_store._ref",
     "ExpertRefLoader": "experts_store._ref",
     "Store": "experts_store._store",

@@ -80,6 +80,7 @@ def _info(args: argparse.Namespace) -> int:
         "temperature": m.temperature,
         "kind": m.kind,
         "gate": m.gate_spec.model_dump(),
+        "pmoe": m.pmoe.model_dump() if m.pmoe is not None else None,
         "router_file": m.router_file,
         "hyper": m.hyper.model_dump() if m.hyper is not None else None,
         "total_expert_bytes": m.total_expert_bytes,
@@ -124,6 +125,13 @@ def _info(args: argparse.Namespace) -> int:
             "walks the lifted points, an APPROXIMATION"
             + (f" (top-1 = router argmax on {agree:.1%} of training rows)" if agree is not None
                else "")
+        )
+    if m.pmoe is not None:
+        p = m.pmoe
+        image = f", images {list(p.layout.image.shape)}" if p.layout.image is not None else ""
+        print(
+            f"patches    n={p.layout.num_patches} of d={p.layout.patch_dim}{image}; "
+            f"{p.routing} l={p.patches_per_expert}, gating {p.gating}"
         )
     print(f"size       {_human_bytes(m.total_expert_bytes)} in experts, {m.total_params} params")
     if m.hyper is not None:

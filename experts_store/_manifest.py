@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from experts_store._arch import ExpertArch
 from experts_store._exceptions import UnknownExpert
 from experts_store._hyper import HyperSpec
+from experts_store._pmoe import PMoESpec
 
 __all__ = [
     "MANIFEST_FORMAT_VERSION",
@@ -149,6 +150,7 @@ class Manifest(BaseModel):
     kind: str = "momlp"
     gate: GateSpec | None = None
     hyper: HyperSpec | None = None  # the block of kind "hyper" (experts_store/_hyper.py)
+    pmoe: PMoESpec | None = None  # kind "pmoe": patch layout, routing, gating
 
     @field_validator("kind")
     @classmethod
@@ -209,6 +211,14 @@ class Manifest(BaseModel):
             raise ValueError(
                 f"expert ids must be exactly 0..{self.num_experts - 1} in order, got "
                 f"{ids[:10]}{'...' if len(ids) > 10 else ''}"
+            )
+        if self.kind == "pmoe" or self.pmoe is not None:
+            if self.pmoe is None or self.kind != "pmoe":
+                raise ValueError("kind 'pmoe' and the pmoe block go together")
+            self.pmoe.check_store(
+                input_dim=self.input_dim,
+                output_dim=self.output_dim,
+                archs=[entry.expert_arch for entry in self.experts],
             )
         if self.kind != "momlp":
             # Other kinds' experts map their own spaces (a graph node's inputs, a patch);

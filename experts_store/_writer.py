@@ -40,6 +40,7 @@ from experts_store._manifest import (
     router_file_name,
 )
 from experts_store._model import ExpertMLP
+from experts_store._pmoe import PMoESpec
 
 __all__ = ["StoreWriter"]
 
@@ -193,6 +194,7 @@ class StoreWriter:
         kind: str = "momlp",
         gate: GateSpec | None = None,
         hyper: HyperSpec | None = None,
+        pmoe: PMoESpec | None = None,
     ) -> Manifest:
         """Make the staged store the live one and return its manifest.
 
@@ -223,6 +225,7 @@ class StoreWriter:
                 kind=kind,
                 gate=gate if gate is not None else GateSpec(temperature=temperature),
                 hyper=hyper,
+                pmoe=pmoe,
             )
         except ValidationError as exc:
             raise ManifestError(root=self.root, message=str(exc)) from exc

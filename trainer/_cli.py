@@ -13,6 +13,7 @@ __all__ = ["register"]
 # Repeated here rather than imported: this module must not import numpy/torch at load time.
 _DATASETS = ("holder1d", "ackley2d", "ackley3d", "rastrigin2d", "rastrigin3d", "digits")
 _HYPER_DATASETS = ("hyper-synthetic", "rotate-digits")
+_PMOE_DATASETS = ("digits-patches", "digits-patches-4class")  # trainer.pmoe.PMOE_DATASETS
 
 
 def register(subparsers: Any) -> None:
@@ -27,8 +28,15 @@ def register(subparsers: Any) -> None:
         ),
     )
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--dataset", choices=_DATASETS + _HYPER_DATASETS, help="a built-in dataset")
-    source.add_argument("--data", type=Path, metavar="FILE", help=".npz (X, y), .csv or .parquet")
+    source.add_argument(
+        "--dataset", choices=_DATASETS + _HYPER_DATASETS + _PMOE_DATASETS,
+        help="a built-in dataset",
+    )
+    source.add_argument(
+        "--data", type=Path, nargs="+", metavar="FILE",
+        help=".npz (X, y), .csv or .parquet; --kind hyper: .npz with X, I, y; "
+        "--kind pmoe: two files X.npy y.npy",
+    )
     p.add_argument("--target", metavar="COLUMN", help="target column of a .csv/.parquet table")
     p.add_argument("--task", choices=("auto", "regression", "classification"), default=None)
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="store directory")
@@ -84,17 +92,31 @@ def register(subparsers: Any) -> None:
     p.add_argument("--quick", action="store_true", help="small preset for tests and the demo")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument(
-        "--kind", choices=("momlp", "hyper"), default="momlp",
-        help="momlp: a mixture of experts; hyper: a hypernetwork f generating a primary g per "
-        "condition (--data: .npz with X, I, y; datasets hyper-synthetic, rotate-digits)",
+        "--kind", choices=("momlp", "hyper", "pmoe"), default="momlp",
+        help="momlp (default): prototype-tree mixture; hyper: a hypernetwork f generating a "
+        "primary g per condition (paper 001); pmoe: patch-level routing (paper 003)",
     )
-    p.add_argument("--baseline", dest="hyper_baseline", choices=("embedding",), default=None,
-                   help="kind hyper: also train the embedding model q(x, e(I)) and report it")
-    p.add_argument("--condition-source", choices=("request", "prototype"), default="request",
-                   help="kind hyper: request (requests name conditions) or prototype (expert "
-                   "k = g(.; f(p_k)) for --experts K prototypes; a regression --dataset/--data)")
-    p.add_argument("--named-conditions", type=int, default=None, metavar="N",
-                   help="kind hyper: store the first N distinct test conditions as test-0..")
+    p.add_argument(
+        "--baseline", dest="kind_baseline", choices=("embedding", "cnn"), default=None,
+        help="kind hyper: embedding (also train q(x, e(I)) and report it); kind pmoe: cnn",
+    )
+    hyper = p.add_argument_group("--kind hyper (see trainer.hyper.HyperBuildConfig)")
+    hyper.add_argument("--condition-source", choices=("request", "prototype"), default="request",
+                       help="request (requests name conditions) or prototype (expert k = "
+                       "g(.; f(p_k)) for --experts K prototypes; a regression --dataset/--data)")
+    hyper.add_argument("--named-conditions", type=int, default=None, metavar="N",
+                       help="store the first N distinct test conditions as test-0..")
+    pmoe = p.add_argument_group("--kind pmoe (see trainer.pmoe.PMoEBuildConfig)")
+    pmoe.add_argument("--patches-per-expert", type=int, default=None, metavar="L")
+    pmoe.add_argument("--train", choices=("separate", "joint"), default=None)
+    pmoe.add_argument(
+        "--patch-routing", choices=("expert_choice", "token_choice"), default=None,
+        help="token_choice: each patch to its nearest prototype's expert",
+    )
+    pmoe.add_argument("--patch-shape", default=None, metavar="PHxPW", help="for image X.npy")
+    pmoe.add_argument("--router-epochs", type=int, default=None)
+    pmoe.add_argument("--num-train", type=int, default=None)
+    pmoe.add_argument("--num-test", type=int, default=None)
     p.set_defaults(handler=_handle_build)
 
 
@@ -117,7 +139,36 @@ def _schedule(text: str) -> tuple[float, float]:
     return start, end
 
 
+_PMOE_ONLY = (
+    "patches_per_expert", "train", "pmoe_baseline", "patch_routing", "patch_shape",
+    "router_epochs", "num_train", "num_test",
+)
+_BASELINE_KIND = {"embedding": "hyper", "cnn": "pmoe"}
+
+
 def _handle_build(args: argparse.Namespace) -> int:
+    # One --baseline flag for the kinds that have one; each kind's handler reads its own.
+    baseline = args.kind_baseline
+    if baseline is not None and _BASELINE_KIND[baseline] != args.kind:
+        print(f"momlp build: --baseline {baseline} applies to --kind {_BASELINE_KIND[baseline]}",
+              file=sys.stderr)
+        return 2
+    args.hyper_baseline = baseline if args.kind == "hyper" else None
+    args.pmoe_baseline = baseline if args.kind == "pmoe" else None
+    if args.kind == "pmoe":
+        from trainer.pmoe import handle_pmoe_build
+
+        return handle_pmoe_build(args)
+    stray = [o for o in _PMOE_ONLY if getattr(args, o) is not None]
+    if stray:
+        flags = ", ".join("--" + o.replace("pmoe_", "").replace("_", "-") for o in stray)
+        print(f"momlp build: {flags} only apply to --kind pmoe", file=sys.stderr)
+        return 2
+    if args.data is not None:
+        if len(args.data) != 1:
+            print("momlp build: --data takes one file", file=sys.stderr)
+            return 2
+        args.data = args.data[0]
     if args.kind == "hyper":
         from trainer.hyper._cli import handle_hyper_build
 

@@ -68,6 +68,7 @@ def request_answers(
                 route_ms=route_ms,
                 queue_ms=(started - submitted) * 1000.0,
                 total_ms=(finished - submitted) * 1000.0,
+                routing=part,
             )
         )
         start = stop

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -40,6 +40,7 @@ class BatchAnswer:
     route_ms: float = 0.0
     queue_ms: float = 0.0
     total_ms: float = 0.0
+    routing: Any = None  # this request's rows of the kind's RowRouting (e.g. patch choices)
 
     @property
     def vram_bytes(self) -> int:

@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from server.http._models import PredictRequest, RouteRequest
-from server.kinds import ConditionRequest, GateRequest
+from server.kinds import ConditionRequest, GateRequest, PatchInputs
 
 __all__ = [
     "HttpError",
@@ -152,10 +152,26 @@ def _finite_float32(array: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.
     return out
 
 
+def _check_image(shape: tuple[int, ...], image: PatchInputs | None, *, max_rows: int) -> None:
+    expected = image.image_shape if image is not None else None
+    if expected is None:
+        raise _invalid(f"npy array must be 2-D, got shape {list(shape)}", {"shape": list(shape)})
+    if tuple(shape[1:]) != expected:
+        raise _invalid(
+            f"npy images must be [B, {', '.join(map(str, expected))}] (B, H, W, C), got "
+            f"{list(shape)}",
+            {"shape": list(shape), "expected": ["B", *expected]},
+        )
+    check_rows(shape[0], 0, max_rows=max_rows, input_dim=0)
+
+
 def parse_npy(
-    body: bytes, *, max_rows: int, input_dim: int
+    body: bytes, *, max_rows: int, input_dim: int, image: PatchInputs | None = None
 ) -> np.ndarray[Any, np.dtype[np.float32]]:
-    """A 2-D float32/float64 .npy array; the header is checked before any data is touched."""
+    """A 2-D float32/float64 .npy array; the header is checked before any data is touched.
+
+    With `image` (a kind that takes images), a 4-D [B, H, W, C] array of its image shape is
+    accepted too and cut into its flat patch rows."""
     stream = io.BytesIO(body)
     try:
         version = np.lib.format.read_magic(stream)
@@ -169,15 +185,21 @@ def parse_npy(
         raise _invalid(f"not a valid .npy body: {exc}") from exc
     if dtype.str not in _NPY_DTYPES:
         raise _invalid(f"npy dtype {dtype.str} is not float32 or float64", {"dtype": dtype.str})
-    if len(shape) != 2:
+    if len(shape) == 4 or (image is not None and image.image_shape and len(shape) != 2):
+        _check_image(tuple(shape), image, max_rows=max_rows)
+    elif len(shape) != 2:
         raise _invalid(f"npy array must be 2-D, got shape {list(shape)}", {"shape": list(shape)})
-    check_rows(shape[0], shape[1], max_rows=max_rows, input_dim=input_dim)
+    else:
+        check_rows(shape[0], shape[1], max_rows=max_rows, input_dim=input_dim)
     offset = stream.tell()
-    expected = shape[0] * shape[1] * dtype.itemsize
+    count = int(np.prod(shape))
+    expected = count * dtype.itemsize
     if len(body) - offset != expected:
         raise _invalid(f"npy data holds {len(body) - offset} bytes, its header promises {expected}")
-    flat = np.frombuffer(body, dtype=dtype, count=shape[0] * shape[1], offset=offset)
+    flat = np.frombuffer(body, dtype=dtype, count=count, offset=offset)
     array = flat.reshape(shape, order="F" if fortran else "C")
+    if len(shape) == 4 and image is not None:
+        array = image.image_rows(array)
     return _finite_float32(array)
 
 
@@ -206,6 +228,7 @@ class ParsedInputs:
     x: np.ndarray[Any, np.dtype[np.float32]]
     gate: GateRequest  # top_k, mode and the gate object, None where the request left them
     return_stats: bool
+    return_routing: bool = False
     conditions: ConditionRequest | None = None  # kind hyper's conditions (JSON bodies)
 
 
@@ -234,6 +257,7 @@ def _json_inputs(
     check_rows(len(rows), len(rows[0]), max_rows=max_rows, input_dim=input_dim)
     x = _finite_float32(np.asarray(rows, dtype=np.float64))
     return_stats = parsed.return_stats if isinstance(parsed, PredictRequest) else False
+    return_routing = parsed.return_routing if isinstance(parsed, PredictRequest) else False
     g = parsed.gate
     gate = GateRequest(
         top_k=parsed.top_k,
@@ -252,7 +276,7 @@ def _json_inputs(
         conditions=parsed.conditions, condition=parsed.condition,
         condition_ids=parsed.condition_ids,
     ) if given else None
-    return ParsedInputs(x, gate, return_stats, conditions)
+    return ParsedInputs(x, gate, return_stats, return_routing, conditions)
 
 
 async def parse_inputs(
@@ -265,6 +289,8 @@ async def parse_inputs(
     return_stats: bool,
     model: type[RouteRequest] = PredictRequest,
     body_timeout_s: float | None = None,
+    image: PatchInputs | None = None,
+    return_routing: bool = False,
 ) -> ParsedInputs:
     """Read and parse a predict/route body; query parameters (`gate`, `return_stats`) apply
     to the binary forms."""
@@ -287,10 +313,10 @@ async def parse_inputs(
         if media in JSON_TYPES:
             return _json_inputs(body, model, max_rows=max_rows, input_dim=input_dim)
         if media == NPY_TYPE:
-            x = parse_npy(body, max_rows=max_rows, input_dim=input_dim)
+            x = parse_npy(body, max_rows=max_rows, input_dim=input_dim, image=image)
         else:
             x = parse_raw_float32(body, rows_header, max_rows=max_rows, input_dim=input_dim)
-        return ParsedInputs(x, gate, return_stats)
+        return ParsedInputs(x, gate, return_stats, return_routing)
 
     if len(body) > _THREAD_PARSE_BYTES:
         return await run_in_threadpool(parse)

@@ -12,6 +12,7 @@ __all__ = [
     "ErrorBody",
     "ErrorResponse",
     "ExpertInfoModel",
+    "ExpertPatchesModel",
     "ExpertStatModel",
     "ExpertsResponse",
     "HealthResponse",
@@ -91,6 +92,12 @@ class PredictRequest(RouteRequest):
     """Rows to predict; `top_k > 1` returns the gate-weighted sum of the k nearest experts."""
 
     return_stats: bool = Field(default=False, strict=True)
+    return_routing: bool = Field(
+        default=False,
+        strict=True,
+        description="pmoe stores: add `patches`, each expert's patches and gates per row "
+        "(other kinds: `patches` stays null)",
+    )
 
 
 class ExpertStatModel(BaseModel):
@@ -118,6 +125,20 @@ class PredictStats(BaseModel):
     route_ms: float
     queue_ms: float
     total_ms: float
+    patches_computed: int | None = Field(
+        default=None, description="pmoe: patch computations made (sum of the experts' rows)"
+    )
+    patches_dense: int | None = Field(
+        default=None, description="pmoe: rows·n·k, what every expert on every patch would make"
+    )
+
+
+class ExpertPatchesModel(BaseModel):
+    """One expert's patches for one row (indices 0..n-1, in the order it took them)."""
+
+    expert_id: int
+    patches: list[int]
+    gates: list[float]
 
 
 class PredictResponse(BaseModel):
@@ -129,6 +150,7 @@ class PredictResponse(BaseModel):
     weights: list[list[float]]
     store_version: str
     stats: PredictStats | None = None
+    patches: list[list[ExpertPatchesModel]] | None = None
 
 
 class RouteResponse(BaseModel):
@@ -137,6 +159,7 @@ class RouteResponse(BaseModel):
     distances: list[list[float]]
     distance_evals: list[int]
     store_version: str
+    patches: list[list[ExpertPatchesModel]] | None = None
 
 
 class ModelResponse(BaseModel):
@@ -151,6 +174,9 @@ class ModelResponse(BaseModel):
     temperature: float
     kind: str = "momlp"
     gate: dict[str, Any] | None = None
+    pmoe: dict[str, Any] | None = Field(
+        default=None, description="kind pmoe: patch layout (n, d, image), routing, gating"
+    )
     total_expert_bytes: int
     max_expert_bytes: int
     total_params: int

@@ -27,6 +27,7 @@ from server.http._models import (
     ActorInfoModel,
     ErrorResponse,
     ExpertInfoModel,
+    ExpertPatchesModel,
     ExpertsResponse,
     ExpertStatModel,
     HealthResponse,
@@ -39,7 +40,7 @@ from server.http._models import (
     RouteResponse,
 )
 from server.http._openapi import inline_defs
-from server.kinds import GateRequest, attach_conditions
+from server.kinds import GateRequest, PatchInputs, PatchRowRouting, attach_conditions
 from server.serving import ServingState, StoreVersion
 
 __all__ = ["ERROR_RESPONSES", "add_routes", "model_response"]
@@ -99,6 +100,7 @@ class _Inputs(NamedTuple):
     x: np.ndarray[Any, np.dtype[np.float32]]
     options: Hashable  # the kind's resolved options (for momlp a router.Gate)
     return_stats: bool
+    return_routing: bool = False
 
 
 async def _query_gate(
@@ -135,7 +137,9 @@ async def _inputs(
     model: type[RouteRequest],
     gate: GateRequest,
     return_stats: bool,
+    return_routing: bool = False,
 ) -> _Inputs:
+    patch_model = version.model if isinstance(version.model, PatchInputs) else None
     parsed = await parse_inputs(
         request,
         max_bytes=settings.max_body_bytes,
@@ -145,12 +149,14 @@ async def _inputs(
         return_stats=return_stats,
         model=model,
         body_timeout_s=settings.body_timeout_s,
+        image=patch_model,
+        return_routing=return_routing,
     )
     # The store's kind resolves the gate against its defaults and the server's caps, once.
     options = version.model.resolve(parsed.gate, settings)
     # A kind that takes conditions (hyper) gets them as extra columns of each row.
     x = attach_conditions(version.model, parsed.x, parsed.conditions, settings)
-    return _Inputs(x, options, parsed.return_stats)
+    return _Inputs(x, options, parsed.return_stats, parsed.return_routing)
 
 
 def _hyper_summary(version: StoreVersion) -> dict[str, Any] | None:
@@ -166,6 +172,17 @@ def _hyper_summary(version: StoreVersion) -> dict[str, Any] | None:
         "condition_source": spec.condition_source,
         "condition_ids": list(ids)[:1000],
     }
+
+
+def _patch_rows(routing: Any) -> list[list[ExpertPatchesModel]] | None:
+    """Each row's patch choices, when the kind's routing has them (else None: for other
+    kinds `experts` and `weights` already are the whole routing)."""
+    if not isinstance(routing, PatchRowRouting):
+        return None
+    return [
+        [ExpertPatchesModel.model_construct(**vars(choice)) for choice in row]
+        for row in routing.patch_choices()
+    ]
 
 
 def _ragged(rows: list[list[Any]], kept: list[int]) -> list[list[Any]]:
@@ -186,11 +203,16 @@ def add_routes(app: FastAPI) -> None:
         metrics: AppMetrics,
         gate: QueryGate,
         return_stats: Annotated[bool, Query(description="binary bodies only")] = False,
+        return_routing: Annotated[
+            bool, Query(description="binary bodies only; pmoe stores")
+        ] = False,
     ) -> Response:
         start = time.perf_counter()
         settings = serving.settings
         async with serving.use() as version:
-            parsed = await _inputs(request, version, settings, PredictRequest, gate, return_stats)
+            parsed = await _inputs(
+                request, version, settings, PredictRequest, gate, return_stats, return_routing
+            )
             x = torch.from_numpy(parsed.x)
             try:
                 answer = await asyncio.wait_for(
@@ -211,6 +233,9 @@ def add_routes(app: FastAPI) -> None:
                 queue_ms=answer.queue_ms,
                 total_ms=max(answer.total_ms, (time.perf_counter() - start) * 1000.0),
             )
+            if isinstance(answer.routing, PatchRowRouting):
+                stats.patches_computed = sum(s.rows for s in answer.stats)
+                stats.patches_dense = answer.routing.dense_patches
         kept = answer.kept()
         return model_response(
             PredictResponse.model_construct(
@@ -219,6 +244,7 @@ def add_routes(app: FastAPI) -> None:
                 weights=[weights for _, weights in kept],
                 store_version=version.version,
                 stats=stats,
+                patches=_patch_rows(answer.routing) if parsed.return_routing else None,
             )
         )
 
@@ -246,6 +272,7 @@ def add_routes(app: FastAPI) -> None:
                 distances=_ragged(routing.distances.tolist(), kept),
                 distance_evals=routing.distance_evals.tolist(),
                 store_version=version.version,
+                patches=_patch_rows(routing),
             )
         )
 
@@ -273,6 +300,7 @@ def add_routes(app: FastAPI) -> None:
                 temperature=m.temperature,
                 kind=m.kind,
                 gate=m.gate_spec.model_dump(),
+                pmoe=m.pmoe.model_dump() if m.pmoe is not None else None,
                 total_expert_bytes=m.total_expert_bytes,
                 max_expert_bytes=max((e.bytes for e in m.experts), default=0),
                 total_params=sum(e.params for e in m.experts),

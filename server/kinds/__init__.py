@@ -10,6 +10,7 @@ from __future__ import annotations
 from server.kinds._conditions import attach_conditions, check_kind_budget
 from server.kinds._hyper import ConditionRequest, HyperModel, HyperOptions, HyperRouting
 from server.kinds._momlp import GateRouter, MomlpModel
+from server.kinds._pmoe import PatchModel, PatchOptions, PatchRouting
 from server.kinds._registry import KINDS, open_model
 from server.kinds._types import (
     BatchRun,
@@ -19,6 +20,7 @@ from server.kinds._types import (
     RowRouting,
     ServedModel,
 )
+from server.kinds._views import PatchChoice, PatchInputs, PatchRowRouting
 
 __all__ = [
     "KINDS",
@@ -32,6 +34,12 @@ __all__ = [
     "GateRequest",
     "GateRouter",
     "MomlpModel",
+    "PatchChoice",
+    "PatchInputs",
+    "PatchModel",
+    "PatchOptions",
+    "PatchRouting",
+    "PatchRowRouting",
     "Plan",
     "PlannedGroup",
     "RowRouting",

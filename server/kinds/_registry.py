@@ -8,6 +8,7 @@ from experts_store import Store
 from server._exceptions import UnknownStoreKind
 from server.kinds._hyper import HyperModel
 from server.kinds._momlp import MomlpModel
+from server.kinds._pmoe import PatchModel
 from server.kinds._types import ServedModel
 
 __all__ = ["KINDS", "open_model"]
@@ -16,6 +17,7 @@ __all__ = ["KINDS", "open_model"]
 KINDS: dict[str, Callable[[Store], ServedModel]] = {
     MomlpModel.kind: MomlpModel.open,
     HyperModel.kind: HyperModel.open,
+    PatchModel.kind: PatchModel.open,
 }
 
 

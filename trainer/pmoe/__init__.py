@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+from ._build import PMOE_DATASETS, PMoEBuild, PMoEBuildConfig, build_pmoe
+from ._cli import handle_pmoe_build
 from ._data import (
     DIGITS_PATCH_SHAPE,
     PatchDataset,
@@ -28,6 +30,13 @@ from ._model import (
     as_patches,
     top_l_patches,
 )
+from ._publish import (
+    PatchRoutingMode,
+    expert_mlp,
+    publish_pmoe,
+    token_choice_logits,
+    token_prototypes,
+)
 from ._train import (
     TrainHistory,
     TrainMode,
@@ -42,6 +51,16 @@ from ._train import (
 
 __all__ = [
     "DIGITS_PATCH_SHAPE",
+    "PMOE_DATASETS",
+    "PMoEBuild",
+    "PMoEBuildConfig",
+    "PatchRoutingMode",
+    "build_pmoe",
+    "handle_pmoe_build",
+    "expert_mlp",
+    "publish_pmoe",
+    "token_choice_logits",
+    "token_prototypes",
     "ClassGateHit",
     "Gating",
     "OutputLayer",

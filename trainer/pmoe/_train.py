@@ -17,6 +17,7 @@ The authors' CNN script has 4 hidden neurons where the paper's text says 40; we 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -55,6 +56,8 @@ class TrainSettings:
     epochs: int = 150
     router_epochs: int = 100
     seed: int = 0
+    # Called after each epoch with ("router" | "experts", epochs done); for progress bars.
+    on_epoch: Callable[[str, int], None] | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -191,6 +194,8 @@ def train_router_linear(
                 count += len(picked)
             total += epoch_loss / max(count, 1)
         losses.append(total)
+        if settings.on_epoch is not None:
+            settings.on_epoch("router", len(losses))
     return losses
 
 
@@ -215,6 +220,8 @@ def _fit(
             optimizer.step()
             epoch_loss += loss.item() * len(batch)
         losses.append(epoch_loss / len(y))
+        if settings.on_epoch is not None:
+            settings.on_epoch("experts", len(losses))
     model.eval()
     return losses
 

@@ -1,0 +1,388 @@
+"""Kind "pmoe": patch-level routing (paper 003). Each input is n patches of d values.
+
+Route: expert choice scores every (expert s, patch j) as <w_s, x^(j)> and gives expert s the l
+patches with the largest scores, ties to the lowest index (a stable descending sort); token
+choice sends each patch to its nearest prototype's expert through the store's prototype tree.
+Each (row, slot) pair is one patch computation: slots are (expert, rank) for expert choice,
+patch positions for token choice.
+Plan: one round; every patch of every row of the batch that expert s took forms expert s's
+group (a row appears in the group once per patch it gave s: `PlannedGroup.rows` repeats).
+Combine: each patch's expert output times its gate, in float64, summed per row in slot order,
+so a row's output never depends on which rows share its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from experts_store import PMOE_ROUTER_TENSOR, ExpertRef, PMoESpec, Store
+from router import PrototypeTree
+from server._exceptions import InvalidRequest
+from server._settings import Settings
+from server.kinds._types import GateRequest, Plan, PlannedGroup
+from server.kinds._views import PatchChoice
+from server.pool import GroupResult
+
+__all__ = ["PatchModel", "PatchOptions", "PatchRouting"]
+
+# Rows scored at once: bounds the [rows, k, n, d] product tensor of the scores.
+_SCORE_CHUNK_ELEMENTS = 1 << 22
+
+
+@dataclass(frozen=True)
+class PatchOptions:
+    """A pmoe request's resolved options (requests merge by them)."""
+
+    mode: Literal["tree", "exact"] | None = None  # token choice: how the tree is walked
+
+
+@dataclass(frozen=True)
+class PatchRouting:
+    """Routing of some rows: per (row, slot), the expert, its patch and the gate."""
+
+    slot_expert: torch.Tensor  # [B, T] int64
+    slot_patch: torch.Tensor  # [B, T] int64
+    slot_gate: torch.Tensor  # [B, T] float64
+    experts: torch.Tensor  # [B, L] int64: the experts used, most patches first, -1 padded
+    weights: torch.Tensor  # [B, L] float64: each expert's share of the row's patches
+    distance_evals: torch.Tensor  # [B] int64: router evaluations per row
+    num_patches: int
+    num_experts: int
+
+    @property
+    def rows(self) -> int:
+        return int(self.slot_expert.shape[0])
+
+    @property
+    def distances(self) -> torch.Tensor:
+        # No distances in patch routing; the shape keeps RowRouting's contract.
+        return torch.zeros(self.experts.shape, dtype=torch.float32)
+
+    @property
+    def dense_patches(self) -> int:
+        return self.rows * self.num_patches * self.num_experts
+
+    def slice(self, start: int, stop: int) -> PatchRouting:
+        return PatchRouting(
+            self.slot_expert[start:stop],
+            self.slot_patch[start:stop],
+            self.slot_gate[start:stop],
+            self.experts[start:stop],
+            self.weights[start:stop],
+            self.distance_evals[start:stop],
+            self.num_patches,
+            self.num_experts,
+        )
+
+    @classmethod
+    def concat(cls, parts: Sequence[PatchRouting]) -> PatchRouting:
+        def cat(name: str) -> torch.Tensor:
+            return torch.cat([getattr(p, name) for p in parts])
+
+        return cls(
+            cat("slot_expert"),
+            cat("slot_patch"),
+            cat("slot_gate"),
+            cat("experts"),
+            cat("weights"),
+            cat("distance_evals"),
+            parts[0].num_patches,
+            parts[0].num_experts,
+        )
+
+    def patch_choices(self) -> list[list[PatchChoice]]:
+        choices: list[list[PatchChoice]] = []
+        for experts, patches, gates in zip(
+            self.slot_expert.tolist(), self.slot_patch.tolist(), self.slot_gate.tolist(),
+            strict=True,
+        ):
+            by_expert: dict[int, tuple[list[int], list[float]]] = {}
+            for e, j, g in zip(experts, patches, gates, strict=True):
+                if e >= 0:
+                    taken = by_expert.setdefault(e, ([], []))
+                    taken[0].append(j)
+                    taken[1].append(g)
+            choices.append([PatchChoice(e, *by_expert[e]) for e in sorted(by_expert)])
+        return choices
+
+
+def _expert_summary(
+    slot_expert: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the experts used and each one's share of the row's patch computations,
+    largest first (ties to the lower id): 1/k each under expert choice."""
+    used = slot_expert >= 0
+    count = torch.zeros(slot_expert.shape[0], num_experts, dtype=torch.float64)
+    count.scatter_add_(1, slot_expert.clamp(min=0), used.double())
+    share = count / count.sum(dim=1, keepdim=True).clamp(min=1.0)
+    order = torch.sort(-share, dim=1, stable=True).indices
+    experts = torch.where(torch.gather(count, 1, order) > 0, order, -1)
+    weights = torch.where(experts >= 0, torch.gather(share, 1, order), 0.0)
+    return experts, weights
+
+
+def router_scores(patches: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """<w_s, x^(j)> for every row, expert s and patch j: [B, k, n] float32.
+
+    The same elementwise product summed over its last axis as `trainer.pmoe` (so the top-l
+    agrees with the offline model bit for bit), in row chunks: a row's sum is the same in any
+    chunk, where a BLAS matmul may pick another kernel, and summation order, per batch size.
+    """
+    b, n, d = patches.shape
+    k = weight.shape[0]
+    chunk = max(1, _SCORE_CHUNK_ELEMENTS // max(1, k * n * d))
+    parts = [
+        (rows[:, None, :, :] * weight[None, :, None, :]).sum(dim=-1)
+        for rows in torch.split(patches, chunk)
+    ]
+    return torch.cat(parts) if parts else torch.zeros(0, k, n)
+
+
+class PatchModel:
+    """A store of kind "pmoe": its patch layout, its router and its per-patch experts."""
+
+    kind = "pmoe"
+
+    def __init__(
+        self,
+        spec: PMoESpec,
+        experts: Sequence[ExpertRef],
+        *,
+        router_weight: torch.Tensor | None = None,
+        tree: PrototypeTree | None = None,
+        default_mode: Literal["tree", "exact"] = "tree",
+    ) -> None:
+        self.spec = spec
+        self.experts = list(experts)
+        self.router_weight = router_weight
+        self.tree = tree
+        self.default_mode = default_mode
+        k = len(self.experts)
+        if spec.routing == "expert_choice":
+            if router_weight is None or tuple(router_weight.shape) != (k, spec.layout.patch_dim):
+                raise ValueError(f"expert choice needs a [{k}, {spec.layout.patch_dim}] router")
+        elif tree is None or tree.num_prototypes != k or tree.dim != spec.layout.patch_dim:
+            raise ValueError(f"token choice needs a tree of {k} prototypes in R^d")
+
+    @classmethod
+    def open(cls, store: Store) -> PatchModel:
+        """Read the store's router file (blocking); experts stay files until the pool loads."""
+        manifest = store.manifest
+        if manifest.pmoe is None:
+            raise ValueError("a pmoe store without its pmoe block")
+        experts = [store.expert_ref(e.id) for e in manifest.experts]
+        if manifest.pmoe.routing == "token_choice":
+            tree = PrototypeTree.load(store.router_path)
+            return cls(manifest.pmoe, experts, tree=tree, default_mode=manifest.routing)
+        tensors = load_file(str(store.router_path))
+        weight = tensors.get(PMOE_ROUTER_TENSOR)
+        if weight is None or weight.dtype != torch.float32 or weight.dim() != 2:
+            raise ValueError(f"router file lacks a float32 [k, d] {PMOE_ROUTER_TENSOR!r}")
+        return cls(manifest.pmoe, experts, router_weight=weight.contiguous())
+
+    @property
+    def input_dim(self) -> int:
+        return self.spec.layout.input_dim
+
+    @property
+    def num_patches(self) -> int:
+        return self.spec.layout.num_patches
+
+    @property
+    def patch_dim(self) -> int:
+        return self.spec.layout.patch_dim
+
+    @property
+    def image_shape(self) -> tuple[int, int, int] | None:
+        image = self.spec.layout.image
+        return image.shape if image is not None else None
+
+    def image_rows(self, images: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        """[B, H, W, C] -> [B, n·d]: ph x pw patches, row-major over the grid, each flattened
+        (row, column, channel) — `trainer.pmoe.image_to_patches`' order."""
+        image = self.spec.layout.image
+        if image is None or tuple(images.shape[1:]) != image.shape:
+            raise InvalidRequest(
+                f"images must be [B, {', '.join(map(str, self.image_shape or ()))}]",
+                field="inputs",
+            )
+        (rows, cols), (ph, pw) = image.grid, (image.patch_height, image.patch_width)
+        b, c = images.shape[0], image.channels
+        grid = images.reshape(b, rows, ph, cols, pw, c).transpose(0, 1, 3, 2, 4, 5)
+        return np.ascontiguousarray(grid.reshape(b, self.input_dim))
+
+    def prototypes(self) -> torch.Tensor | None:
+        # /v1/model shows prototypes of the input space; these live in patch space.
+        return None
+
+    def resolve(self, request: GateRequest, settings: Settings) -> PatchOptions:
+        """Patch routing has no gate knobs; a request that sets one is refused, naming it
+        (top_k=1, which the SDK always sends, means the default and is accepted)."""
+        if request.top_k not in (None, 1):
+            raise InvalidRequest(
+                "top_k does not apply to a pmoe store (each expert takes its top-l patches)",
+                field="top_k",
+            )
+        for name in ("temperature", "min_weight", "top_p", "beam", "score"):
+            if getattr(request, name) is not None:
+                raise InvalidRequest(
+                    f"{name} does not apply to a pmoe store (patch-level routing)", field=name
+                )
+        if request.mode is not None and self.spec.routing == "expert_choice":
+            raise InvalidRequest("mode applies to token-choice pmoe stores only", field="mode")
+        options = PatchOptions()
+        if self.spec.routing == "token_choice":
+            mode = request.mode if request.mode is not None else self.default_mode
+            if mode not in ("tree", "exact"):
+                raise InvalidRequest(f"unknown mode {mode!r}", field="mode")
+            options = PatchOptions(mode="exact" if mode == "exact" else "tree")
+        self.check(options)
+        return options
+
+    def check(self, options: Hashable) -> None:
+        if not isinstance(options, PatchOptions):
+            raise InvalidRequest("options of the wrong type for a pmoe store", field="gate")
+        if options.mode not in (None, "tree", "exact"):
+            raise InvalidRequest(f"unknown mode {options.mode!r}", field="mode")
+
+    def route(self, x: torch.Tensor, options: Hashable) -> PatchRouting:
+        assert isinstance(options, PatchOptions)
+        patches = x.reshape(x.shape[0], self.num_patches, self.patch_dim)
+        if self.spec.routing == "token_choice":
+            return self._token_choice(patches, options.mode or self.default_mode)
+        return self._expert_choice(patches)
+
+    def _expert_choice(self, patches: torch.Tensor) -> PatchRouting:
+        assert self.router_weight is not None and self.spec.patches_per_expert is not None
+        b, n, _ = patches.shape
+        k, top = len(self.experts), self.spec.patches_per_expert
+        scores = router_scores(patches, self.router_weight)  # [B, k, n]
+        indices = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :top]
+        if self.spec.gating == "softmax":
+            gates = torch.softmax(torch.gather(scores, 2, indices), dim=-1)
+        else:
+            gates = torch.ones(indices.shape, dtype=torch.float32)
+        slot_expert = torch.arange(k).repeat_interleave(top).expand(b, k * top).contiguous()
+        slot_gate = gates.reshape(b, k * top).to(torch.float64)
+        experts, weights = _expert_summary(slot_expert, k)
+        return PatchRouting(
+            slot_expert,
+            indices.reshape(b, k * top),
+            slot_gate,
+            experts,
+            weights,
+            torch.full((b,), k * n, dtype=torch.int64),
+            n,
+            k,
+        )
+
+    def _token_choice(self, patches: torch.Tensor, mode: Literal["tree", "exact"]) -> PatchRouting:
+        assert self.tree is not None
+        b, n, d = patches.shape
+        k = len(self.experts)
+        routed = self.tree.route(patches.reshape(b * n, d), mode=mode)
+        slot_expert = routed.experts[:, 0].reshape(b, n).to(torch.int64)
+        slot_gate = torch.ones(b, n, dtype=torch.float64)
+        experts, weights = _expert_summary(slot_expert, k)
+        return PatchRouting(
+            slot_expert,
+            torch.arange(n).expand(b, n).contiguous(),
+            slot_gate,
+            experts,
+            weights,
+            routed.distance_evals.reshape(b, n).sum(dim=1).to(torch.int64),
+            n,
+            k,
+        )
+
+    def concat(self, parts: list[Any]) -> PatchRouting:
+        return PatchRouting.concat(parts)
+
+    def start(self, x: torch.Tensor, routing: Any) -> _PatchRun:
+        return _PatchRun(
+            x, routing, self.experts, self.num_patches, self.spec.layout.expert_input_dim
+        )
+
+    def prefetch_keys(self, routing: Any) -> list[ExpertRef]:
+        ids = torch.unique(routing.slot_expert[routing.slot_expert >= 0]).tolist()
+        return [self.experts[int(e)] for e in ids]
+
+
+class _PatchRun:
+    """One batch: one round (a group per expert some patch went to), then per-row sums."""
+
+    def __init__(
+        self,
+        x: torch.Tensor,
+        routing: PatchRouting,
+        experts: list[ExpertRef],
+        num_patches: int,
+        expert_input_dim: int,
+    ) -> None:
+        patches = x.reshape(x.shape[0] * num_patches, -1)
+        pad = expert_input_dim - patches.shape[1]
+        # Experts take patches zero-padded to an aligned width (experts_store.PATCH_ALIGN).
+        self._patches = torch.nn.functional.pad(patches, (0, pad)) if pad else patches
+        self._routing = routing
+        self._experts = experts
+        self._num_patches = num_patches
+        self._slots: list[torch.Tensor] = []  # per planned group: its flat (row, slot) index
+        self._planned = False
+        self._out: torch.Tensor | None = None
+
+    def plan(self) -> Plan | None:
+        if self._planned:
+            return None
+        self._planned = True
+        r = self._routing
+        width = r.slot_expert.shape[1]
+        flat_expert = r.slot_expert.reshape(-1)
+        used = torch.nonzero(flat_expert >= 0).flatten()
+        # Stable by expert: within a group, slots stay in (row, slot) order.
+        order = used[torch.argsort(flat_expert[used], stable=True)]
+        ids, counts = torch.unique_consecutive(flat_expert[order], return_counts=True)
+        groups: list[PlannedGroup] = []
+        for e, slots in zip(ids.tolist(), torch.split(order, counts.tolist()), strict=True):
+            rows = torch.div(slots, width, rounding_mode="floor")
+            patch = r.slot_patch.reshape(-1)[slots]
+            groups.append(
+                PlannedGroup(
+                    key=self._experts[int(e)],
+                    rows=rows,
+                    weights=r.slot_gate.reshape(-1)[slots],
+                    inputs=self._patches[rows * self._num_patches + patch],
+                )
+            )
+            self._slots.append(slots)
+        return Plan(groups)
+
+    def combine(self, plan: Plan, results: Sequence[GroupResult]) -> None:
+        r = self._routing
+        b, width = r.slot_expert.shape
+        good = [
+            (g, res, slots)
+            for g, res, slots in zip(plan.groups, results, self._slots, strict=True)
+            if res.error is None
+        ]
+        out_dim = int(good[0][1].outputs.shape[1]) if good else 0
+        per_slot = torch.zeros(b * width, out_dim, dtype=torch.float64)
+        for group, result, slots in good:
+            per_slot[slots] = result.outputs.to(torch.float64) * group.weights[:, None]
+        # Summed slot by slot, elementwise: each row's additions are the same in any batch.
+        per_slot = per_slot.reshape(b, width, out_dim)
+        out = torch.zeros(b, out_dim, dtype=torch.float64)
+        for t in range(width):
+            out += per_slot[:, t]
+        self._out = out.to(torch.float32)
+
+    @property
+    def outputs(self) -> torch.Tensor:
+        if self._out is None:
+            raise RuntimeError("outputs asked before the round was combined")
+        return self._out
