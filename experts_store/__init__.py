@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     )
     from experts_store._format import FORMAT_VERSION, ExpertFile, save_expert
     from experts_store._frozen import FrozenExpert
+    from experts_store._graph import GraphBlock, GraphNodeEntry
     from experts_store._hostbuf import HostBufferPool
     from experts_store._load import load_expert, load_frozen_expert
     from experts_store._manifest import MANIFEST_FORMAT_VERSION, ExpertEntry, GateSpec, Manifest
@@ -66,6 +67,8 @@ __all__ = [
     "ExpertRefLoader",
     "ExpertTooLarge",
     "FrozenExpert",
+    "GraphBlock",
+    "GraphNodeEntry",
     "HostBufferPool",
     "Lease",
     "Manifest",
@@ -115,6 +118,8 @@ _HOMES = {
     "FrozenExpert": "experts_store._frozen",
     "save_expert": "experts_store._format",
     "HostBufferPool": "experts_store._hostbuf",
+    "GraphBlock": "experts_store._graph",
+    "GraphNodeEntry": "experts_store._graph",
     "ExpertEntry": "experts_store._manifest",
     "Manifest": "experts_store._manifest",
     "MANIFEST_FORMAT_VERSION": "experts_store._manifest",

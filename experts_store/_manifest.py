@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from experts_store._arch import ExpertArch
 from experts_store._exceptions import UnknownExpert
+from experts_store._graph import GraphBlock
 
 __all__ = [
     "MANIFEST_FORMAT_VERSION",
@@ -142,6 +143,7 @@ class Manifest(BaseModel):
     extra: dict[str, Any] = Field(default_factory=dict)
     kind: str = "momlp"
     gate: GateSpec | None = None
+    graph: GraphBlock | None = None  # kind "graph" only: its DAG of nodes (_graph.py)
 
     @field_validator("kind")
     @classmethod
@@ -189,6 +191,12 @@ class Manifest(BaseModel):
                 f"expert ids must be exactly 0..{self.num_experts - 1} in order, got "
                 f"{ids[:10]}{'...' if len(ids) > 10 else ''}"
             )
+        if (self.kind == "graph") != (self.graph is not None):
+            raise ValueError("a store of kind 'graph' needs a graph block, and only it has one")
+        if self.graph is not None:
+            self.graph.check(
+                self.input_dim, self.output_dim, [e.expert_arch for e in self.experts]
+            )
         if self.kind != "momlp":
             # Other kinds' experts map their own spaces (a graph node's inputs, a patch);
             # each kind's own block checks them.
@@ -206,7 +214,10 @@ class Manifest(BaseModel):
     def referenced_files(self) -> set[str]:
         """Store-relative paths of every file this manifest needs; publishing keeps them and
         removes the unreferenced. A kind whose block names more files adds them here."""
-        return {self.router_file, *(entry.file for entry in self.experts)}
+        files = {self.router_file, *(entry.file for entry in self.experts)}
+        if self.graph is not None:
+            files |= self.graph.router_files
+        return files
 
     @property
     def total_expert_bytes(self) -> int:

@@ -11,7 +11,8 @@ from typing import Any
 __all__ = ["register"]
 
 # Repeated here rather than imported: this module must not import numpy/torch at load time.
-_DATASETS = ("holder1d", "ackley2d", "ackley3d", "rastrigin2d", "rastrigin3d", "digits")
+_DATASETS = ("holder1d", "ackley2d", "ackley3d", "rastrigin2d", "rastrigin3d", "digits",
+             "tree8", "tree16")  # tree8/tree16: --kind graph only
 
 
 def register(subparsers: Any) -> None:
@@ -67,6 +68,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--torch-threads", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="small preset for tests and the demo")
     p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--kind", choices=("momlp", "graph"), default="momlp", help="store kind")
+    p.add_argument("--graph", type=Path, metavar="SPEC", help="graph spec JSON (--kind graph)")
+    p.add_argument("--graph-training", choices=("end-to-end", "nodewise"), default="end-to-end",
+                   help="nodewise: the data has a target per node (.npz arrays t_<node>)")
+    p.add_argument("--samples", type=int, default=None, help="rows of tree8/tree16")
     p.set_defaults(handler=_handle_build)
 
 
@@ -80,6 +86,10 @@ _CONFIG_OPTIONS = (
 
 
 def _handle_build(args: argparse.Namespace) -> int:
+    if args.kind == "graph":
+        from trainer.graph._cli import handle_graph_build
+
+        return handle_graph_build(args)
     import torch
 
     from experts_store import Store
