@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     )
     from experts_store._format import FORMAT_VERSION, ExpertFile, save_expert
     from experts_store._frozen import FrozenExpert
-    from experts_store._graph import GraphBlock, GraphNodeEntry
+    from experts_store._graph import GraphBlock, GraphNodeEntry, node_ref
     from experts_store._hostbuf import HostBufferPool
     from experts_store._load import load_expert, load_frozen_expert
     from experts_store._manifest import MANIFEST_FORMAT_VERSION, ExpertEntry, GateSpec, Manifest
@@ -85,6 +85,7 @@ __all__ = [
     "UnknownExpert",
     "load_expert",
     "load_frozen_expert",
+    "node_ref",
     "paper_parameter_count",
     "save_expert",
 ]
@@ -120,6 +121,7 @@ _HOMES = {
     "HostBufferPool": "experts_store._hostbuf",
     "GraphBlock": "experts_store._graph",
     "GraphNodeEntry": "experts_store._graph",
+    "node_ref": "experts_store._graph",
     "ExpertEntry": "experts_store._manifest",
     "Manifest": "experts_store._manifest",
     "MANIFEST_FORMAT_VERSION": "experts_store._manifest",

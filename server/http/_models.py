@@ -14,6 +14,7 @@ __all__ = [
     "ExpertInfoModel",
     "ExpertStatModel",
     "ExpertsResponse",
+    "GraphStatsModel",
     "HealthResponse",
     "ModelResponse",
     "PredictRequest",
@@ -92,6 +93,18 @@ class ExpertStatModel(BaseModel):
     expert_bytes: int
     activation_bytes: int
     vram_bytes: int
+    node: str | None = None  # graph stores: the node this expert served, in wave `wave`
+    wave: int | None = None
+
+
+class GraphStatsModel(BaseModel):
+    """Graph stores: `vram_bytes` (above) is the sum over nodes of each node's largest
+    expert with its activations; `wave_vram_bytes` the same per wave (its peak: the largest)."""
+
+    waves: int
+    wave_vram_bytes: list[int]
+    peak_wave_vram_bytes: int
+    node_distance_evals: dict[str, list[int]]  # node -> per row
 
 
 class PredictStats(BaseModel):
@@ -102,6 +115,7 @@ class PredictStats(BaseModel):
     route_ms: float
     queue_ms: float
     total_ms: float
+    graph: GraphStatsModel | None = None
 
 
 class PredictResponse(BaseModel):
@@ -113,6 +127,7 @@ class PredictResponse(BaseModel):
     weights: list[list[float]]
     store_version: str
     stats: PredictStats | None = None
+    nodes: dict[str, list[int]] | None = None  # graph stores: node -> expert per row
 
 
 class RouteResponse(BaseModel):

@@ -7,6 +7,7 @@ The batching floor above calls a kind through `ServedModel`, never by its name.
 
 from __future__ import annotations
 
+from server.kinds._graph import GraphModel, GraphOptions, GraphRouting
 from server.kinds._momlp import GateRouter, MomlpModel
 from server.kinds._registry import KINDS, open_model
 from server.kinds._types import (
@@ -23,6 +24,9 @@ __all__ = [
     "BatchRun",
     "GateRequest",
     "GateRouter",
+    "GraphModel",
+    "GraphOptions",
+    "GraphRouting",
     "MomlpModel",
     "Plan",
     "PlannedGroup",

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from experts_store import Store
 from server._exceptions import UnknownStoreKind
+from server.kinds._graph import GraphModel
 from server.kinds._momlp import MomlpModel
 from server.kinds._types import ServedModel
 
@@ -14,6 +15,7 @@ __all__ = ["KINDS", "open_model"]
 # One entry per kind; a kind is its planner/combiner (a ServedModel), opened from its store.
 KINDS: dict[str, Callable[[Store], ServedModel]] = {
     MomlpModel.kind: MomlpModel.open,
+    GraphModel.kind: GraphModel.open,
 }
 
 

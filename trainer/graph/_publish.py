@@ -182,7 +182,7 @@ def build_graph_store(config: GraphBuildConfig, progress: bool = True) -> Manife
     started = time.perf_counter()
     settings = config.settings
     if (config.dataset is None) == (config.data is None):
-        raise ConfigError("give exactly one of dataset and data")
+        raise ConfigError("give exactly one of dataset and data", option="dataset")
     if config.dataset is not None:
         x, y, targets = graph_dataset(config.dataset, config.samples, settings.seed)
     else:
@@ -191,7 +191,7 @@ def build_graph_store(config: GraphBuildConfig, progress: bool = True) -> Manife
     spec = config.spec
     if spec is None:
         if config.dataset is None:
-            raise ConfigError("a graph build from --data needs --graph spec.json")
+            raise ConfigError("a graph build from --data needs --graph spec.json", option="graph")
         spec = binary_tree_spec(x.shape[1], experts=4, hidden=(8, 8))
     validate(spec, x.shape[1])
     if config.training == "nodewise":
