@@ -25,7 +25,9 @@ class GraphNodeModel(BaseModel):
     branching: int
     experts: list[int]  # global ids, in the node's prototype order
     bytes: int  # all K_v experts' files
-    max_expert_bytes: int  # the node's largest: what one row needs of it
+    max_expert_bytes: int  # the node's largest file
+    device_bytes: int  # all K_v experts once loaded (parameters: what the cache counts)
+    max_expert_device_bytes: int  # the node's largest loaded: what one row needs of it
     wave: int
 
 
@@ -37,8 +39,9 @@ class GraphResponse(BaseModel):
     waves: list[list[str]]
     nodes: list[GraphNodeModel]
     edges: list[tuple[str, str]]  # (source, node); a source "x:i" is input column i
-    total_expert_bytes: int
-    one_expert_per_node_bytes: int  # sum over nodes of each node's largest expert
+    total_expert_bytes: int  # files
+    total_expert_device_bytes: int  # every expert resident
+    one_expert_per_node_device_bytes: int  # sum over nodes of each node's largest, loaded
     max_distance_evals: int  # Σ_v ν_v·depth_v: the most a row's tree walks can cost
 
 
@@ -84,6 +87,8 @@ def add_graph_routes(app: FastAPI) -> None:
                 num_experts=n.num_experts, branching=n.branching, experts=list(n.experts),
                 bytes=sum(m.experts[e].bytes for e in n.experts),
                 max_expert_bytes=max(m.experts[e].bytes for e in n.experts),
+                device_bytes=sum(model.experts[e].nbytes for e in n.experts),
+                max_expert_device_bytes=max(model.experts[e].nbytes for e in n.experts),
                 wave=wave_of[n.name],
             )
             for n in m.graph.nodes
@@ -95,7 +100,8 @@ def add_graph_routes(app: FastAPI) -> None:
             store_version=m.store_version, input_dim=m.input_dim, output_dim=m.output_dim,
             outputs=list(m.graph.outputs), waves=m.graph.waves(), nodes=nodes,
             edges=m.graph.edges, total_expert_bytes=m.total_expert_bytes,
-            one_expert_per_node_bytes=sum(n.max_expert_bytes for n in nodes),
+            total_expert_device_bytes=sum(ref.nbytes for ref in model.experts),
+            one_expert_per_node_device_bytes=sum(n.max_expert_device_bytes for n in nodes),
             max_distance_evals=max_evals,
         )
         return Response(body.model_dump_json(), media_type="application/json")

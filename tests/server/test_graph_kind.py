@@ -5,14 +5,17 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from app_support import app_settings, fake_app, running
 from graph_support import global_ids, inputs, offline, tiny_graph_store
 
 from experts_store import Store
-from server.kinds import GraphModel, GraphOptions, open_model
-from server.pool import FakeExpertPool
+from server._settings import Settings
+from server.batching import Batcher
+from server.kinds import GateRequest, GraphModel, GraphOptions, open_model
+from server.pool import FakeExpertPool, activation_peak_bytes
 
 pytestmark = pytest.mark.unit
 
@@ -103,4 +106,36 @@ async def test_predict_reports_each_nodes_expert_and_graph_stats(graph_store) ->
     assert ["l0_0", "l1_0"] in graph["edges"] and ["x:0", "l0_0"] in graph["edges"]
     assert all(n["num_experts"] == 4 and n["bytes"] > 0 for n in graph["nodes"])
     assert graph["max_distance_evals"] == 28
+    # VRAM per request: at most one expert per node (loaded) plus each node's activations.
+    activations = 7 * activation_peak_bytes([2, 8, 1], 50)
+    assert stats["vram_bytes"] <= graph["one_expert_per_node_device_bytes"] + activations
+    assert graph["one_expert_per_node_device_bytes"] * 4 == graph["total_expert_device_bytes"]
     assert refused.status_code == 422 and "top_k" in refused.text
+
+
+async def test_each_row_is_the_same_alone_and_inside_merged_batches(graph_store) -> None:
+    """Batch invariance through the batcher: bitwise the same output (and node experts)
+    alone as inside random requests merged into shared batches."""
+    root, _ = graph_store
+    served = open_model(Store.open(root))
+    settings = Settings(max_batch_wait_ms=0.0, max_batch_rows=4096, cache_bytes=10**7)
+    pool = FakeExpertPool(settings)
+    batcher = Batcher(served, pool, settings)
+    x = inputs(300, seed=4)
+    options = served.resolve(GateRequest(), settings)
+    try:
+        alone = [await batcher.submit(x[i : i + 1], options) for i in range(300)]
+        rng = np.random.default_rng(5)
+        order = torch.from_numpy(rng.permutation(300))
+        parts = torch.tensor_split(order, sorted(rng.choice(np.arange(1, 300), 9, replace=False)))
+        answers = await asyncio.gather(*(batcher.submit(x[p], options) for p in parts))
+        together = torch.empty(300, 1)
+        experts = torch.empty(300, 7, dtype=torch.int64)
+        for p, answer in zip(parts, answers, strict=True):
+            together[p] = answer.outputs
+            experts[p] = answer.experts
+        assert torch.equal(torch.cat([a.outputs for a in alone]), together)
+        assert torch.equal(torch.cat([a.experts for a in alone]), experts)
+    finally:
+        await batcher.close()
+        await pool.close()
