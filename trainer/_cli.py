@@ -90,6 +90,10 @@ def _handle_build(args: argparse.Namespace) -> int:
         from trainer.graph._cli import handle_graph_build
 
         return handle_graph_build(args)
+    if args.graph or args.graph_training != "end-to-end" or args.dataset in ("tree8", "tree16"):
+        print("momlp build: --graph, --graph-training and tree8/tree16 need --kind graph",
+              file=sys.stderr)
+        return 2
     import torch
 
     from experts_store import Store

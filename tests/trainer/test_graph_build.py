@@ -67,3 +67,14 @@ def test_nodewise_build_from_a_file_with_a_target_per_node(tmp_path: Path) -> No
     assert store.verify() == []
     report = store.report()
     assert report is not None and report["training"] == "nodewise"
+
+
+def test_graph_options_without_kind_graph_and_samples_out_of_range_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = str(tmp_path / "store")
+    assert main(["build", "--dataset", "tree8", "--out", out]) == 2
+    assert "--kind graph" in capsys.readouterr().err
+    assert main(["build", "--kind", "graph", "--dataset", "tree8", "--samples", "3",
+                 "--out", out, "--no-progress"]) == 2
+    assert "--samples" in capsys.readouterr().err

@@ -42,6 +42,7 @@ __all__ = [
 
 GRAPH_DATASETS = ("tree8", "tree16")
 TARGET_PREFIX = "t_"  # .npz arrays "t_<node>": that node's observed target (nodewise)
+MIN_SAMPLES, MAX_SAMPLES = 16, 10_000_000  # rows of tree8/tree16 (caps the build's memory)
 
 
 @dataclass(frozen=True)
@@ -183,6 +184,10 @@ def build_graph_store(config: GraphBuildConfig, progress: bool = True) -> Manife
     settings = config.settings
     if (config.dataset is None) == (config.data is None):
         raise ConfigError("give exactly one of dataset and data", option="dataset")
+    if not MIN_SAMPLES <= config.samples <= MAX_SAMPLES:
+        raise ConfigError(f"samples must be in [{MIN_SAMPLES}, {MAX_SAMPLES}]", option="samples")
+    if not 0.0 < config.test_fraction < 1.0:
+        raise ConfigError("test_fraction must be in (0, 1)", option="test_fraction")
     if config.dataset is not None:
         x, y, targets = graph_dataset(config.dataset, config.samples, settings.seed)
     else:
