@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     )
     from experts_store._format import FORMAT_VERSION, ExpertFile, save_expert
     from experts_store._frozen import FrozenExpert
+    from experts_store._graph import GraphBlock, GraphNodeEntry, node_ref
     from experts_store._hostbuf import HostBufferPool
     from experts_store._hyper import (
         ConditionTable,
@@ -119,6 +120,8 @@ __all__ = [
     "ExpertRefLoader",
     "ExpertTooLarge",
     "FrozenExpert",
+    "GraphBlock",
+    "GraphNodeEntry",
     "HostBufferPool",
     "Lease",
     "Manifest",
@@ -140,6 +143,7 @@ __all__ = [
     "UnknownExpert",
     "load_expert",
     "load_frozen_expert",
+    "node_ref",
     "paper_parameter_count",
     "save_expert",
 ]
@@ -175,6 +179,9 @@ _HOMES = {
     "FrozenExpert": "experts_store._frozen",
     "save_expert": "experts_store._format",
     "HostBufferPool": "experts_store._hostbuf",
+    "GraphBlock": "experts_store._graph",
+    "GraphNodeEntry": "experts_store._graph",
+    "node_ref": "experts_store._graph",
     "ExpertEntry": "experts_store._manifest",
     "Manifest": "experts_store._manifest",
     "MANIFEST_FORMAT_VERSION": "experts_store._manifest",

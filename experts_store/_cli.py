@@ -99,6 +99,8 @@ def _info(args: argparse.Namespace) -> int:
             for e in m.experts
         ],
     }
+    if m.graph is not None:
+        summary["graph"] = _graph_summary(m)
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
@@ -138,10 +140,22 @@ def _info(args: argparse.Namespace) -> int:
         _print_hyper(m.hyper)
         return 0
     print()
+    if m.graph is not None:
+        graph = summary["graph"]
+        print(f"graph      {len(graph['nodes'])} nodes in {graph['waves']} waves, "
+              f"outputs {', '.join(m.graph.outputs)}")
+        for node in graph["nodes"]:
+            print(f"  node {node['name']:<12} <- {', '.join(node['inputs']):<24} "
+                  f"K={node['num_experts']:<4} ν={node['branching']} out={node['output_dim']} "
+                  f"{_human_bytes(node['bytes'])}  experts {node['experts']}  "
+                  f"{node['router_file']}")
+    print()
     print(f"{'id':>6}  {'bytes':>12}  {'params':>12}  widths")
+    owners = _node_of_expert(m)
     for e in m.experts:
         widths = "-".join(str(w) for w in e.arch["widths"])
-        print(f"{e.id:>6}  {e.bytes:>12}  {e.params:>12}  {widths}")
+        node = f"  node {owners[e.id]}" if e.id in owners else ""
+        print(f"{e.id:>6}  {e.bytes:>12}  {e.params:>12}  {widths}{node}")
     return 0
 
 
@@ -156,6 +170,39 @@ def _print_hyper(h: Any) -> None:
           f"{_human_bytes(f.bytes)}")
     table = h.conditions
     print(f"conditions {table.file}: {table.count} named" if table else "conditions none named")
+def _routers_verified(manifest: Any) -> str:
+    if manifest.graph is None:
+        return "the router"
+    return f"the routers of {len(manifest.graph.nodes)} graph nodes"
+
+
+def _node_of_expert(manifest: Any) -> dict[int, str]:
+    """Expert id -> the graph node it belongs to (empty for other kinds)."""
+    if manifest.graph is None:
+        return {}
+    return {e: node.name for node in manifest.graph.nodes for e in node.experts}
+
+
+def _graph_summary(manifest: Any) -> dict[str, Any]:
+    """Every node of a graph store: inputs, K_v, ν, width, experts, bytes, router file."""
+    graph = manifest.graph
+    return {
+        "waves": len(graph.waves()),
+        "outputs": list(graph.outputs),
+        "nodes": [
+            {
+                "name": node.name,
+                "inputs": list(node.inputs),
+                "output_dim": node.output_dim,
+                "num_experts": node.num_experts,
+                "branching": node.branching,
+                "experts": list(node.experts),
+                "bytes": sum(manifest.experts[e].bytes for e in node.experts),
+                "router_file": node.router_file,
+            }
+            for node in graph.nodes
+        ],
+    }
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -172,13 +219,17 @@ def _verify(args: argparse.Namespace) -> int:
         return 0
     if not problems:
         print(
-            f"ok: {store.manifest.num_experts} experts and the router verified "
+            f"ok: {store.manifest.num_experts} experts and "
+            f"{_routers_verified(store.manifest)} verified "
             f"(store version {store.version})"
         )
         return 0
     failing = sorted({p.expert_id for p in problems if p.expert_id is not None})
+    owners = _node_of_expert(store.manifest)
     for problem in problems:
         who = "router" if problem.expert_id is None else f"expert {problem.expert_id}"
+        if problem.expert_id in owners:
+            who += f" (node {owners[problem.expert_id]!r})"
         print(f"FAIL {who}: {problem.message}")
     print(f"failing experts: {' '.join(str(i) for i in failing) or 'none'}")
     return 1

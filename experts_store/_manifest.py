@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from experts_store._arch import ExpertArch
 from experts_store._exceptions import UnknownExpert
+from experts_store._graph import GraphBlock
 from experts_store._hyper import HyperSpec
 from experts_store._pmoe import PMoESpec
 
@@ -151,6 +152,7 @@ class Manifest(BaseModel):
     gate: GateSpec | None = None
     hyper: HyperSpec | None = None  # the block of kind "hyper" (experts_store/_hyper.py)
     pmoe: PMoESpec | None = None  # kind "pmoe": patch layout, routing, gating
+    graph: GraphBlock | None = None  # kind "graph" only: its DAG of nodes (_graph.py)
 
     @field_validator("kind")
     @classmethod
@@ -220,6 +222,12 @@ class Manifest(BaseModel):
                 output_dim=self.output_dim,
                 archs=[entry.expert_arch for entry in self.experts],
             )
+        if (self.kind == "graph") != (self.graph is not None):
+            raise ValueError("a store of kind 'graph' needs a graph block, and only it has one")
+        if self.graph is not None:
+            self.graph.check(
+                self.input_dim, self.output_dim, [e.expert_arch for e in self.experts]
+            )
         if self.kind != "momlp":
             # Other kinds' experts map their own spaces (a graph node's inputs, a patch);
             # each kind's own block checks them.
@@ -242,6 +250,8 @@ class Manifest(BaseModel):
             files.add(self.router_file)
         if self.hyper is not None:
             files |= self.hyper.files
+        if self.graph is not None:
+            files |= self.graph.router_files
         return files
 
     @property

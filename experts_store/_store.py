@@ -105,6 +105,12 @@ class Store:
     def version(self) -> str:
         return self.manifest.store_version
 
+    def node_router_path(self, node: str) -> Path:
+        """The router file of graph node `node` (KeyError if the store has no such node)."""
+        if self.manifest.graph is None:
+            raise KeyError(node)
+        return self.root / self.manifest.graph.node(node).router_file
+
     @property
     def router_path(self) -> Path:
         """The router's file; StoreError for a store that has none (a hyper store that
@@ -172,22 +178,20 @@ class Store:
         (in the same pass over the file).
         """
         problems: list[StoreProblem] = []
-        router_sha: str | None = None
-        router_file = self.manifest.router_file
-        try:
-            if router_file is not None:
-                router_sha = sha256_hex(self.router_path.read_bytes())
-        except FileNotFoundError:
-            problems.append(StoreProblem(None, f"router file missing: {self.router_path}"))
+        routers: list[tuple[str, str]] = []
+        if self.manifest.router_file is not None:
+            routers.append(("router", self.manifest.router_file))
+        if self.manifest.graph is not None:
+            # A graph store's nodes route with routers of their own: each is checked too.
+            routers += [(f"node {n.name!r} router", n.router_file)
+                        for n in self.manifest.graph.nodes]
+        for who, name in routers:
+            problem = _check_router_file(self.root / name, who)
+            if problem is not None:
+                problems.append(problem)
         if self.manifest.hyper is not None:
             found = verify_hyper_files(self.root, self.manifest.hyper)
             problems += [StoreProblem(None, message) for message in found]
-        if router_sha is not None and router_file is not None and not router_file.endswith(
-            f"-{router_sha[:16]}.safetensors"
-        ):
-            problems.append(
-                StoreProblem(None, f"router file {router_file}: checksum mismatch")
-            )
         for entry in self.manifest.experts:
             try:
                 sha256 = hashlib.sha256()
@@ -230,6 +234,17 @@ class Store:
             logger.warning("unreadable %s in %s", REPORT_NAME, self.root)
             return None
         return data if isinstance(data, dict) else None
+
+
+def _check_router_file(path: Path, who: str) -> StoreProblem | None:
+    """A problem if the router file is missing or its content is not its name's hash."""
+    try:
+        sha = sha256_hex(path.read_bytes())
+    except FileNotFoundError:
+        return StoreProblem(None, f"{who} file missing: {path}")
+    if not path.name.endswith(f"-{sha[:16]}.safetensors"):
+        return StoreProblem(None, f"{who} file {path.name}: checksum mismatch")
+    return None
 
 
 class StoreExpertLoader:

@@ -30,6 +30,7 @@ from experts_store._format import (
     save_expert,
     sha256_hex,
 )
+from experts_store._graph import GraphBlock
 from experts_store._hyper import HyperSpec
 from experts_store._manifest import (
     MANIFEST_FORMAT_VERSION,
@@ -101,6 +102,7 @@ class StoreWriter:
         self._entries: dict[int, ExpertEntry] = {}
         # Kind files (a hyper store's f and conditions): staged path -> store-relative name.
         self._kind_files: dict[str, Path] = {}
+        self._routers: set[str] = set()  # kind routers staged by stage_router (names)
         self._report_written = False
         self._closed = False
 
@@ -170,6 +172,15 @@ class StoreWriter:
         self._kind_files[name] = staged
         return name
 
+    def stage_router(self, source: Path | str) -> str:
+        """Move a router file a kind needs beside the store's (a graph node's prototype
+        tree) into staging under its content name, and return that store-relative name."""
+        self._check_open()
+        name = router_file_name(sha256_hex(Path(source).read_bytes()))
+        os.replace(source, self.staging / name)
+        self._routers.add(name)
+        return name
+
     def write_report(self, report: Mapping[str, Any]) -> None:
         """Stage report.json; it is moved into the store right after the manifest."""
         self._check_open()
@@ -195,6 +206,7 @@ class StoreWriter:
         gate: GateSpec | None = None,
         hyper: HyperSpec | None = None,
         pmoe: PMoESpec | None = None,
+        graph: GraphBlock | None = None,
     ) -> Manifest:
         """Make the staged store the live one and return its manifest.
 
@@ -202,10 +214,17 @@ class StoreWriter:
         format 2); without it the gate block records `temperature` as given by the caller.
         """
         self._check_open()
-        has_router = self.router_path.is_file()
-        if not has_router and kind == "momlp":
+        router_file: str | None
+        if self.router_path.is_file():
+            router_file = router_file_name(sha256_hex(self.router_path.read_bytes()))
+        elif graph is not None:
+            # A graph routes with its nodes' routers; the top-level name (format-1 readers
+            # need one) is its first node's.
+            router_file = graph.nodes[0].router_file
+        elif kind == "momlp":
             raise StoreError(f"nothing staged at {self.router_path}: save the router first")
-        router_sha = sha256_hex(self.router_path.read_bytes()) if has_router else None
+        else:
+            router_file = None  # a kind without a router (a request-conditioned hyper store)
         entries = [self._entries[i] for i in sorted(self._entries)]
         try:
             manifest = Manifest(
@@ -219,25 +238,32 @@ class StoreWriter:
                 branching=branching,
                 num_experts=len(entries),
                 temperature=gate.temperature if gate is not None else temperature,
-                router_file=router_file_name(router_sha) if router_sha is not None else None,
+                router_file=router_file,
                 experts=entries,
                 extra=dict(extra or {}),
                 kind=kind,
                 gate=gate if gate is not None else GateSpec(temperature=temperature),
                 hyper=hyper,
                 pmoe=pmoe,
+                graph=graph,
             )
         except ValidationError as exc:
             raise ManifestError(root=self.root, message=str(exc)) from exc
+        unstaged = sorted(manifest.referenced_files - self._routers - {manifest.router_file}
+                          - {e.file for e in entries})
+        if unstaged:
+            raise StoreError(f"nothing staged for {unstaged}: stage_router() them first")
         previous = _referenced_files(self.root)
 
         (self.root / "experts").mkdir(exist_ok=True)
         for entry in entries:
             os.replace(self.expert_path(entry.id), self.root / entry.file)
-        if manifest.router_file is not None:
-            os.replace(self.router_path, self.root / manifest.router_file)
+        if self.router_path.is_file():
+            os.replace(self.router_path, self.root / str(manifest.router_file))
         for name, staged in self._kind_files.items():
             os.replace(staged, self.root / name)
+        for name in sorted(self._routers):
+            os.replace(self.staging / name, self.root / name)
         _fsync_dir(self.root / "experts")
         staged_manifest = self.staging / MANIFEST_NAME
         with open(staged_manifest, "w", encoding="utf-8") as f:

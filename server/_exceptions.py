@@ -55,12 +55,16 @@ class PoolSaturated(ServerError):
 
 
 class ExpertUnavailable(ServerError):
-    def __init__(self, *, expert_id: int, reason: str) -> None:
+    def __init__(self, *, expert_id: int, reason: str, node: str | None = None) -> None:
+        # `node`: the graph node the expert serves (graph stores), named in the message.
+        where = "" if node is None else f"node {node!r} "
         super().__init__(
-            f"expert {expert_id} cannot be served: {reason}", expert_id=expert_id, reason=reason
+            f"{where}expert {expert_id} cannot be served: {reason}",
+            expert_id=expert_id, reason=reason, node=node,
         )
         self.expert_id = expert_id
         self.reason = reason
+        self.node = node
 
 
 class NotReady(ServerError):

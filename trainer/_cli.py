@@ -14,6 +14,7 @@ __all__ = ["register"]
 _DATASETS = ("holder1d", "ackley2d", "ackley3d", "rastrigin2d", "rastrigin3d", "digits")
 _HYPER_DATASETS = ("hyper-synthetic", "rotate-digits")
 _PMOE_DATASETS = ("digits-patches", "digits-patches-4class")  # trainer.pmoe.PMOE_DATASETS
+_GRAPH_DATASETS = ("tree8", "tree16")  # --kind graph only
 
 
 def register(subparsers: Any) -> None:
@@ -29,7 +30,7 @@ def register(subparsers: Any) -> None:
     )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument(
-        "--dataset", choices=_DATASETS + _HYPER_DATASETS + _PMOE_DATASETS,
+        "--dataset", choices=_DATASETS + _GRAPH_DATASETS + _HYPER_DATASETS + _PMOE_DATASETS,
         help="a built-in dataset",
     )
     source.add_argument(
@@ -92,9 +93,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--quick", action="store_true", help="small preset for tests and the demo")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.add_argument(
-        "--kind", choices=("momlp", "hyper", "pmoe"), default="momlp",
-        help="momlp (default): prototype-tree mixture; hyper: a hypernetwork f generating a "
-        "primary g per condition (paper 001); pmoe: patch-level routing (paper 003)",
+        "--kind", choices=("momlp", "graph", "hyper", "pmoe"), default="momlp",
+        help="momlp (default): prototype-tree mixture; graph: a DAG of small mixtures (paper "
+        "004); hyper: a hypernetwork f generating a primary g per condition (paper 001); "
+        "pmoe: patch-level routing (paper 003)",
     )
     p.add_argument(
         "--baseline", dest="kind_baseline", choices=("embedding", "cnn"), default=None,
@@ -117,6 +119,12 @@ def register(subparsers: Any) -> None:
     pmoe.add_argument("--router-epochs", type=int, default=None)
     pmoe.add_argument("--num-train", type=int, default=None)
     pmoe.add_argument("--num-test", type=int, default=None)
+    graph = p.add_argument_group("--kind graph (see trainer.graph)")
+    graph.add_argument("--graph", type=Path, metavar="SPEC", help="graph spec JSON")
+    graph.add_argument("--graph-training", choices=("end-to-end", "nodewise"),
+                       default="end-to-end",
+                       help="nodewise: the data has a target per node (.npz arrays t_<node>)")
+    graph.add_argument("--samples", type=int, default=None, help="rows of tree8/tree16")
     p.set_defaults(handler=_handle_build)
 
 
@@ -173,6 +181,14 @@ def _handle_build(args: argparse.Namespace) -> int:
         from trainer.hyper._cli import handle_hyper_build
 
         return handle_hyper_build(args)
+    if args.kind == "graph":
+        from trainer.graph._cli import handle_graph_build
+
+        return handle_graph_build(args)
+    if args.graph or args.graph_training != "end-to-end" or args.dataset in _GRAPH_DATASETS:
+        print("momlp build: --graph, --graph-training and tree8/tree16 need --kind graph",
+              file=sys.stderr)
+        return 2
     import torch
 
     from experts_store import Store

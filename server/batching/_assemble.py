@@ -34,27 +34,30 @@ def request_answers(
     the first group it needed that failed."""
     sizes = torch.tensor([rows for rows, _ in requests], dtype=torch.long)
     owner = torch.repeat_interleave(torch.arange(len(requests)), sizes)
-    # uses[r]: (group's result, this request's rows in it, the group's rows), in plan order.
-    uses: list[list[tuple[GroupResult, int, int]]] = [[] for _ in requests]
-    for plan, results in rounds:
+    # uses[r]: (group's result, this request's rows in it, the group's rows, its label and
+    # round), in plan order.
+    uses: list[list[tuple[GroupResult, int, int, str, int]]] = [[] for _ in requests]
+    for wave, (plan, results) in enumerate(rounds):
         for group, result in zip(plan.groups, results, strict=True):
             counts = torch.bincount(owner[group.rows], minlength=len(requests)).tolist()
             total = int(group.rows.shape[0])
             for r, count in enumerate(counts):
                 if count:
-                    uses[r].append((result, int(count), total))
+                    uses[r].append((result, int(count), total, group.label, wave))
     answers: list[BatchAnswer | BaseException] = []
     start = 0
     evals = routing.distance_evals.to(torch.int64).reshape(-1)
     for (rows, submitted), mine in zip(requests, uses, strict=True):
         stop = start + rows
-        failed = next((result for result, _, _ in mine if result.error is not None), None)
+        failed = next((use for use in mine if use[0].error is not None), None)
         if failed is not None:
-            answers.append(ExpertUnavailable(expert_id=failed.expert_id, reason=str(failed.error)))
+            answers.append(ExpertUnavailable(
+                expert_id=failed[0].expert_id, reason=str(failed[0].error), node=failed[3] or None
+            ))
             start = stop
             continue
-        stats = [_stat(result, count, total) for result, count, total in mine]
-        device_bytes = {result.actor: result.device_bytes for result, _, _ in mine}
+        stats = [_stat(*use) for use in mine]
+        device_bytes = {use[0].actor: use[0].device_bytes for use in mine}
         part = routing.slice(start, stop)
         width = max(1, int((part.experts >= 0).sum(dim=1).max()))
         answers.append(
@@ -75,7 +78,8 @@ def request_answers(
     return answers
 
 
-def _stat(result: GroupResult, rows: int, group_rows: int) -> ExpertStat:
+def _stat(result: GroupResult, rows: int, group_rows: int, label: str, wave: int
+          ) -> ExpertStat:
     share = result.activation_bytes * rows // max(group_rows, 1)
     return ExpertStat(
         expert_id=result.expert_id,
@@ -90,4 +94,6 @@ def _stat(result: GroupResult, rows: int, group_rows: int) -> ExpertStat:
         vram_bytes=result.expert_bytes + result.generator_bytes + share,
         key=result.key,
         generator_bytes=result.generator_bytes,
+        node=label or None,
+        wave=wave if label else None,
     )

@@ -25,6 +25,8 @@ class ExpertStat:
     vram_bytes: int
     key: str | None = None  # kind hyper: the generated θ's cache key
     generator_bytes: int = 0  # kind hyper: the pinned hypernetwork's bytes
+    node: str | None = None  # graph stores: the node this expert served, and its wave
+    wave: int | None = None
 
 
 @dataclass(frozen=True)
@@ -40,12 +42,32 @@ class BatchAnswer:
     route_ms: float = 0.0
     queue_ms: float = 0.0
     total_ms: float = 0.0
-    routing: Any = None  # this request's rows of the kind's RowRouting (e.g. patch choices)
+    # This request's rows of its kind's routing (pmoe: patch choices; graph: per node).
+    routing: Any = None
 
     @property
     def vram_bytes(self) -> int:
-        """Max over the request's experts: the actor runs one expert at a time."""
+        """Max over the request's experts: the actor runs one expert at a time. A graph's
+        (stats carry nodes): the sum over nodes of each node's largest, since a row holds
+        one value per node on its way through the waves."""
+        if any(stat.node is not None for stat in self.stats):
+            return sum(self.wave_vram_bytes)
         return max((stat.vram_bytes for stat in self.stats), default=0)
+
+    @property
+    def wave_vram_bytes(self) -> list[int]:
+        """Graph stores: per wave, the sum over its nodes of each node's largest expert
+        (parameters + this request's activation share); empty for other kinds."""
+        per_node: dict[tuple[int, str], int] = {}
+        for stat in self.stats:
+            if stat.node is not None and stat.wave is not None:
+                key = (stat.wave, stat.node)
+                per_node[key] = max(per_node.get(key, 0), stat.vram_bytes)
+        waves = 1 + max((wave for wave, _ in per_node), default=-1)
+        totals = [0] * waves
+        for (wave, _), value in per_node.items():
+            totals[wave] += value
+        return totals
 
     def kept(self) -> list[tuple[list[int], list[float]]]:
         """Each row's kept experts and their weights, without the padding."""

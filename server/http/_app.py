@@ -18,6 +18,7 @@ from server._settings import Settings
 from server.http._admin import add_admin_routes
 from server.http._auth import ApiKeyMiddleware
 from server.http._errors import CatchAllMiddleware, install_error_handlers
+from server.http._graph import add_graph_routes
 from server.http._hyper import add_hyper_routes
 from server.http._metrics import Metrics, MetricsMiddleware, PoolSnapshot
 from server.http._openapi import install_openapi
@@ -89,6 +90,7 @@ def create_app(
     metrics.set_snapshot(lambda: pool_snapshot(serving))
     install_error_handlers(app)
     add_routes(app)
+    add_graph_routes(app)
     add_v2_routes(app)
     add_admin_routes(app)
     add_hyper_routes(app)

@@ -90,7 +90,8 @@ def _server_error(exc: ServerError) -> JSONResponse:
             503,
             "expert_unavailable",
             exc.message,
-            {"expert_id": exc.expert_id, "reason": exc.reason},
+            {"expert_id": exc.expert_id, "reason": exc.reason}
+            | ({} if exc.node is None else {"node": exc.node}),
         )
     if isinstance(exc, NotReady | PoolClosed):
         return _json(503, "not_ready", exc.message, exc.fields or None)

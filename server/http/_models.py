@@ -15,6 +15,7 @@ __all__ = [
     "ExpertPatchesModel",
     "ExpertStatModel",
     "ExpertsResponse",
+    "GraphStatsModel",
     "HealthResponse",
     "ModelResponse",
     "PredictRequest",
@@ -115,6 +116,18 @@ class ExpertStatModel(BaseModel):
         "whether θ was generated for this request and how long it took)"
     )
     generator_bytes: int = Field(default=0, description="kind hyper: bytes of the pinned f")
+    node: str | None = None  # graph stores: the node this expert served, in wave `wave`
+    wave: int | None = None
+
+
+class GraphStatsModel(BaseModel):
+    """Graph stores: `vram_bytes` (above) is the sum over nodes of each node's largest
+    expert with its activations; `wave_vram_bytes` the same per wave (its peak: the largest)."""
+
+    waves: int
+    wave_vram_bytes: list[int]
+    peak_wave_vram_bytes: int
+    node_distance_evals: dict[str, list[int]]  # node -> per row
 
 
 class PredictStats(BaseModel):
@@ -131,6 +144,7 @@ class PredictStats(BaseModel):
     patches_dense: int | None = Field(
         default=None, description="pmoe: rows·n·k, what every expert on every patch would make"
     )
+    graph: GraphStatsModel | None = None
 
 
 class ExpertPatchesModel(BaseModel):
@@ -151,6 +165,7 @@ class PredictResponse(BaseModel):
     store_version: str
     stats: PredictStats | None = None
     patches: list[list[ExpertPatchesModel]] | None = None
+    nodes: dict[str, list[int]] | None = None  # graph stores: node -> expert per row
 
 
 class RouteResponse(BaseModel):

@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from server._exceptions import NotReady, RequestTimeout
 from server._settings import Settings
 from server.http._body import parse_inputs
+from server.http._graph import graph_fields
 from server.http._metrics import CONTENT_TYPE, Metrics
 from server.http._models import (
     ActorInfoModel,
@@ -222,6 +223,7 @@ def add_routes(app: FastAPI) -> None:
             except TimeoutError:
                 raise RequestTimeout(timeout_s=settings.request_timeout_s) from None
         metrics.observe_prediction(x.shape[0], [(s.cache, s.load_ms) for s in answer.stats])
+        nodes, graph_stats = graph_fields(answer, parsed.return_stats)
         stats = None
         if parsed.return_stats:
             stats = PredictStats.model_construct(
@@ -232,6 +234,7 @@ def add_routes(app: FastAPI) -> None:
                 route_ms=answer.route_ms,
                 queue_ms=answer.queue_ms,
                 total_ms=max(answer.total_ms, (time.perf_counter() - start) * 1000.0),
+                graph=graph_stats,
             )
             if isinstance(answer.routing, PatchRowRouting):
                 stats.patches_computed = sum(s.rows for s in answer.stats)
@@ -245,6 +248,7 @@ def add_routes(app: FastAPI) -> None:
                 store_version=version.version,
                 stats=stats,
                 patches=_patch_rows(answer.routing) if parsed.return_routing else None,
+                nodes=nodes,
             )
         )
 

@@ -8,6 +8,7 @@ The batching floor above calls a kind through `ServedModel`, never by its name.
 from __future__ import annotations
 
 from server.kinds._conditions import attach_conditions, check_kind_budget
+from server.kinds._graph import GraphModel, GraphOptions, GraphRouting
 from server.kinds._hyper import ConditionRequest, HyperModel, HyperOptions, HyperRouting
 from server.kinds._momlp import GateRouter, MomlpModel
 from server.kinds._pmoe import PatchModel, PatchOptions, PatchRouting
@@ -33,6 +34,9 @@ __all__ = [
     "check_kind_budget",
     "GateRequest",
     "GateRouter",
+    "GraphModel",
+    "GraphOptions",
+    "GraphRouting",
     "MomlpModel",
     "PatchChoice",
     "PatchInputs",

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from experts_store import Store
 from server._exceptions import UnknownStoreKind
+from server.kinds._graph import GraphModel
 from server.kinds._hyper import HyperModel
 from server.kinds._momlp import MomlpModel
 from server.kinds._pmoe import PatchModel
@@ -18,6 +19,7 @@ KINDS: dict[str, Callable[[Store], ServedModel]] = {
     MomlpModel.kind: MomlpModel.open,
     HyperModel.kind: HyperModel.open,
     PatchModel.kind: PatchModel.open,
+    GraphModel.kind: GraphModel.open,
 }
 
 

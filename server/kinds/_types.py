@@ -51,6 +51,7 @@ class PlannedGroup:
     rows: torch.Tensor  # [m] int64: batch rows, each once per group
     weights: torch.Tensor  # [m] float64: the gate weight of the key for each row
     inputs: torch.Tensor  # [m, d] float32: what the expert computes on
+    label: str = ""  # where in the model the key serves (a graph's node name; "" for momlp)
 
     def group(self) -> Group:
         return Group(expert=self.key, rows=self.inputs)

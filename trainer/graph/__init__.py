@@ -23,6 +23,15 @@ from ._exceptions import (
     UndefinedInput,
 )
 from ._model import CompositionalMoMLP, HardForward, NodeMixture
+from ._publish import (
+    GRAPH_DATASETS,
+    GraphBuildConfig,
+    build_graph_store,
+    graph_dataset,
+    load_graph_spec,
+    publish_graph,
+    tree_target,
+)
 from ._spec import GraphSpec, InputRef, NodeSpec, binary_tree_spec, parse_ref, validate, waves
 from ._train import (
     GraphHistory,
@@ -33,6 +42,13 @@ from ._train import (
 )
 
 __all__ = [
+    "GRAPH_DATASETS",
+    "GraphBuildConfig",
+    "build_graph_store",
+    "graph_dataset",
+    "load_graph_spec",
+    "publish_graph",
+    "tree_target",
     "ArityMismatch",
     "CompositionalMoMLP",
     "GraphCycle",

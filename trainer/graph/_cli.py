@@ -1,0 +1,57 @@
+"""`momlp build --kind graph`: the handler (`trainer._cli` parses, then hands over here)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+__all__ = ["handle_graph_build"]
+
+
+def handle_graph_build(args: argparse.Namespace) -> int:
+    """Build and publish a graph store from the parsed `momlp build` arguments."""
+    import torch
+
+    from trainer import TrainerError
+
+    from ._publish import GraphBuildConfig, build_graph_store, load_graph_spec
+    from ._spec import binary_tree_spec
+    from ._train import GraphTraining
+
+    settings = GraphTraining(soft_epochs=10, hard_epochs=10) if args.quick else GraphTraining()
+    overrides = {"lr": args.lr, "batch_size": args.batch_size, "seed": args.seed,
+                 "routing": args.routing, "prototype_lr": args.prototype_lr}
+    if args.epochs is not None:
+        overrides.update(soft_epochs=args.epochs, hard_epochs=args.epochs,
+                         expert_epochs=args.epochs)
+    if args.prototype_epochs is not None:
+        overrides["prototype_epochs"] = args.prototype_epochs
+    settings = dataclasses.replace(
+        settings, **{k: v for k, v in overrides.items() if v is not None}
+    )
+    try:
+        if args.torch_threads is not None:
+            torch.set_num_threads(args.torch_threads)
+        spec = load_graph_spec(args.graph) if args.graph is not None else None
+        if spec is None and args.dataset is not None and args.dataset.startswith("tree"):
+            width = args.width or 8
+            spec = binary_tree_spec(int(args.dataset[4:]), experts=args.experts or 4,
+                                    hidden=(width, width), branching=args.branching or 4)
+        config = GraphBuildConfig(
+            out=args.out, spec=spec, dataset=args.dataset, data=args.data,
+            training=args.graph_training, settings=settings,
+            samples=args.samples or (2000 if args.quick else 4000),
+            test_fraction=args.test_fraction or 0.2,
+        )
+        manifest = build_graph_store(config, progress=args.progress)
+    except TrainerError as exc:
+        print(f"momlp build: {exc}", file=sys.stderr)
+        return 2
+    assert manifest.graph is not None
+    print(json.dumps({
+        "store": str(args.out), "store_version": manifest.store_version, "kind": "graph",
+        "nodes": len(manifest.graph.nodes), "num_experts": manifest.num_experts,
+    }))
+    return 0

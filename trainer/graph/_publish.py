@@ -1,0 +1,234 @@
+"""Publishing a trained CompositionalMoMLP as a store of kind "graph", and `momlp build
+--kind graph`.
+
+Each node's experts become ordinary manifest experts with global ids (the nodes in spec
+order, each node's K_v experts in its prototype order), each node's prototype tree its own
+content-named router file, and the DAG the manifest's `graph` block. The spec is validated
+(`validate`, naming the node) before any training or writing; the writer validates the block
+again against the experts' archs before anything is published.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from experts_store import ExpertMLP, GraphBlock, GraphNodeEntry, Manifest, StoreWriter
+
+from .._exceptions import ConfigError, DataError
+from ._exceptions import GraphSpecError
+from ._model import CompositionalMoMLP
+from ._spec import GraphSpec, binary_tree_spec, validate
+from ._train import GraphTraining, train_end_to_end, train_nodewise
+
+__all__ = [
+    "GRAPH_DATASETS",
+    "GraphBuildConfig",
+    "build_graph_store",
+    "graph_dataset",
+    "load_graph_spec",
+    "publish_graph",
+    "tree_target",
+]
+
+GRAPH_DATASETS = ("tree8", "tree16")
+TARGET_PREFIX = "t_"  # .npz arrays "t_<node>": that node's observed target (nodewise)
+MIN_SAMPLES, MAX_SAMPLES = 16, 10_000_000  # rows of tree8/tree16 (caps the build's memory)
+
+
+@dataclass(frozen=True)
+class GraphBuildConfig:
+    out: Path
+    spec: GraphSpec | None = None  # None: the binary tree of the dataset (tree8 / tree16)
+    dataset: str | None = None
+    data: Path | None = None
+    training: Literal["end-to-end", "nodewise"] = "end-to-end"
+    samples: int = 4000
+    test_fraction: float = 0.2
+    settings: GraphTraining = field(default_factory=GraphTraining)
+
+
+def tree_target(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The seed-004 target h(a, b) = tanh(2ab + a - b) up a binary tree, with every node's
+    value under the names of `binary_tree_spec` (the per-node targets nodewise needs)."""
+    spec = binary_tree_spec(x.shape[1], experts=1, hidden=(1,))
+    values: dict[str, torch.Tensor] = {}
+    for node in spec.nodes:
+        a, b = (x[:, int(r[2:])] if r.startswith("x:") else values[r][:, 0]
+                for r in node.inputs)
+        values[node.name] = torch.tanh(2 * a * b + a - b)[:, None]
+    return values["root"], values
+
+
+def graph_dataset(
+    name: str, samples: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """tree8 / tree16: x ~ U[-1, 1]^d and the binary-tree target (with per-node targets)."""
+    if name not in GRAPH_DATASETS:
+        raise DataError(f"unknown graph dataset; choose one of {GRAPH_DATASETS}", source=name)
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.rand(samples, int(name[4:]), generator=generator) * 2 - 1
+    y, nodes = tree_target(x)
+    return x, y, nodes
+
+
+def load_graph_spec(path: Path) -> GraphSpec:
+    """A spec JSON file (GraphSpec.from_dict); DataError if unreadable, GraphSpecError if
+    malformed."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DataError(f"cannot read the graph spec: {exc}", source=str(path)) from exc
+    return GraphSpec.from_dict(data)
+
+
+def _data_file(path: Path) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """.npz with X [N, n], y [N] or [N, out], and optionally t_<node> [N, out_v]."""
+    if not path.is_file() or path.suffix.lower() != ".npz":
+        raise DataError("graph builds read an .npz (X, y, optional t_<node>)", source=str(path))
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            arrays = {k: np.asarray(archive[k], dtype=np.float32) for k in archive.files}
+    except (ValueError, OSError) as exc:
+        raise DataError(f"cannot read the archive: {exc}", source=str(path)) from exc
+    if "X" not in arrays or "y" not in arrays:
+        raise DataError("the archive needs arrays X and y", source=str(path))
+    x, y = torch.from_numpy(arrays["X"]), torch.from_numpy(arrays["y"])
+    y = y.reshape(y.shape[0], -1)
+    targets = {k[len(TARGET_PREFIX):]: torch.from_numpy(v).reshape(v.shape[0], -1)
+               for k, v in arrays.items() if k.startswith(TARGET_PREFIX)}
+    if x.ndim != 2 or y.shape[0] != x.shape[0] or any(
+        t.shape[0] != x.shape[0] for t in targets.values()
+    ):
+        raise DataError("X must be 2-D and every target have one row per row of X",
+                        source=str(path))
+    if not (torch.isfinite(x).all() and torch.isfinite(y).all()):
+        raise DataError("X and y must be finite", source=str(path))
+    return x, y, targets
+
+
+def publish_graph(
+    model: CompositionalMoMLP,
+    out: Path,
+    *,
+    report: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> Manifest:
+    """Write a hardened model as a store of kind "graph" (atomic, like every publish)."""
+    if not model.hardened:
+        from ._exceptions import NotHardened
+
+        raise NotHardened()
+    routing = model.node(model.spec.nodes[0].name).routing
+    with StoreWriter(out) as writer, tempfile.TemporaryDirectory() as tmp:
+        entries: list[GraphNodeEntry] = []
+        next_id = 0
+        for spec in model.spec.nodes:
+            node = model.node(spec.name)
+            ids = list(range(next_id, next_id + node.num_experts))
+            for expert_id, expert in zip(ids, node.experts, strict=True):
+                assert isinstance(expert, ExpertMLP)
+                writer.add_expert(expert_id, expert)
+            next_id += node.num_experts
+            assert node.tree is not None
+            path = Path(tmp) / f"{spec.name}.safetensors"
+            node.tree.save(path)
+            entries.append(GraphNodeEntry(
+                name=spec.name, inputs=list(spec.inputs), output_dim=spec.output_dim,
+                branching=spec.branching, router_file=writer.stage_router(path), experts=ids,
+            ))
+        if report is not None:
+            writer.write_report(report)
+        output_dim = int(model.gather_outputs(
+            torch.zeros(1, model.input_dim),
+            {n.name: torch.zeros(1, n.output_dim) for n in model.spec.nodes},
+        ).shape[1])
+        return writer.publish(
+            task="regression", input_dim=model.input_dim, output_dim=output_dim,
+            routing=routing, branching=max(n.branching for n in model.spec.nodes),
+            extra=extra, kind="graph",
+            graph=GraphBlock(nodes=entries, outputs=list(model.spec.outputs)),
+        )
+
+
+class _EpochBar:
+    """The build's progress bar: epochs (or nodes) done, the phase and its latest loss."""
+
+    def __init__(self, total: int, enabled: bool, unit: str) -> None:
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=total, desc="graph", unit=unit, file=sys.stderr,
+                         disable=not enabled)
+
+    def epoch(self, phase: str, epoch: int, loss: float) -> None:
+        self._bar.set_postfix(phase=phase, loss=f"{loss:.4g}")
+        self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def build_graph_store(config: GraphBuildConfig, progress: bool = True) -> Manifest:
+    """Load the data, validate the graph (naming the node) before training, train it end
+    to end or node by node, evaluate on a held-out split and publish `config.out`."""
+    started = time.perf_counter()
+    settings = config.settings
+    if (config.dataset is None) == (config.data is None):
+        raise ConfigError("give exactly one of dataset and data", option="dataset")
+    if not MIN_SAMPLES <= config.samples <= MAX_SAMPLES:
+        raise ConfigError(f"samples must be in [{MIN_SAMPLES}, {MAX_SAMPLES}]", option="samples")
+    if not 0.0 < config.test_fraction < 1.0:
+        raise ConfigError("test_fraction must be in (0, 1)", option="test_fraction")
+    if config.dataset is not None:
+        x, y, targets = graph_dataset(config.dataset, config.samples, settings.seed)
+    else:
+        assert config.data is not None
+        x, y, targets = _data_file(config.data)
+    spec = config.spec
+    if spec is None:
+        if config.dataset is None:
+            raise ConfigError("a graph build from --data needs --graph spec.json", option="graph")
+        spec = binary_tree_spec(x.shape[1], experts=4, hidden=(8, 8))
+    validate(spec, x.shape[1])
+    if config.training == "nodewise":
+        missing = [n.name for n in spec.nodes if n.name not in targets]
+        if missing:
+            raise GraphSpecError("nodewise training needs a target for every node",
+                                 node=missing[0])
+    test = max(1, int(x.shape[0] * config.test_fraction))
+    order = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(settings.seed))
+    train_rows, test_rows = order[test:], order[:test]
+    model = CompositionalMoMLP(spec, x.shape[1], seed=settings.seed)
+    if config.training == "nodewise":
+        bar = _EpochBar(1, progress, "run")
+        train_nodewise(model, x[train_rows], {k: v[train_rows] for k, v in targets.items()},
+                       settings)
+        bar.epoch("nodewise", 0, float("nan"))
+    else:
+        bar = _EpochBar(settings.soft_epochs + settings.hard_epochs, progress, "epoch")
+        train_end_to_end(model, x[train_rows], y[train_rows], settings, on_epoch=bar.epoch)
+    bar.close()
+    with torch.no_grad():
+        hard = model.forward_hard(x[test_rows])
+        mse = float(torch.mean((hard.outputs - y[test_rows]) ** 2))
+    report = {
+        "kind": "graph",
+        "training": config.training,
+        "source": config.dataset or str(config.data),
+        "rows": {"train": int(train_rows.numel()), "test": int(test_rows.numel())},
+        "mixture": {"metric": "mse", "value": mse, "params": model.total_parameters(),
+                    "active_params": model.active_parameters()},
+        "target_variance": float(y[test_rows].var()),
+        "spec": spec.to_dict(),
+        "timings": {"total_s": time.perf_counter() - started},
+    }
+    return publish_graph(model, config.out, report=report)
