@@ -249,8 +249,8 @@ class StoreWriter:
             )
         except ValidationError as exc:
             raise ManifestError(root=self.root, message=str(exc)) from exc
-        unstaged = sorted(manifest.referenced_files - self._routers - {manifest.router_file}
-                          - {e.file for e in entries})
+        unstaged = sorted(manifest.referenced_files - self._routers - set(self._kind_files)
+                          - {manifest.router_file} - {e.file for e in entries})
         if unstaged:
             raise StoreError(f"nothing staged for {unstaged}: stage_router() them first")
         previous = _referenced_files(self.root)
