@@ -27,7 +27,7 @@ from router import Mode
 
 from .._prototypes import kmeans_prototypes, learned_prototypes
 from .._train import rescale_output, target_scaling, train_network
-from ._model import CompositionalMoMLP, NodeMixture
+from ._model import CompositionalMoMLP, NodeMixture, node_tree
 from ._spec import INPUT, parse_ref
 
 __all__ = [
@@ -189,8 +189,6 @@ def train_nodewise(
 def _train_node(node: NodeMixture, z: Tensor, y: Tensor, settings: GraphTraining) -> None:
     """One Algorithm 2 run: joint eq.-(39) phase of small networks and prototypes, deepen,
     then each expert trained on its own cell on standardised targets (as trainer's build)."""
-    from router import PrototypeTree
-
     generator = torch.Generator().manual_seed(settings.seed)
     widths = node.spec.widths
     hidden = widths[1:-1]
@@ -209,7 +207,7 @@ def _train_node(node: NodeMixture, z: Tensor, y: Tensor, settings: GraphTraining
         )
         with torch.no_grad():
             node.prototypes.copy_(prototypes)
-        tree = PrototypeTree.build(prototypes, branching=node.spec.branching, seed=settings.seed)
+        tree = node_tree(prototypes, node.spec.branching, settings.seed)
         cells = tree.route(z.detach(), mode=settings.routing).experts[:, 0]
     else:
         cells = torch.zeros(z.shape[0], dtype=torch.long)
