@@ -125,6 +125,9 @@ def register(subparsers: Any) -> None:
                        default="end-to-end",
                        help="nodewise: the data has a target per node (.npz arrays t_<node>)")
     graph.add_argument("--samples", type=int, default=None, help="rows of tree8/tree16")
+    graph.add_argument("--graph-finetune-epochs", type=int, default=None, metavar="N",
+                       help="after training, fine-tune each node (rest frozen) for N epochs, "
+                       "one Ray task per node (--executor); default 0: off")
     p.set_defaults(handler=_handle_build)
 
 
@@ -185,9 +188,10 @@ def _handle_build(args: argparse.Namespace) -> int:
         from trainer.graph._cli import handle_graph_build
 
         return handle_graph_build(args)
-    if args.graph or args.graph_training != "end-to-end" or args.dataset in _GRAPH_DATASETS:
-        print("momlp build: --graph, --graph-training and tree8/tree16 need --kind graph",
-              file=sys.stderr)
+    if (args.graph or args.graph_training != "end-to-end" or args.dataset in _GRAPH_DATASETS
+            or args.graph_finetune_epochs is not None):
+        print("momlp build: --graph, --graph-training, --graph-finetune-epochs and tree8/tree16"
+              " need --kind graph", file=sys.stderr)
         return 2
     import torch
 

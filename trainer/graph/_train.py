@@ -57,6 +57,8 @@ class GraphTraining:
     # Nodewise only: epochs of the eq.-(39) joint phase, then per-cell epochs after deepening.
     prototype_epochs: int = 20
     expert_epochs: int = 40
+    # After training: epochs of the per-node fine-tune, rest of the graph frozen (0: off).
+    finetune_epochs: int = 0
 
 
 @dataclass
