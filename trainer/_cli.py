@@ -76,6 +76,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-retries", type=int, default=None)
     p.add_argument("--torch-threads", type=int, default=None)
     p.add_argument(
+        "--balanced-tree", action="store_true", default=None,
+        help="build a balanced prototype tree: depth exactly ceil(log_nu K), so a tree-mode "
+        "walk costs at most nu*ceil(log_nu K) distance evaluations (default: k-means tree)",
+    )
+    p.add_argument(
         "--expert-activation", choices=("prelu", "relu", "gelu", "tanh", "sigmoid"),
         default=None, help="hidden activation of the experts (default prelu, the paper's)",
     )
@@ -137,7 +142,7 @@ _CONFIG_OPTIONS = (
     "epochs", "baseline_epochs", "lr", "prototype_lr", "batch_size", "loss", "noise_std",
     "baseline", "seed", "grid_size", "hurst", "test_fraction", "executor", "ray_address",
     "num_cpus", "max_retries", "torch_threads", "expert_activation", "gate",
-    "gate_temperature_schedule",
+    "gate_temperature_schedule", "balanced_tree",
 )
 
 

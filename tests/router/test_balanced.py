@@ -85,3 +85,25 @@ def test_balanced_build_is_deterministic_for_a_seed() -> None:
     b = PrototypeTree.build(p, branching=4, seed=5, balanced=True)
     assert torch.equal(a._arrays.children, b._arrays.children)
     assert torch.equal(a._arrays.points, b._arrays.points)
+
+
+def test_momlp_build_balanced_tree_option_writes_a_balanced_router(tmp_path: Path) -> None:
+    from experts_store import Store
+    from server._cli import main
+
+    out = tmp_path / "store"
+    code = main([
+        "build", "--dataset", "ackley2d", "--executor", "local", "--experts", "16",
+        "--branching", "4", "--grid-size", "12", "--width", "8", "--epochs", "1",
+        "--prototype-epochs", "1", "--no-baseline", "--balanced-tree", "--out", str(out),
+        "--no-progress",
+    ])
+    assert code == 0
+    store = Store.open(out)
+    tree = PrototypeTree.load(store.router_path)
+    assert tree.balanced and tree.depth == 2
+    x = np.random.default_rng(0).uniform(-1, 1, (300, 2)).astype(np.float32)
+    assert int(tree.route(x).distance_evals.max()) <= 8
+    report = store.report()
+    assert report is not None and report["config"]["balanced_tree"] is True
+    assert main(["store", "verify", str(out)]) == 0
