@@ -10,7 +10,9 @@ a greedy walk costs at most ν⌈log_ν K⌉ distance evaluations per row.
 The price: a group is no longer the Voronoi cell of its point among its siblings, so the
 bisector bound of exact search does not hold for these trees (ExactIndex drops it; the ball
 bound still does). Nodes are split one at a time, so building is slower than the batched
-default (fine for the small per-node trees of graph stores; K = 10^5 takes tens of seconds).
+default (fine for the small per-node trees of graph stores). Measured on the 2-core VM with
+one torch thread, n = 4: K = 2,000 in 0.3 s, K = 20,000 in 3.6 s (default build: 0.02 s,
+0.15 s); the ops are tiny, so more threads on a loaded machine only slow it (17 s at K = 2,000).
 """
 
 from __future__ import annotations
