@@ -65,11 +65,13 @@ def test_the_default_tree_can_exceed_the_bound_that_the_balanced_one_keeps() -> 
 def test_exact_mode_on_a_balanced_tree_is_the_nearest_prototype(tmp_path: Path) -> None:
     # K above the scan threshold, so exact mode runs the tree search (ball bound only).
     rng = np.random.default_rng(0)
-    p = make_prototypes("uniform", 3000, 2, rng)
+    p = make_prototypes("uniform", 5000, 2, rng)
     tree = PrototypeTree.build(p, branching=4, seed=0, balanced=True)
     x = rng.random((300, 2)).astype(np.float32)
     want, _ = numpy_knn(x, p, 1)
-    assert (tree.route(x, mode="exact").experts.numpy()[:, 0] == want[:, 0]).all()
+    exact = tree.route(x, mode="exact")
+    assert (exact.experts.numpy()[:, 0] == want[:, 0]).all()
+    assert int(exact.distance_evals.max()) > 5000  # the tree search ran (then the scan)
     # The flag survives the file, and a default tree's file does not carry it.
     tree.save(tmp_path / "b.safetensors")
     loaded = PrototypeTree.load(tmp_path / "b.safetensors")
