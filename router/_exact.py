@@ -7,7 +7,8 @@ is dropped when a lower bound on its distance exceeds the query's upper bound:
 - ball bound: d(q, c) - r, r the covering radius of the subtree's point c;
 - bisector bound: (d(q, c_i)^2 - d(q, c_j)^2) / (2 |c_i - c_j|) against the nearest
   sibling c_j, valid because a node's members are exactly the Voronoi cell of its point
-  among its siblings.
+  among its siblings (not for balanced trees, whose groups are not Voronoi cells: there
+  the index carries voronoi=False and only the ball bound prunes).
 
 Bounds are compared with a relative slack far above float64 rounding, so a prototype tied
 with (or a hair closer than) the best is never pruned; leaf distances are float64 direct
@@ -67,9 +68,12 @@ class ExactIndex:
     children: torch.Tensor  # [num_internal, branching] int64, -1 padded
     sibling_flat: torch.Tensor  # [num_internal * branching^2] float64 |c_i - c_j|, flattened
     num_internal: int
+    voronoi: bool = True  # whether the bisector bound holds (children are Voronoi cells)
 
     @classmethod
-    def from_walk(cls, walk: WalkIndex, radius: torch.Tensor) -> ExactIndex:
+    def from_walk(
+        cls, walk: WalkIndex, radius: torch.Tensor, *, voronoi: bool = True
+    ) -> ExactIndex:
         """Reuse the walk's layout (leaves in breadth-first order), in float64."""
         m = walk.num_internal
         nodes64 = walk.nodes.to(torch.float64)
@@ -88,7 +92,7 @@ class ExactIndex:
         max_norm = float((centred * centred).sum(dim=1).max().sqrt())
         return cls(
             nodes64, centred.to(torch.float32), centre, max_norm, walk.leaf_proto, radius_all,
-            children, sibling.flatten(), m,
+            children, sibling.flatten(), m, voronoi,
         )
 
 
@@ -234,7 +238,8 @@ def _branch_and_bound(
             dj_hi = d_hi.gather(1, j[:, None])
             slack = _SLACK * (d_hi * d_hi + dj_hi * dj_hi + (r + s) ** 2)
             # A sibling at distance 0 (duplicate points) gives no bisector: skip it.
-            keep &= ~((s > 0) & (d_lo * d_lo - dj_hi * dj_hi > 2.0 * s * uq + slack))
+            if index.voronoi:
+                keep &= ~((s > 0) & (d_lo * d_lo - dj_hi * dj_hi > 2.0 * s * uq + slack))
             kq, kslot = torch.nonzero(keep, as_tuple=True)
             next_q.append(q[kq])
             next_node.append(ch[kq, kslot])

@@ -17,6 +17,7 @@ __all__ = ["FILE_FORMAT", "FILE_VERSION", "read_router", "write_router"]
 
 FILE_FORMAT = "momlp-router"
 FILE_VERSION = "1"
+SPLIT_BALANCED = "balanced"  # metadata "split": absent = Voronoi cells (the default build)
 
 
 def write_router(
@@ -25,6 +26,7 @@ def write_router(
     arrays: TreeArrays,
     branching: int,
     temperature: float,
+    balanced: bool = False,
 ) -> None:
     """Write atomically: a reader never sees a half-written router."""
     target = Path(path)
@@ -40,6 +42,9 @@ def write_router(
         "branching": str(branching),
         "temperature": repr(float(temperature)),
     }
+    if balanced:
+        # Only balanced trees carry the key, so default routers' files stay byte-identical.
+        metadata["split"] = SPLIT_BALANCED
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
         save_file(tensors, str(tmp), metadata=metadata)
@@ -52,8 +57,9 @@ def _fail(path: Path, message: str) -> RouterFileError:
     return RouterFileError(path=path, message=message)
 
 
-def read_router(path: Path | str) -> tuple[torch.Tensor, TreeArrays, int, float]:
-    """Read and check a router file: (prototypes, arrays, branching, temperature)."""
+def read_router(path: Path | str) -> tuple[torch.Tensor, TreeArrays, int, float, bool]:
+    """Read and check a router file: (prototypes, arrays, branching, temperature,
+    balanced)."""
     p = Path(path)
     if not p.is_file():
         raise _fail(p, "no such file")
@@ -74,6 +80,9 @@ def read_router(path: Path | str) -> tuple[torch.Tensor, TreeArrays, int, float]
         temperature = float(metadata["temperature"])
     except (KeyError, ValueError) as exc:
         raise _fail(p, f"bad metadata ({exc})") from exc
+    split = metadata.get("split")
+    if split not in (None, SPLIT_BALANCED):
+        raise _fail(p, f"unknown split {split!r}")
     if branching < 2:
         raise _fail(p, f"branching must be >= 2, got {branching}")
     if not (math.isfinite(temperature) and temperature > 0):
@@ -108,7 +117,8 @@ def read_router(path: Path | str) -> tuple[torch.Tensor, TreeArrays, int, float]
         raise _fail(p, "non-finite prototype or node point")
     if not bool((torch.isfinite(radius) & (radius >= 0)).all()):
         raise _fail(p, "radii must be finite and >= 0")
-    return protos, TreeArrays(points, radius, children), branching, temperature
+    arrays = TreeArrays(points, radius, children)
+    return protos, arrays, branching, temperature, split == SPLIT_BALANCED
 
 
 def _check_structure(p: Path, children: torch.Tensor, m: int, k: int) -> None:

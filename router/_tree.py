@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ._balanced import build_balanced_arrays
 from ._beam import beam_walk
 from ._bruteforce import BlockedSearch, sq_dist_rows
 from ._build import TreeArrays, build_tree_arrays
@@ -38,10 +39,13 @@ class PrototypeTree:
         arrays: TreeArrays,
         branching: int,
         temperature: float = 1.0,
+        balanced: bool = False,
     ) -> None:
         self.prototypes = prototypes
         self.branching = branching
         self.temperature = float(temperature)
+        # Balanced trees' groups are not Voronoi cells: exact search must skip the bisector.
+        self.balanced = balanced
         self._arrays = arrays
         self._num_internal = int(arrays.children.shape[0])
         self._walk = WalkIndex.from_tree(arrays.points, prototypes, arrays.children)
@@ -56,8 +60,14 @@ class PrototypeTree:
         branching: int = 4,
         seed: int = 0,
         temperature: float = 1.0,
+        balanced: bool = False,
     ) -> PrototypeTree:
-        """Build the tree top-down by k-means; the same inputs and seed give the same tree."""
+        """Build the tree top-down by k-means; the same inputs and seed give the same tree.
+
+        balanced=True splits every node into ν groups of at most ⌈m/ν⌉ members (see
+        router/_balanced.py): depth exactly ⌈log_ν K⌉, so a greedy walk costs at most
+        ν⌈log_ν K⌉ distance evaluations per row; the default splits into Voronoi cells.
+        """
         if isinstance(branching, bool) or not isinstance(branching, int) or branching < 2:
             raise RouterBuildError(f"branching must be an integer >= 2, got {branching!r}")
         if not (isinstance(temperature, int | float) and math.isfinite(temperature)):
@@ -72,11 +82,11 @@ class PrototypeTree:
         p32 = p.to(torch.float32).contiguous()
         if not bool(torch.isfinite(p32).all()):
             raise RouterBuildError("prototypes contain NaN or infinite values (in float32)")
-        arrays = build_tree_arrays(p32, branching, seed)
-        tree = cls(p32, arrays, branching, float(temperature))
+        build = build_balanced_arrays if balanced else build_tree_arrays
+        tree = cls(p32, build(p32, branching, seed), branching, float(temperature), balanced)
         logger.info(
-            "built prototype tree: K=%s n=%s branching=%s depth=%s internal=%s",
-            tree.num_prototypes, tree.dim, branching, tree.depth, tree._num_internal,
+            "built prototype tree: K=%s n=%s branching=%s depth=%s internal=%s balanced=%s",
+            tree.num_prototypes, tree.dim, branching, tree.depth, tree._num_internal, balanced,
         )
         return tree
 
@@ -172,17 +182,21 @@ class PrototypeTree:
 
     def with_temperature(self, temperature: float) -> PrototypeTree:
         """The same tree with another default temperature (the arrays are shared)."""
-        return PrototypeTree(self.prototypes, self._arrays, self.branching, temperature)
+        return PrototypeTree(
+            self.prototypes, self._arrays, self.branching, temperature, self.balanced
+        )
 
     def save(self, path: Path | str) -> None:
         """Write the tree as safetensors (atomically; no pickle)."""
-        write_router(path, self.prototypes, self._arrays, self.branching, self.temperature)
+        write_router(
+            path, self.prototypes, self._arrays, self.branching, self.temperature, self.balanced
+        )
 
     @classmethod
     def load(cls, path: Path | str) -> PrototypeTree:
         """Read a tree written by save(); RouterFileError if missing or inconsistent."""
-        prototypes, arrays, branching, temperature = read_router(path)
-        return cls(prototypes, arrays, branching, temperature)
+        prototypes, arrays, branching, temperature, balanced = read_router(path)
+        return cls(prototypes, arrays, branching, temperature, balanced)
 
     def _seeder(self, xs: torch.Tensor) -> Seeder:
         """The greedy walk's answer for some rows of xs, as exact_nearest's starting point."""
@@ -201,7 +215,9 @@ class PrototypeTree:
 
     def _exact_index(self) -> ExactIndex:
         if self._exact is None:
-            self._exact = ExactIndex.from_walk(self._walk, self._arrays.radius)
+            self._exact = ExactIndex.from_walk(
+                self._walk, self._arrays.radius, voronoi=not self.balanced
+            )
         return self._exact
 
     def _node_points(self) -> torch.Tensor:
@@ -211,7 +227,8 @@ class PrototypeTree:
     def __repr__(self) -> str:
         return (
             f"PrototypeTree(num_prototypes={self.num_prototypes}, dim={self.dim}, "
-            f"branching={self.branching}, depth={self.depth}, temperature={self.temperature})"
+            f"branching={self.branching}, depth={self.depth}, temperature={self.temperature}, "
+            f"balanced={self.balanced})"
         )
 
 

@@ -95,7 +95,7 @@ def build_store(config: BuildConfig, progress: bool = True) -> Manifest:
     lift = "linear" if config.gate == "learned-linear" else None
     tree = PrototypeTree.build(
         prototypes, branching=config.branching, seed=config.seed,
-        temperature=_tree_temperature(config),
+        temperature=_tree_temperature(config), balanced=config.balanced_tree,
     )
     # Training rows go to the expert the server's walk will reach: what is served was trained.
     x_route = torch.as_tensor(dataset.x_train)

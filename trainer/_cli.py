@@ -76,6 +76,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-retries", type=int, default=None)
     p.add_argument("--torch-threads", type=int, default=None)
     p.add_argument(
+        "--balanced-tree", action="store_true", default=None,
+        help="build a balanced prototype tree: depth exactly ceil(log_nu K), so a tree-mode "
+        "walk costs at most nu*ceil(log_nu K) distance evaluations (default: k-means tree)",
+    )
+    p.add_argument(
         "--expert-activation", choices=("prelu", "relu", "gelu", "tanh", "sigmoid"),
         default=None, help="hidden activation of the experts (default prelu, the paper's)",
     )
@@ -125,6 +130,9 @@ def register(subparsers: Any) -> None:
                        default="end-to-end",
                        help="nodewise: the data has a target per node (.npz arrays t_<node>)")
     graph.add_argument("--samples", type=int, default=None, help="rows of tree8/tree16")
+    graph.add_argument("--graph-finetune-epochs", type=int, default=None, metavar="N",
+                       help="after training, fine-tune each node (rest frozen) for N epochs, "
+                       "one Ray task per node (--executor); default 0: off")
     p.set_defaults(handler=_handle_build)
 
 
@@ -134,7 +142,7 @@ _CONFIG_OPTIONS = (
     "epochs", "baseline_epochs", "lr", "prototype_lr", "batch_size", "loss", "noise_std",
     "baseline", "seed", "grid_size", "hurst", "test_fraction", "executor", "ray_address",
     "num_cpus", "max_retries", "torch_threads", "expert_activation", "gate",
-    "gate_temperature_schedule",
+    "gate_temperature_schedule", "balanced_tree",
 )
 
 
@@ -185,9 +193,10 @@ def _handle_build(args: argparse.Namespace) -> int:
         from trainer.graph._cli import handle_graph_build
 
         return handle_graph_build(args)
-    if args.graph or args.graph_training != "end-to-end" or args.dataset in _GRAPH_DATASETS:
-        print("momlp build: --graph, --graph-training and tree8/tree16 need --kind graph",
-              file=sys.stderr)
+    if (args.graph or args.graph_training != "end-to-end" or args.dataset in _GRAPH_DATASETS
+            or args.graph_finetune_epochs is not None):
+        print("momlp build: --graph, --graph-training, --graph-finetune-epochs and tree8/tree16"
+              " need --kind graph", file=sys.stderr)
         return 2
     import torch
 

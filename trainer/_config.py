@@ -72,6 +72,9 @@ class BuildConfig:
     gate: Literal["prototype", "learned-linear"] = "prototype"
     # (start, end): τ of the learned-linear router, geometric over the joint phase's epochs.
     gate_temperature_schedule: tuple[float, float] | None = None
+    # Balanced prototype tree (router/_balanced.py): depth exactly ⌈log_ν K⌉, so a tree-mode
+    # walk costs ≤ ν⌈log_ν K⌉ evaluations; cells are not Voronoi (off: the k-means tree).
+    balanced_tree: bool = False
 
     def validate(self) -> None:
         """ConfigError naming the first option that cannot work."""

@@ -30,7 +30,9 @@ from ._tasks import ExpertJob, StateArrays, TrainSpec, baseline_job, expert_job
 if TYPE_CHECKING:
     from experts_store import ExpertArch, StoreWriter
 
-__all__ = ["JobPlan", "plan_jobs", "runtime", "train_locally", "train_on_ray"]
+__all__ = [
+    "JobPlan", "plan_jobs", "ray_runtime", "runtime", "train_locally", "train_on_ray",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -107,23 +109,25 @@ def plan_jobs(
 
 def runtime(config: BuildConfig) -> Any:
     """The context the jobs run in: Ray (started if need be), or nothing for local."""
-    return _ray_runtime(config) if config.executor == "ray" else nullcontext()
+    if config.executor == "ray":
+        return ray_runtime(config.ray_address, config.num_cpus)
+    return nullcontext()
 
 
 @contextmanager
-def _ray_runtime(config: BuildConfig) -> Iterator[None]:
+def ray_runtime(address: str | None, num_cpus: int | None) -> Iterator[None]:
     """Use a running Ray, or start one (embedded, or joining --ray-address); stop only ours."""
     import ray
 
     started = False
     if not ray.is_initialized():
-        if config.ray_address is not None:
-            ray.init(address=config.ray_address, log_to_driver=False, configure_logging=False)
+        if address is not None:
+            ray.init(address=address, log_to_driver=False, configure_logging=False)
         else:
             # address="local": a bare ray.init() would attach to any cluster `ray start` left.
             ray.init(
                 address="local",
-                num_cpus=config.num_cpus,
+                num_cpus=num_cpus,
                 include_dashboard=False,
                 log_to_driver=False,
                 configure_logging=False,

@@ -32,7 +32,9 @@ def test_served_graph_equals_the_offline_composite_and_a_deleted_node_expert_fai
         # 1,000 rows in one request: every node's expert per row, outputs to 1e-5.
         x = inputs(1000, seed=7)
         hard = offline(first, x)
-        body = http.post("/v1/predict", json={"inputs": x.tolist()}).json()
+        body = http.post("/v1/predict", json={"inputs": x.tolist(), "return_stats": True}).json()
+        # K_v = 4, ν = 4: one level of a balanced tree, ≤ ν⌈log_ν K_v⌉ = 4 per node per row.
+        assert all(max(v) <= 4 for v in body["stats"]["graph"]["node_distance_evals"].values())
         assert torch.allclose(torch.tensor(body["outputs"]), hard.outputs, atol=1e-5, rtol=0)
         assert body["nodes"] == global_ids(first, hard)
         assert all(len(experts) == 1000 for experts in body["nodes"].values())

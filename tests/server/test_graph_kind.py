@@ -139,3 +139,22 @@ async def test_each_row_is_the_same_alone_and_inside_merged_batches(graph_store)
     finally:
         await batcher.close()
         await pool.close()
+
+
+async def test_node_distance_evaluations_stay_within_nu_ceil_log_nu_k(tmp_path: Path) -> None:
+    # K_v = 16, ν = 4: each node's balanced tree has ⌈log_4 16⌉ = 2 levels, so a row costs
+    # at most 8 evaluations per node (the k-means tree could go 3 levels, 10-11).
+    root = tmp_path / "store"
+    model = tiny_graph_store(root, experts=16)
+    x = inputs(200, seed=5)
+    async with running(fake_app(root)) as client:
+        body = (await client.post(
+            "/v1/predict", json={"inputs": x.tolist(), "return_stats": True}
+        )).json()
+        graph = (await client.get("/v1/graph")).json()
+    assert body["nodes"] == global_ids(model, offline(model, x))
+    per_node = body["stats"]["graph"]["node_distance_evals"]
+    assert set(per_node) == {n.name for n in model.spec.nodes}
+    assert all(len(v) == 200 and max(v) <= 4 * 2 for v in per_node.values())
+    assert all(model.node(n.name).tree.depth == 2 for n in model.spec.nodes)  # type: ignore[union-attr]
+    assert graph["max_distance_evals"] == 7 * 8

@@ -22,6 +22,7 @@ from ._exceptions import (
     NotHardened,
     UndefinedInput,
 )
+from ._finetune import FinetuneReport, finetune_nodes, training_loss
 from ._model import CompositionalMoMLP, HardForward, NodeMixture
 from ._publish import (
     GRAPH_DATASETS,
@@ -49,6 +50,9 @@ __all__ = [
     "load_graph_spec",
     "publish_graph",
     "tree_target",
+    "FinetuneReport",
+    "finetune_nodes",
+    "training_loss",
     "ArityMismatch",
     "CompositionalMoMLP",
     "GraphCycle",

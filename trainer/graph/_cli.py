@@ -26,6 +26,8 @@ def handle_graph_build(args: argparse.Namespace) -> int:
     if args.epochs is not None:
         overrides.update(soft_epochs=args.epochs, hard_epochs=args.epochs,
                          expert_epochs=args.epochs)
+    if args.graph_finetune_epochs is not None:
+        overrides["finetune_epochs"] = args.graph_finetune_epochs
     if args.prototype_epochs is not None:
         overrides["prototype_epochs"] = args.prototype_epochs
     settings = dataclasses.replace(
@@ -44,6 +46,8 @@ def handle_graph_build(args: argparse.Namespace) -> int:
             training=args.graph_training, settings=settings,
             samples=args.samples or (2000 if args.quick else 4000),
             test_fraction=args.test_fraction or 0.2,
+            executor=args.executor or "ray", ray_address=args.ray_address,
+            num_cpus=args.num_cpus,
         )
         manifest = build_graph_store(config, progress=args.progress)
     except TrainerError as exc:

@@ -25,7 +25,7 @@ from router import Mode, PrototypeTree
 from ._exceptions import NotHardened
 from ._spec import INPUT, GraphSpec, InputRef, NodeSpec, parse_ref, validate, waves
 
-__all__ = ["CompositionalMoMLP", "HardForward", "NodeMixture"]
+__all__ = ["CompositionalMoMLP", "HardForward", "NodeMixture", "node_tree"]
 
 _M = TypeVar("_M", bound=nn.Module)
 
@@ -96,9 +96,7 @@ class NodeMixture(nn.Module):
     def harden(self, routing: Mode = "tree", seed: int = 0) -> None:
         """Freeze the prototypes and build the ν-ary tree the node routes with from now on."""
         self.prototypes.requires_grad_(False)
-        self.tree = PrototypeTree.build(
-            self.prototypes.detach().cpu(), branching=self.spec.branching, seed=seed
-        )
+        self.tree = node_tree(self.prototypes.detach().cpu(), self.spec.branching, seed)
         self.routing = routing
 
     def route(self, z: Tensor) -> Tensor:
@@ -116,6 +114,13 @@ class NodeMixture(nn.Module):
             rows = torch.nonzero(experts == k).flatten()
             out = out.index_copy(0, rows, self.experts[int(k)](z[rows]))
         return out
+
+
+def node_tree(prototypes: Tensor, branching: int, seed: int) -> PrototypeTree:
+    """A node's routing tree: balanced, so a row's walk costs at most ν⌈log_ν K_v⌉
+    distance evaluations (the stats bound of graph stores), where the default k-means
+    tree can be a level deeper on a lopsided split."""
+    return PrototypeTree.build(prototypes, branching=branching, seed=seed, balanced=True)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from experts_store import ExpertMLP, GraphBlock, GraphNodeEntry, Manifest, Store
 
 from .._exceptions import ConfigError, DataError
 from ._exceptions import GraphSpecError
+from ._finetune import finetune_nodes
 from ._model import CompositionalMoMLP
 from ._spec import GraphSpec, binary_tree_spec, validate
 from ._train import GraphTraining, train_end_to_end, train_nodewise
@@ -43,6 +44,7 @@ __all__ = [
 GRAPH_DATASETS = ("tree8", "tree16")
 TARGET_PREFIX = "t_"  # .npz arrays "t_<node>": that node's observed target (nodewise)
 MIN_SAMPLES, MAX_SAMPLES = 16, 10_000_000  # rows of tree8/tree16 (caps the build's memory)
+MAX_FINETUNE_EPOCHS = 10_000
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,10 @@ class GraphBuildConfig:
     samples: int = 4000
     test_fraction: float = 0.2
     settings: GraphTraining = field(default_factory=GraphTraining)
+    # Where the per-node fine-tune's jobs run (settings.finetune_epochs > 0 only).
+    executor: Literal["ray", "local"] = "ray"
+    ray_address: str | None = None
+    num_cpus: int | None = None
 
 
 def tree_target(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -188,6 +194,9 @@ def build_graph_store(config: GraphBuildConfig, progress: bool = True) -> Manife
         raise ConfigError(f"samples must be in [{MIN_SAMPLES}, {MAX_SAMPLES}]", option="samples")
     if not 0.0 < config.test_fraction < 1.0:
         raise ConfigError("test_fraction must be in (0, 1)", option="test_fraction")
+    if not 0 <= settings.finetune_epochs <= MAX_FINETUNE_EPOCHS:
+        raise ConfigError(f"graph_finetune_epochs must be in [0, {MAX_FINETUNE_EPOCHS}]",
+                          option="graph_finetune_epochs")
     if config.dataset is not None:
         x, y, targets = graph_dataset(config.dataset, config.samples, settings.seed)
     else:
@@ -217,9 +226,9 @@ def build_graph_store(config: GraphBuildConfig, progress: bool = True) -> Manife
         bar = _EpochBar(settings.soft_epochs + settings.hard_epochs, progress, "epoch")
         train_end_to_end(model, x[train_rows], y[train_rows], settings, on_epoch=bar.epoch)
     bar.close()
-    with torch.no_grad():
-        hard = model.forward_hard(x[test_rows])
-        mse = float(torch.mean((hard.outputs - y[test_rows]) ** 2))
+    finetune = _finetune(model, config, x[train_rows], y[train_rows], x[test_rows],
+                         y[test_rows]) if settings.finetune_epochs > 0 else None
+    mse = _test_mse(model, x[test_rows], y[test_rows])
     report = {
         "kind": "graph",
         "training": config.training,
@@ -231,4 +240,32 @@ def build_graph_store(config: GraphBuildConfig, progress: bool = True) -> Manife
         "spec": spec.to_dict(),
         "timings": {"total_s": time.perf_counter() - started},
     }
+    if finetune is not None:
+        report["finetune"] = finetune
     return publish_graph(model, config.out, report=report)
+
+
+def _test_mse(model: CompositionalMoMLP, x: torch.Tensor, y: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float(torch.mean((model.forward_hard(x).outputs - y) ** 2))
+
+
+def _finetune(
+    model: CompositionalMoMLP, config: GraphBuildConfig, x: torch.Tensor, y: torch.Tensor,
+    x_test: torch.Tensor, y_test: torch.Tensor,
+) -> dict[str, Any]:
+    """The per-node fine-tune (one job per node), with the test MSE before and after."""
+    settings = config.settings
+    test_before = _test_mse(model, x_test, y_test)
+    result = finetune_nodes(
+        model, x, y, epochs=settings.finetune_epochs, lr=settings.lr,
+        batch_size=settings.batch_size, seed=settings.seed, executor=config.executor,
+        ray_address=config.ray_address, num_cpus=config.num_cpus,
+    )
+    return {
+        "epochs": settings.finetune_epochs, "executor": config.executor,
+        "train_loss": {"before": result.before, "after": result.after},
+        "test_mse": {"before": test_before, "after": _test_mse(model, x_test, y_test)},
+        "nodes": {k: {"before": b, "after": a} for k, (b, a) in result.node_losses.items()},
+        "kept": result.kept,
+    }

@@ -27,7 +27,7 @@ from router import Mode
 
 from .._prototypes import kmeans_prototypes, learned_prototypes
 from .._train import rescale_output, target_scaling, train_network
-from ._model import CompositionalMoMLP, NodeMixture
+from ._model import CompositionalMoMLP, NodeMixture, node_tree
 from ._spec import INPUT, parse_ref
 
 __all__ = [
@@ -57,6 +57,8 @@ class GraphTraining:
     # Nodewise only: epochs of the eq.-(39) joint phase, then per-cell epochs after deepening.
     prototype_epochs: int = 20
     expert_epochs: int = 40
+    # After training: epochs of the per-node fine-tune, rest of the graph frozen (0: off).
+    finetune_epochs: int = 0
 
 
 @dataclass
@@ -189,8 +191,6 @@ def train_nodewise(
 def _train_node(node: NodeMixture, z: Tensor, y: Tensor, settings: GraphTraining) -> None:
     """One Algorithm 2 run: joint eq.-(39) phase of small networks and prototypes, deepen,
     then each expert trained on its own cell on standardised targets (as trainer's build)."""
-    from router import PrototypeTree
-
     generator = torch.Generator().manual_seed(settings.seed)
     widths = node.spec.widths
     hidden = widths[1:-1]
@@ -209,7 +209,7 @@ def _train_node(node: NodeMixture, z: Tensor, y: Tensor, settings: GraphTraining
         )
         with torch.no_grad():
             node.prototypes.copy_(prototypes)
-        tree = PrototypeTree.build(prototypes, branching=node.spec.branching, seed=settings.seed)
+        tree = node_tree(prototypes, node.spec.branching, settings.seed)
         cells = tree.route(z.detach(), mode=settings.routing).experts[:, 0]
     else:
         cells = torch.zeros(z.shape[0], dtype=torch.long)
