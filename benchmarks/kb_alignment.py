@@ -24,46 +24,51 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from experts_store import ExpertArch, ExpertMLP, FrozenExpert
-from server.pool import ActorCore
+from server.pool import ActorCore, activation_peak_bytes
 from server.pool._actor import ROW_BLOCK
 
 
-def linear_grid(ks: range, ns: range, offsets: tuple[int, ...]) -> dict[int, list[int]]:
-    """k -> the n (and offsets, in floats) whose rows' bits depend on their position."""
-    bad: dict[int, list[int]] = {}
+def linear_grid(ks: range, ns: range, offsets: tuple[int, ...]) -> dict[tuple[int, int], list[int]]:
+    """(k, base offset in floats) -> the n whose rows' bits depend on their position."""
+    bad: dict[tuple[int, int], list[int]] = {}
     for k in ks:
         for n in ns:
             g = torch.Generator().manual_seed(k * 1000 + n)
             w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
             for off in offsets:
                 x = torch.randn(128 * k + off, generator=g)[off:].view(128, k)
+                # The reference: each row alone, in a fresh (64-byte-aligned) 16-row block.
                 alone = [F.linear(torch.cat([x[i : i + 1], x.new_zeros(15, k)]), w, b)[0]
                          for i in range(128)]
                 if any(not torch.equal(F.linear(x[:m], w, b)[i], alone[i])
                        for m in (16, 32, 64, 128) for i in range(m)):
-                    bad.setdefault(k, []).append(n if off == 0 else -n)
+                    bad.setdefault((k, off), []).append(n)
     return bad
 
 
-def old_forward(module: FrozenExpert, rows: np.ndarray) -> torch.Tensor:
-    """The actor's forward before aligning (a numpy-backed input, rows padded to 16)."""
+def old_forward(module: FrozenExpert, rows: np.ndarray) -> np.ndarray:
+    """`ActorCore._forward` (CPU) before aligning: the caller's rows, padded to 16 rows."""
+    if not rows.flags.writeable:
+        rows = np.array(rows)
     x = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
     m = int(x.shape[0])
     if m % ROW_BLOCK:
         x = torch.cat([x, x.new_zeros((ROW_BLOCK - m % ROW_BLOCK, x.shape[1]))])
     with torch.inference_mode():
-        return module(x)[:m]
+        y = module(x)
+        activation_peak_bytes(module.arch.widths, m, y.element_size())
+        return y[:m].to("cpu").numpy()
 
 
 def positions_bad(core: ActorCore, widths: tuple[int, ...], *, aligned: bool) -> int:
     torch.manual_seed(sum(widths))
     frozen = FrozenExpert.from_module(ExpertMLP(ExpertArch(widths=widths)).eval())
     x = np.random.default_rng(0).standard_normal((32, widths[0])).astype(np.float32)
-    if aligned:
-        module = frozen.aligned()
-        run = lambda rows: core._forward(module, rows)[0]  # noqa: E731
-    else:
-        run = lambda rows: old_forward(frozen, rows).numpy()  # noqa: E731
+    module = frozen.aligned()
+
+    def run(rows: np.ndarray) -> np.ndarray:
+        return core._forward(module, rows)[0] if aligned else old_forward(frozen, rows)
+
     full = run(x)
     return sum(not np.array_equal(full[i], run(x[i : i + 1])[0]) for i in range(32))
 
@@ -76,11 +81,13 @@ def timings(core: ActorCore, widths: tuple[int, ...], m: int, repeats: int) -> t
     before: list[float] = []
     after: list[float] = []
     for _ in range(repeats):
-        for fn, out in ((lambda: old_forward(frozen, rows), before),
-                        (lambda: core._forward(module, rows), after)):
+        for new, out in ((False, before), (True, after)):
             start = time.perf_counter()
             for _ in range(20):
-                fn()
+                if new:
+                    core._forward(module, rows)
+                else:
+                    old_forward(frozen, rows)
             out.append((time.perf_counter() - start) / 20 * 1e6)
     return statistics.median(before), statistics.median(after)
 
@@ -93,9 +100,13 @@ def main() -> None:
     core = ActorCore(name="bench", budget_bytes=1)
 
     top = 16 if args.quick else 40
-    print("1. F.linear: k -> n failing at base offset 0 (n) or 1-2 floats (-n)")
-    for k, ns in linear_grid(range(1, top + 1), range(1, top + 1), (0, 1, 2, 4, 8)).items():
-        print(f"   k={k}: {ns}")
+    offsets = (0, 1, 2, 4, 8)
+    print(f"1. F.linear, k, n in 1..{top}: the n failing, per k and base offset (floats) {offsets}")
+    grid = linear_grid(range(1, top + 1), range(1, top + 1), offsets)
+    for k in range(1, top + 1):
+        fails = {off: grid[(k, off)] for off in offsets if (k, off) in grid}
+        if fails:
+            print(f"   k={k}: " + "; ".join(f"+{off}: n {ns}" for off, ns in fails.items()))
 
     hidden = range(1, 17 if args.quick else 41)
     print("2. experts (d, h, h, o): shapes with any of 32 positions differing from alone")
