@@ -35,7 +35,7 @@ if TYPE_CHECKING:
         UnknownExpert,
     )
     from experts_store._format import FORMAT_VERSION, ExpertFile, save_expert
-    from experts_store._frozen import FrozenExpert
+    from experts_store._frozen import ROW_ALIGN, FrozenExpert
     from experts_store._graph import GraphBlock, GraphNodeEntry, node_ref
     from experts_store._hostbuf import HostBufferPool
     from experts_store._hyper import (
@@ -120,6 +120,7 @@ __all__ = [
     "ExpertRefLoader",
     "ExpertTooLarge",
     "FrozenExpert",
+    "ROW_ALIGN",
     "GraphBlock",
     "GraphNodeEntry",
     "HostBufferPool",
@@ -177,6 +178,7 @@ _HOMES = {
     "load_expert": "experts_store._load",
     "load_frozen_expert": "experts_store._load",
     "FrozenExpert": "experts_store._frozen",
+    "ROW_ALIGN": "experts_store._frozen",
     "save_expert": "experts_store._format",
     "HostBufferPool": "experts_store._hostbuf",
     "GraphBlock": "experts_store._graph",

@@ -53,6 +53,10 @@ ERROR_INTERNAL = "internal"
 
 # Rows of a group are computed in whole blocks of this many (zero rows pad the last one).
 ROW_BLOCK = 16
+# A caller's buffer is used as is when its rows start this aligned: 16 bytes give the same bits
+# as torch's 64-byte-aligned buffers (benchmarks/kb_alignment.py, part 1); numpy's small arrays
+# are 16-byte aligned. Rows of width ROW_ALIGN·j keep the base's alignment.
+_ALIGN_BYTES = 16
 # Hypernetworks held pinned per actor: the served store version's and the one before it.
 MAX_PINNED = 2
 
@@ -106,9 +110,11 @@ class _DeviceLoader:
     def load(self, ref: ExpertRef) -> Cached:
         if isinstance(ref, GeneratorRef):
             return FrozenHyperNetwork.load(ref.path, self._device, expected_sha256=ref.sha256)
+        # Every kind's experts are served with aligned widths (batch invariance; see
+        # experts_store._frozen.ROW_ALIGN). The cache counts the ref's unpadded bytes.
         if isinstance(ref, GeneratedRef):
-            return self._generate(ref)
-        return self._load_file(ref)
+            return self._generate(ref).aligned()
+        return self._load_file(ref).aligned()
 
     def _generate(self, ref: GeneratedRef) -> FrozenExpert:
         generator = self.generators.get(ref.generator.sha256)
@@ -304,15 +310,10 @@ class ActorCore:
             leased.release()
 
     def _forward(self, module: FrozenExpert, rows: np.ndarray) -> tuple[np.ndarray, int]:
-        if not rows.flags.writeable:
-            # Arrays from Ray's object store are read-only; torch wants to own writable memory.
-            rows = np.array(rows)
-        x = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
-        m = int(x.shape[0])
-        if m % ROW_BLOCK:
-            # CPU GEMMs pick kernels by the row count, so a row's bits could depend on how
-            # many rows share its group; padded to whole blocks they do not (batch invariance).
-            x = torch.cat([x, x.new_zeros((ROW_BLOCK - m % ROW_BLOCK, x.shape[1]))])
+        m, n = rows.shape
+        if n != module.arch.input_dim:
+            raise ValueError(f"rows have {n} columns, the expert takes {module.arch.input_dim}")
+        x = _aligned_input(rows, -(-m // ROW_BLOCK) * ROW_BLOCK, module.input_width)
         with torch.inference_mode():
             if self.device.startswith("cuda"):
                 torch.cuda.reset_peak_memory_stats(self.device)
@@ -357,6 +358,28 @@ class ActorCore:
             alive=True,
             evictions=self._cache.stats.evictions,
         )
+
+
+def _aligned_input(rows: np.ndarray, height: int, width: int) -> torch.Tensor:
+    """`rows` zero-padded to [height, width] in a buffer whose every row starts aligned.
+
+    Batch invariance (CPU): GEMMs pick kernels by the row count, so a row's bits could
+    depend on how many rows share its group; padded to whole ROW_BLOCKs they do not. And
+    this build's matmul sums a row in an order that depends on the row's alignment; the
+    aligned expert's widths and an aligned buffer make that the same for every row.
+    """
+    if (
+        rows.shape == (height, width)
+        and rows.dtype == np.float32
+        and rows.flags.c_contiguous
+        and rows.flags.writeable  # Ray's arrays are read-only, which torch warns about
+    ):
+        x = torch.from_numpy(rows)
+        if x.data_ptr() % _ALIGN_BYTES == 0:
+            return x
+    x = torch.zeros((height, width))  # torch's CPU allocator aligns to 64 bytes
+    x.numpy()[: rows.shape[0], : rows.shape[1]] = rows
+    return x
 
 
 def _content(key: object) -> str:

@@ -89,3 +89,21 @@ def test_cuda_frozen_expert_through_pinned_memory(tmp_path: Path, batchnorm: boo
     x = torch.randn(10, 5)
     with torch.inference_mode():
         torch.testing.assert_close(frozen(x.cuda()).cpu(), expert(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("activation", ["prelu", "sigmoid", "gelu"])
+def test_aligned_expert_computes_the_same_function_with_padded_widths(activation: str) -> None:
+    torch.manual_seed(3)
+    arch = ExpertArch(widths=(3, 10, 5, 2), batchnorm=True, activation=activation)  # type: ignore[arg-type]
+    frozen = FrozenExpert.from_module(ExpertMLP(arch).eval())
+    aligned = frozen.aligned()
+    assert aligned.arch == arch and aligned.input_width == 8
+    assert aligned.nbytes() > frozen.nbytes()
+    x = torch.randn(20, 3)
+    with torch.inference_mode():
+        want = frozen(x)
+        # Unpadded and padded inputs alike; sigmoid(0) = 0.5 of a padded unit adds nothing.
+        for got in (aligned(x), aligned(torch.nn.functional.pad(x, (0, 5)))):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    already = FrozenExpert.from_module(ExpertMLP(ExpertArch(widths=(8, 16, 3))).eval())
+    assert already.aligned() is already

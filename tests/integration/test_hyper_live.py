@@ -113,4 +113,7 @@ def test_ten_conditions_miss_ten_times_then_hit_and_generate_matches(
     rows = np.flatnonzero((conditions == table[0]).all(axis=1))
     with torch.no_grad():
         plain = load_expert(path)(torch.from_numpy(x[rows])).numpy()
-    assert np.array_equal(plain, np.asarray(first["outputs"], dtype=np.float32)[rows])
+    # Not bitwise: actors serve θ with aligned (zero-padded) widths for batch invariance,
+    # which sums in another order than the file's plain forward.
+    served = np.asarray(first["outputs"], dtype=np.float32)[rows]
+    np.testing.assert_allclose(served, plain, rtol=1e-5, atol=1e-6)

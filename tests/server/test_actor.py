@@ -69,7 +69,11 @@ def test_outputs_equal_a_direct_forward_with_hit_and_miss_stats(make_store: Make
         assert [o.expert_id for o in reply.results] == [0, 3, 5]
         for (expert_id, rows), outcome in zip(groups, reply.results, strict=True):
             assert outcome.error is None and outcome.outputs is not None
-            np.testing.assert_allclose(outcome.outputs, direct(store, expert_id, rows), rtol=1e-6)
+            # atol: the actor computes with aligned widths (zero padding), so a small output
+            # may round differently from the unpadded forward's.
+            np.testing.assert_allclose(
+                outcome.outputs, direct(store, expert_id, rows), rtol=1e-6, atol=1e-7
+            )
             assert outcome.expert_bytes == store.expert_nbytes(expert_id)
     assert [o.hit for o in first.results] == [False, False, False]
     assert [o.hit for o in second.results] == [True, True, True]
