@@ -23,7 +23,7 @@ __all__ = ["ROW_ALIGN", "FrozenExpert"]
 # this many float32 (32 bytes). This CPU build's matmul sums a row in an order that depends on
 # the row's 16-byte alignment, i.e. on its position in the batch, whenever the reduction dim is
 # not a multiple of 4 floats (and the layer has < 12 outputs); with every row start aligned the
-# bits do not depend on the position (DESIGN's batch invariance; benchmarks/kb_alignment.py).
+# bits do not depend on the position (DESIGN's batch invariance; benchmarks/gemm_alignment.py).
 # 8 rather than 4: the AVX2 vector width, and pMoE's PATCH_ALIGN, so its experts need no copy.
 ROW_ALIGN = 8
 

@@ -54,7 +54,7 @@ ERROR_INTERNAL = "internal"
 # Rows of a group are computed in whole blocks of this many (zero rows pad the last one).
 ROW_BLOCK = 16
 # A caller's buffer is used as is when its rows start this aligned: 16 bytes give the same bits
-# as torch's 64-byte-aligned buffers (benchmarks/kb_alignment.py, part 1); numpy's small arrays
+# as torch's 64-byte-aligned buffers (benchmarks/gemm_alignment.py, part 1); numpy's small arrays
 # are 16-byte aligned. Rows of width ROW_ALIGN·j keep the base's alignment.
 _ALIGN_BYTES = 16
 # Hypernetworks held pinned per actor: the served store version's and the one before it.

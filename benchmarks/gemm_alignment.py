@@ -9,7 +9,7 @@ Three parts, printed as tables:
    group against the same row alone, over widths (d, h, h, o), d 1-9, h 1-40, o 1-3.
 3. Time of one group's forward before/after, side by side (interleaved repeats, median).
 
-    .venv/bin/python benchmarks/kb_alignment.py [--quick]
+    .venv/bin/python benchmarks/gemm_alignment.py [--quick]
 """
 
 from __future__ import annotations
