@@ -34,6 +34,7 @@ from experts_store import ExpertRef, GraphBlock, Manifest, Store, node_ref
 from router import PrototypeTree
 from server._exceptions import InvalidRequest
 from server._settings import Settings
+from server.kinds._grouping import group_positions
 from server.kinds._types import GateRequest, Plan, PlannedGroup
 from server.pool import GroupResult
 
@@ -251,10 +252,7 @@ class _GraphRun:
             if self._wave > 0:
                 model.route_node(node, z, self._routing.mode, self._routing, live)
             chosen = self._routing.node_experts[live, node.index]
-            ids, order = torch.sort(chosen, stable=True)
-            unique, counts = torch.unique_consecutive(ids, return_counts=True)
-            for expert, picks in zip(unique.tolist(), torch.split(order, counts.tolist()),
-                                     strict=True):
+            for expert, picks in group_positions(chosen):
                 groups.append(PlannedGroup(
                     key=model.experts[int(expert)],
                     rows=live[picks],

@@ -24,6 +24,7 @@ from router import (
 )
 from server._exceptions import CapExceeded, InvalidRequest
 from server._settings import Settings
+from server.kinds._grouping import group_positions
 from server.kinds._types import GateRequest, Plan, PlannedGroup
 from server.pool import GroupResult
 
@@ -173,13 +174,9 @@ class _MomlpRun:
         self._planned = True
         experts, weights = self._routing.experts, self._routing.weights
         width = experts.shape[1]
-        flat = experts.reshape(-1)
         pair_rows = torch.arange(experts.shape[0]).repeat_interleave(width)
-        used = torch.nonzero(flat >= 0).flatten()
-        order = used[torch.argsort(flat[used], stable=True)]
-        ids, counts = torch.unique_consecutive(flat[order], return_counts=True)
         groups: list[PlannedGroup] = []
-        for e, pairs in zip(ids.tolist(), torch.split(order, counts.tolist()), strict=True):
+        for e, pairs in group_positions(experts.reshape(-1)):
             rows = pair_rows[pairs]
             groups.append(
                 PlannedGroup(

@@ -25,6 +25,7 @@ from experts_store import PMOE_ROUTER_TENSOR, ExpertRef, PMoESpec, Store
 from router import PrototypeTree
 from server._exceptions import InvalidRequest
 from server._settings import Settings
+from server.kinds._grouping import group_positions
 from server.kinds._types import GateRequest, Plan, PlannedGroup
 from server.kinds._views import PatchChoice
 from server.pool import GroupResult
@@ -342,13 +343,9 @@ class _PatchRun:
         self._planned = True
         r = self._routing
         width = r.slot_expert.shape[1]
-        flat_expert = r.slot_expert.reshape(-1)
-        used = torch.nonzero(flat_expert >= 0).flatten()
-        # Stable by expert: within a group, slots stay in (row, slot) order.
-        order = used[torch.argsort(flat_expert[used], stable=True)]
-        ids, counts = torch.unique_consecutive(flat_expert[order], return_counts=True)
         groups: list[PlannedGroup] = []
-        for e, slots in zip(ids.tolist(), torch.split(order, counts.tolist()), strict=True):
+        # Stable by expert: within a group, slots stay in (row, slot) order.
+        for e, slots in group_positions(r.slot_expert.reshape(-1)):
             rows = torch.div(slots, width, rounding_mode="floor")
             patch = r.slot_patch.reshape(-1)[slots]
             groups.append(
