@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +10,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from live_support import wait_until
+from live_support import serve_app
 
 from experts_store import load_expert
 from trainer.hyper import (
@@ -38,8 +37,6 @@ class HyperServer:
 def hyper_server(
     ray_session: None, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[HyperServer]:
-    import uvicorn
-
     from server import Settings, create_app
 
     torch.manual_seed(3)
@@ -48,21 +45,8 @@ def hyper_server(
     publish_hypernetwork(store, f)
     settings = Settings(store=store, port=0, actors=2, cache_bytes=1 << 20, watch_store=False,
                         max_rows=1000, max_conditions=1000)
-    app = create_app(settings)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, lifespan="on")
-    )
-    thread = threading.Thread(target=server.run, name="momlp-uvicorn-hyper", daemon=True)
-    thread.start()
-    wait_until(lambda: server.started or not thread.is_alive(), 120.0, "server start")
-    if not server.started:
-        raise RuntimeError("the server failed to start (see the log)")
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield HyperServer(f"http://127.0.0.1:{port}", store, f)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
+    with serve_app(create_app(settings), name="momlp-uvicorn-hyper") as url:
+        yield HyperServer(url, store, f)
 
 
 def offline(f: HyperNetwork, x: np.ndarray, conditions: np.ndarray) -> np.ndarray:

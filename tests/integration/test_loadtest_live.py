@@ -3,14 +3,13 @@ and every request's device memory against a computation from the experts' archit
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from live_support import wait_until
+from live_support import serve_app
 from prometheus_client.parser import text_string_to_metric_families
 
 from client import LoadTestConfig, run_loadtest
@@ -42,7 +41,6 @@ def store_and_url(
 ) -> Iterator[tuple[Store, str]]:
     """A real server whose 2 actors each have room for a few experts only, so that a Zipf load
     both hits and misses."""
-    import uvicorn
 
     from server import Settings, create_app
 
@@ -60,22 +58,8 @@ def store_and_url(
         watch_store=False,
         max_rows=512,
     )
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(settings), host="127.0.0.1", port=0, log_config=None, lifespan="on"
-        )
-    )
-    thread = threading.Thread(target=server.run, name="momlp-uvicorn-loadtest", daemon=True)
-    thread.start()
-    wait_until(lambda: server.started or not thread.is_alive(), 120.0, "server start")
-    if not server.started:
-        raise RuntimeError("the server failed to start (see the log)")
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield store, f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
+    with serve_app(create_app(settings), name="momlp-uvicorn-loadtest") as url:
+        yield store, url
 
 
 def _counters(url: str) -> dict[str, float]:
