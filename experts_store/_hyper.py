@@ -16,6 +16,7 @@ expert file (a PReLU MLP with γ = 0, zero biases where g has none).
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Literal
 
@@ -75,10 +76,7 @@ class ThetaSlotSpec(_Block):
 
     @property
     def numel(self) -> int:
-        count = 1
-        for dim in self.shape:
-            count *= dim
-        return count
+        return math.prod(self.shape)
 
 
 class PrimaryArch(_Block):

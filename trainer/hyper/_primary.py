@@ -19,6 +19,7 @@ x and its θ, bitwise, whichever other rows or conditions share the batch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -55,10 +56,7 @@ class ThetaSlot:
 
     @property
     def numel(self) -> int:
-        count = 1
-        for dim in self.shape:
-            count *= dim
-        return count
+        return math.prod(self.shape)
 
     @property
     def end(self) -> int:
