@@ -157,9 +157,6 @@ def main(argv: list[str] | None = None) -> int:
         seeds = sorted({r["seed"] for r in records})
     else:
         records = run_fits(args, seeds, kinds, ns, replicates)
-    if args.raw:
-        args.raw.parent.mkdir(parents=True, exist_ok=True)
-        args.raw.write_text("".join(json.dumps(r) + "\n" for r in records))
     if args.from_raw:
         ns = sorted({r["n"] for r in records})
     rng = np.random.default_rng(0)
@@ -192,6 +189,11 @@ def run_fits(args: argparse.Namespace, seeds: list[int], kinds: list[str], ns: l
              log_to_driver=False, configure_logging=False)
     started = time.perf_counter()
     records: list[dict[str, Any]] = []
+    # Each fit is written as it arrives, so an interrupted full run keeps what it finished.
+    raw = None
+    if args.raw:
+        args.raw.parent.mkdir(parents=True, exist_ok=True)
+        raw = args.raw.open("w")
     try:
         task = ray.remote(num_cpus=1)(_fit_task)
         jobs = [(kind, n, seed, rep) for n in sorted(ns, reverse=True) for seed in seeds
@@ -199,10 +201,16 @@ def run_fits(args: argparse.Namespace, seeds: list[int], kinds: list[str], ns: l
         pending = [task.remote(*job) for job in jobs]  # largest n first: better packing
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
-            records.extend(ray.get(done))
+            finished = ray.get(done)
+            records.extend(finished)
+            if raw is not None:
+                raw.writelines(json.dumps(r) + "\n" for r in finished)
+                raw.flush()
             print(f"{len(records)}/{len(jobs)} fits, {time.perf_counter() - started:.0f} s",
                   file=sys.stderr, flush=True)
     finally:
+        if raw is not None:
+            raw.close()
         ray.shutdown()
     return records
 

@@ -8,13 +8,15 @@ Ray Serve deployment whose replicas route the rows themselves and load experts t
 `@serve.multiplexed(max_num_models_per_replica = B // expert bytes)` (benchmarks/_rayserve_app.py).
 
 The same driver (httpx, closed loop, `--concurrency` requests in flight) sends both the same
-seeded sequence of one-row requests whose experts follow Zipf(1.0) over the experts ranked by a
-seeded permutation; each row is drawn near its expert's prototype and verified to route there.
-One row per request keeps the work equal: a Ray Serve HTTP request names one multiplexed model
-(header `serve_multiplexed_model_id`), so the driver sends each row's expert in that header and
-Ray Serve's router can prefer a replica that holds it — the baseline's best case. momlp ignores
-the header and routes on the server. Each round runs both systems one after the other (the
-order alternates), each from a cold start; the first `--warmup` requests are not measured.
+seeded sequence of requests of `--rows-per-request` rows (default 1) whose experts follow
+Zipf(1.0) over the experts ranked by a seeded permutation; each row is drawn near its expert's
+prototype and verified to route there. A Ray Serve HTTP request names one multiplexed model
+(header `serve_multiplexed_model_id`), so the driver sends the first row's expert in that header
+and Ray Serve's router can prefer a replica that holds it: with one row per request that is the
+baseline's best case; with several, its replica routes the rows and loads the other experts
+itself. momlp ignores the header and routes on the server. Each round runs both systems one
+after the other (the order alternates), each from a cold start; the first `--warmup` requests
+are not measured.
 
 Ray Serve runs in its best documented configuration for throughput by default
 (`--rayserve-config best`: `RAY_SERVE_THROUGHPUT_OPTIMIZED=1` and `RAY_SERVE_ENABLE_HA_PROXY=1`,
@@ -24,6 +26,10 @@ defaults. A comparison is only fair against the peer at its best.
 Each round also runs the *in-process limit* of the same workload: the same router, cache policy
 and total cache capacity, and forward, in one Python thread with no HTTP and no Ray. momlp's
 ratio to it says how much of its own work's speed the serving stack delivers.
+
+Each line also splits the CPU time of the measured requests per row into the serving side (a
+system's processes: server or proxy, Ray, actors or replicas) and the client (this process):
+once the benchmark saturates the machine's cores, CPU per row is what bounds rows/s.
 
 Prints one JSON line per system and round, one per system with the medians over rounds, and
 one with the ratios. Binds and sends only to 127.0.0.1.
@@ -87,9 +93,12 @@ def open_or_build(root: Path, *, experts: int, widths: tuple[int, ...], seed: in
     return Store.open(build_store(root, experts=experts, widths=widths, seed=seed))
 
 
-def make_workload(store: Store, *, count: int, seed: int) -> list[tuple[int, list[float]]]:
-    """`count` (expert, row) pairs: Zipf(1.0) over a seeded ranking of the experts, each row
-    near the expert's prototype and verified (tree routing) to reach it."""
+def make_workload(
+    store: Store, *, count: int, seed: int, rows_per_request: int = 1
+) -> list[tuple[int, list[list[float]]]]:
+    """`count` requests of `rows_per_request` rows, each row drawn as an (expert, row) pair:
+    Zipf(1.0) over a seeded ranking of the experts, the row near the expert's prototype and
+    verified (tree routing) to reach it. A request is (its first row's expert, its rows)."""
     tree = PrototypeTree.load(store.router_path)
     rng = np.random.default_rng(seed)
     k = tree.num_prototypes
@@ -107,8 +116,55 @@ def make_workload(store: Store, *, count: int, seed: int) -> list[tuple[int, lis
     servable = [e for e in range(k) if pools[e]]
     ranking = rng.permutation(servable)
     weights = 1.0 / np.arange(1, len(ranking) + 1)
-    draws = rng.choice(ranking, size=count, p=weights / weights.sum())
-    return [(int(e), pools[int(e)][int(rng.integers(len(pools[int(e)])))].tolist()) for e in draws]
+    draws = rng.choice(ranking, size=count * rows_per_request, p=weights / weights.sum())
+    rows = [pools[int(e)][int(rng.integers(len(pools[int(e)])))].tolist() for e in draws]
+    return [
+        (int(draws[i]), rows[i : i + rows_per_request])
+        for i in range(0, len(rows), rows_per_request)
+    ]
+
+
+class CpuMeter:
+    """CPU seconds spent by the serving side (a process and all its descendants: Ray's
+    raylet, GCS, workers and actors, Serve's proxy) and by this process (the load generator).
+
+    On a machine whose cores the benchmark saturates, CPU per row is what sets the rows/s a
+    system can reach, so each system's figure is split into its serving side and the client.
+    A process that ends inside the window loses its CPU time from the count.
+    """
+
+    def __init__(self, serving_root: int) -> None:
+        import psutil
+
+        self._root = psutil.Process(serving_root)
+        self._own = psutil.Process()
+        self._start: tuple[dict[int, float], float] = self._sample()
+
+    def _sample(self) -> tuple[dict[int, float], float]:
+        import psutil
+
+        serving: dict[int, float] = {}
+        tree = self._root.children(recursive=True)
+        if self._root.pid != self._own.pid:
+            tree.append(self._root)
+        for proc in tree:
+            try:
+                times = proc.cpu_times()
+            except psutil.Error:
+                continue
+            serving[proc.pid] = times.user + times.system
+        own = self._own.cpu_times()
+        return serving, own.user + own.system
+
+    def restart(self) -> None:
+        self._start = self._sample()
+
+    def elapsed(self) -> dict[str, float]:
+        """CPU seconds since construction or the last `restart()`: serving side, client."""
+        serving, own = self._sample()
+        before, own_before = self._start
+        spent = sum(cpu - before.get(pid, 0.0) for pid, cpu in serving.items())
+        return {"serving": spent, "client": own - own_before}
 
 
 @dataclass
@@ -132,7 +188,7 @@ def parse_rayserve(body: dict[str, Any]) -> tuple[int, int, dict[str, int]]:
 
 
 async def drive(
-    url: str, work: list[tuple[int, list[float]]], *, concurrency: int, system: str
+    url: str, work: list[tuple[int, list[list[float]]]], *, concurrency: int, system: str
 ) -> list[Record]:
     """Closed loop: `concurrency` workers take the next request until the list is done."""
     parse = parse_momlp if system == "momlp" else parse_rayserve
@@ -143,12 +199,12 @@ async def drive(
 
         async def worker() -> None:
             for index in cursor:
-                expert_id, row = work[index]
+                expert_id, rows = work[index]
                 start = time.perf_counter()
                 try:
                     response = await client.post(
                         url,
-                        json={"inputs": [row], "return_stats": True},
+                        json={"inputs": rows, "return_stats": True},
                         headers={"serve_multiplexed_model_id": str(expert_id)},
                     )
                     ok = response.status_code == 200
@@ -168,7 +224,14 @@ async def drive(
 
 
 def summarize(
-    system: str, records: list[Record], warmup: int, seconds: float, round_: int
+    system: str,
+    records: list[Record],
+    warmup: int,
+    seconds: float,
+    round_: int,
+    *,
+    rows_per_request: int,
+    cpu: dict[str, float],
 ) -> dict[str, Any]:
     measured = records[warmup:]
     ok = [r for r in measured if r.ok]
@@ -185,22 +248,33 @@ def summarize(
         "round": round_,
         "requests": len(measured),
         "errors": len(measured) - len(ok),
-        "rows_per_s": len(ok) / seconds if seconds > 0 else 0.0,
+        "rows_per_s": len(ok) * rows_per_request / seconds if seconds > 0 else 0.0,
         "p50_ms": float(np.percentile(latencies, 50)) if latencies else None,
         "p99_ms": float(np.percentile(latencies, 99)) if latencies else None,
         "hit_rate": hits / (hits + misses) if hits + misses else None,
         # Sum over actors of each actor's largest resident figure seen in an answer.
         "peak_resident_bytes": sum(peak.values()),
+        # CPU per measured row, serving side (server, Ray, actors/replicas, proxy) and client.
+        "cpu_ms_per_row_serving": 1000 * cpu["serving"] / max(1, len(ok) * rows_per_request),
+        "cpu_ms_per_row_client": 1000 * cpu["client"] / max(1, len(ok) * rows_per_request),
+        "cpu_cores_busy": (cpu["serving"] + cpu["client"]) / seconds if seconds > 0 else 0.0,
     }
 
 
 def run_driver(
-    url: str, work: list[tuple[int, list[float]]], warmup: int, concurrency: int, system: str
-) -> tuple[list[Record], float]:
+    url: str,
+    work: list[tuple[int, list[list[float]]]],
+    warmup: int,
+    concurrency: int,
+    system: str,
+    serving_pid: int,
+) -> tuple[list[Record], float, dict[str, float]]:
     warm = asyncio.run(drive(url, work[:warmup], concurrency=concurrency, system=system))
+    meter = CpuMeter(serving_pid)
     start = time.perf_counter()
     rest = asyncio.run(drive(url, work[warmup:], concurrency=concurrency, system=system))
-    return warm + rest, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    return warm + rest, seconds, meter.elapsed()
 
 
 def free_port() -> int:
@@ -244,8 +318,8 @@ def run_momlp(args: argparse.Namespace, store: Store, work: list[Any], round_: i
     with tempfile.NamedTemporaryFile("w+", prefix="momlp-serve-", suffix=".log") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
-            wait_ready(url, {"inputs": [work[0][1]]}, 240.0)
-            records, seconds = run_driver(url, work, args.warmup, args.concurrency, "momlp")
+            wait_ready(url, {"inputs": work[0][1]}, 240.0)
+            result = run_driver(url, work, args.warmup, args.concurrency, "momlp", process.pid)
         except Exception:
             log.seek(0)
             sys.stderr.write(log.read()[-4000:])
@@ -257,7 +331,7 @@ def run_momlp(args: argparse.Namespace, store: Store, work: list[Any], round_: i
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout=30)
-    return records, seconds
+    return result
 
 
 RAYSERVE_BEST = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
@@ -274,19 +348,25 @@ def run_inprocess(args: argparse.Namespace, store: Store, work: list[Any], round
     )
     mode = store.manifest.routing
     records: list[Record] = []
-    measured_from = 0.0
-    for index, (_expert_id, row) in enumerate(work):
+    measured_from, cpu_from = 0.0, 0.0
+    for index, (_expert_id, rows) in enumerate(work):
         if index == args.warmup:
-            measured_from = time.perf_counter()
+            measured_from, cpu_from = time.perf_counter(), time.process_time()
         start = time.perf_counter()
-        x = torch.tensor([row], dtype=torch.float32)
-        expert = int(tree.route(x, mode=mode).experts[0, 0])
-        with cache.lease(refs[expert]) as lease, torch.inference_mode():
-            out = lease.value(x)
+        x = torch.tensor(rows, dtype=torch.float32)
+        experts = tree.route(x, mode=mode).experts[:, 0]
+        out = torch.empty(x.shape[0], store.manifest.output_dim)
+        hits = misses = 0
+        for expert in torch.unique(experts).tolist():
+            mask = experts == expert
+            with cache.lease(refs[expert]) as lease, torch.inference_mode():
+                out[mask] = lease.value(x[mask])
+            hits, misses = hits + int(lease.hit), misses + int(not lease.hit)
         latency = time.perf_counter() - start
         keep = out.tolist() if index < 32 else None
-        records.append(Record(latency, True, int(lease.hit), int(not lease.hit), {}, keep))
-    return records, time.perf_counter() - measured_from
+        records.append(Record(latency, True, hits, misses, {}, keep))
+    cpu = {"serving": time.process_time() - cpu_from, "client": 0.0}
+    return records, time.perf_counter() - measured_from, cpu
 
 
 def run_rayserve(args: argparse.Namespace, store: Store, work: list[Any], round_: int) -> Any:
@@ -322,13 +402,14 @@ def run_rayserve(args: argparse.Namespace, store: Store, work: list[Any], round_
             mode=store.manifest.routing,
         )
         serve.run(app, name="momlp_multiplexed", route_prefix="/v1/predict")
-        wait_ready(url, {"inputs": [work[0][1]]}, 240.0)
-        records, seconds = run_driver(url, work, args.warmup, args.concurrency, "ray_serve")
+        wait_ready(url, {"inputs": work[0][1]}, 240.0)
+        # Serve's processes descend from this one (ray.init started the cluster here).
+        result = run_driver(url, work, args.warmup, args.concurrency, "ray_serve", os.getpid())
     finally:
         # ray.shutdown() ends Serve's controller, proxy and replicas with the cluster; a
         # serve.shutdown() first only adds a noisy "graceful_shutdown failed" line on stdout.
         ray.shutdown()
-    return records, seconds
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -341,6 +422,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--warmup", type=int, default=300)
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument(
+        "--rows-per-request",
+        type=int,
+        default=1,
+        help="rows in each request (the issue's independent run used 4)",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ray-num-cpus", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
@@ -361,7 +448,12 @@ def main(argv: list[str] | None = None) -> int:
     store = open_or_build(args.store, experts=args.experts, widths=widths, seed=args.seed)
     expert_bytes = max(store.expert_nbytes(e) for e in range(store.manifest.num_experts))
     args.budget = args.experts_per_actor * expert_bytes
-    work = make_workload(store, count=args.warmup + args.requests, seed=args.seed)
+    work = make_workload(
+        store,
+        count=args.warmup + args.requests,
+        seed=args.seed,
+        rows_per_request=args.rows_per_request,
+    )
     setup = {
         "experts": store.manifest.num_experts,
         "widths": list(widths),
@@ -372,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         "requests": args.requests,
         "warmup": args.warmup,
         "concurrency": args.concurrency,
-        "batch": 1,
+        "batch": args.rows_per_request,
         "distribution": "zipf:1.0",
         "rayserve_config": args.rayserve_config,
         "machine": MACHINE,
@@ -386,14 +478,32 @@ def main(argv: list[str] | None = None) -> int:
         servers = ["momlp", "ray_serve"] if round_ % 2 == 0 else ["ray_serve", "momlp"]
         order = [*servers, "in_process"]
         for system in order:
-            records, seconds = runners[system](args, store, work, round_)
-            line = summarize(system, records, args.warmup, seconds, round_) | setup
+            records, seconds, cpu = runners[system](args, store, work, round_)
+            line = summarize(
+                system,
+                records,
+                args.warmup,
+                seconds,
+                round_,
+                rows_per_request=args.rows_per_request,
+                cpu=cpu,
+            )
+            line |= setup
             results[system].append(line)
             outputs.setdefault(system, [r.outputs for r in records[:32]])
             print(json.dumps(line), flush=True)
     medians: dict[str, dict[str, Any]] = {}
     for system, lines in results.items():
-        keys = ("rows_per_s", "p50_ms", "p99_ms", "hit_rate", "peak_resident_bytes")
+        keys = (
+            "rows_per_s",
+            "p50_ms",
+            "p99_ms",
+            "hit_rate",
+            "peak_resident_bytes",
+            "cpu_ms_per_row_serving",
+            "cpu_ms_per_row_client",
+            "cpu_cores_busy",
+        )
         medians[system] = {
             key: statistics.median(v for v in (line[key] for line in lines) if v is not None)
             for key in keys
@@ -402,8 +512,11 @@ def main(argv: list[str] | None = None) -> int:
         line = head | {"rounds": args.rounds} | medians[system] | setup
         print(json.dumps(line), flush=True)
     same = all(
-        a is not None and b is not None and c is not None
-        and np.allclose(a, b, rtol=1e-4, atol=1e-5) and np.allclose(a, c, rtol=1e-4, atol=1e-5)
+        a is not None
+        and b is not None
+        and c is not None
+        and np.allclose(a, b, rtol=1e-4, atol=1e-5)
+        and np.allclose(a, c, rtol=1e-4, atol=1e-5)
         for a, b, c in zip(
             outputs["momlp"], outputs["ray_serve"], outputs["in_process"], strict=True
         )
@@ -428,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
             a["rows_per_s"] / b["rows_per_s"]
             for a, b in zip(results["momlp"], results["in_process"], strict=True)
         ),
+        # Serving-side CPU per row: what bounds rows/s once the cores are saturated.
+        "cpu_per_row_serving_ratio": m["cpu_ms_per_row_serving"] / r["cpu_ms_per_row_serving"],
         "goal_half_of_limit": m["rows_per_s"] >= 0.5 * limit["rows_per_s"],
         "goal_rows_per_s_3x": m["rows_per_s"] >= 3 * r["rows_per_s"],
         "goal_p99_half": m["p99_ms"] <= 0.5 * r["p99_ms"],
