@@ -53,6 +53,7 @@ from experts_store import (  # noqa: E402
 from router import PrototypeTree  # noqa: E402
 from server._settings import Settings  # noqa: E402
 from server.batching import Batcher  # noqa: E402
+from server.kinds import MomlpModel  # noqa: E402
 from server.pool import (  # noqa: E402
     ActorCore,
     ExpertPool,
@@ -129,7 +130,7 @@ async def _batching(
     batches: dict[str, int] = {}
     for _ in range(1 if args.quick else 3):
         for mode, settings in modes.items():
-            batcher = Batcher(tree, pool, settings, experts=refs)
+            batcher = Batcher(MomlpModel(tree, refs), pool, settings)
             seconds = await _drive(batcher, xs, concurrency)
             batches[mode] = batcher.batches
             await batcher.close()
