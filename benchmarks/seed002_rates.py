@@ -12,6 +12,7 @@ flatter than -1/2 where it is slower than any polynomial. Failed fits are counte
 
     .venv/bin/python benchmarks/seed002_rates.py --quick --seed 0      # under 10 min, 2 cores
     .venv/bin/python benchmarks/seed002_rates.py --seed 0 --seed 1 --seed 2   # the full run
+    .venv/bin/python benchmarks/seed002_rates.py --seed 1 --raw F --resume  # go on with F
 
 Prints one JSON line per (seed, model) and one naming the plot.
 """
@@ -144,10 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--num-cpus", type=int, default=2)
     parser.add_argument("--raw", type=Path, help="also write every fit as a JSON line here")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the fits already in --raw and run only the missing ones")
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--from-raw", type=Path,
                         help="summarise and plot the fits of an earlier --raw file, fit nothing")
     args = parser.parse_args(argv)
+    if args.resume and not args.raw:
+        parser.error("--resume needs --raw (the file to go on from)")
     ns, replicates = QUICK if args.quick else FULL
     seeds, kinds = args.seed or [0], args.kinds.split(",")
     plot_path = args.plot or HERE / "plots" / f"seed002_rates{'_quick' if args.quick else ''}.png"
@@ -177,6 +182,33 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+Job = tuple[str, int, int, int]  # (kind, n, seed, replicate)
+
+
+def resume_from(raw: Path, jobs: list[Job]) -> tuple[list[dict[str, Any]], list[Job]]:
+    """The fits an earlier run already wrote to `raw` for these jobs, and the jobs left.
+
+    Fits are seeded by (seed, kind, n, replicate), so a resumed run computes exactly what an
+    uninterrupted one would. A last line cut short by a killed run is dropped, and the file is
+    rewritten without it so that appending continues on a line boundary.
+    """
+    wanted = set(jobs)
+    kept: list[dict[str, Any]] = []
+    lines = raw.read_text().splitlines() if raw.exists() else []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        key = (record["kind"], record["n"], record["seed"], record["replicate"])
+        if key in wanted:
+            wanted.discard(key)
+            kept.append(record)
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    raw.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return kept, [job for job in jobs if job in wanted]
+
+
 def run_fits(args: argparse.Namespace, seeds: list[int], kinds: list[str], ns: list[int],
              replicates: int) -> list[dict[str, Any]]:
     """Every (kind, n, seed, replicate) fit as a Ray task on an embedded Ray."""
@@ -185,19 +217,25 @@ def run_fits(args: argparse.Namespace, seeds: list[int], kinds: list[str], ns: l
         p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
     import ray
 
+    jobs: list[Job] = [(kind, n, seed, rep) for n in sorted(ns, reverse=True) for seed in seeds
+                       for kind in kinds for rep in range(replicates)]
+    records: list[dict[str, Any]] = []
+    # Each fit is written as it arrives, so an interrupted full run keeps what it finished
+    # (and `--resume` goes on from there).
+    raw = None
+    if args.raw:
+        if args.resume:
+            records, jobs = resume_from(args.raw, jobs)
+            print(f"resuming: {len(records)} fits from {args.raw}, {len(jobs)} to go",
+                  file=sys.stderr, flush=True)
+        args.raw.parent.mkdir(parents=True, exist_ok=True)
+        raw = args.raw.open("a" if args.resume else "w")
+    total = len(records) + len(jobs)
     ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False,
              log_to_driver=False, configure_logging=False)
     started = time.perf_counter()
-    records: list[dict[str, Any]] = []
-    # Each fit is written as it arrives, so an interrupted full run keeps what it finished.
-    raw = None
-    if args.raw:
-        args.raw.parent.mkdir(parents=True, exist_ok=True)
-        raw = args.raw.open("w")
     try:
         task = ray.remote(num_cpus=1)(_fit_task)
-        jobs = [(kind, n, seed, rep) for n in sorted(ns, reverse=True) for seed in seeds
-                for kind in kinds for rep in range(replicates)]
         pending = [task.remote(*job) for job in jobs]  # largest n first: better packing
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
@@ -206,7 +244,7 @@ def run_fits(args: argparse.Namespace, seeds: list[int], kinds: list[str], ns: l
             if raw is not None:
                 raw.writelines(json.dumps(r) + "\n" for r in finished)
                 raw.flush()
-            print(f"{len(records)}/{len(jobs)} fits, {time.perf_counter() - started:.0f} s",
+            print(f"{len(records)}/{total} fits, {time.perf_counter() - started:.0f} s",
                   file=sys.stderr, flush=True)
     finally:
         if raw is not None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from benchmarks.seed002_moe import KINDS, fit_one, regression, true_params, voronoi_loss
+from benchmarks.seed002_rates import resume_from
 
 pytestmark = pytest.mark.unit
 
@@ -73,3 +76,20 @@ def test_a_small_fit_recovers_the_truth() -> None:
     assert float((fitted["w"][2] - truth["w"][1]).norm()) < 0.3
     assert float((fitted["eta"][2] - truth["eta"][1]).norm()) < 0.3
     assert float(fitted["beta"][:2].exp().sum()) == pytest.approx(math.exp(0.5), rel=0.15)
+
+
+def test_resume_keeps_finished_fits_and_drops_a_cut_last_line(tmp_path: Path) -> None:
+    raw = tmp_path / "fits.jsonl"
+    done = [
+        {"kind": "sigmoid", "n": 1000, "seed": 1, "replicate": 0, "voronoi_loss": 1.0},
+        {"kind": "linear", "n": 1000, "seed": 1, "replicate": 1, "voronoi_loss": 2.0},
+        # Another seed's fit in the same file is not one of this run's jobs.
+        {"kind": "sigmoid", "n": 1000, "seed": 9, "replicate": 0, "voronoi_loss": 3.0},
+    ]
+    raw.write_text("".join(json.dumps(r) + "\n" for r in done) + '{"kind": "sigm')
+    jobs = [(kind, 1000, 1, rep) for kind in ("sigmoid", "linear") for rep in range(2)]
+    kept, left = resume_from(raw, jobs)
+    assert [r["voronoi_loss"] for r in kept] == [1.0, 2.0]
+    assert left == [("sigmoid", 1000, 1, 1), ("linear", 1000, 1, 0)]
+    # The file now ends on a line boundary and holds just the kept fits.
+    assert [json.loads(line) for line in raw.read_text().splitlines()] == done[:2]
