@@ -35,6 +35,7 @@ from experts_store import (
 )
 from server._exceptions import CapExceeded, InvalidRequest
 from server._settings import Settings
+from server.kinds._one_round import OneRoundRun
 from server.kinds._types import GateRequest, Plan, PlannedGroup
 from server.pool import GroupResult
 
@@ -349,20 +350,16 @@ class HyperModel:
         return condition_key(self.generator.sha256, tensor[0]), data
 
 
-class _HyperRun:
+class _HyperRun(OneRoundRun):
     """One batch: one round of groups (one per distinct condition), then rows in order."""
 
     def __init__(self, model: HyperModel, x: torch.Tensor, routing: HyperRouting) -> None:
+        super().__init__()
         self._model = model
         self._x = x
         self._routing = routing
-        self._planned = False
-        self._out: torch.Tensor | None = None
 
-    def plan(self) -> Plan | None:
-        if self._planned:
-            return None
-        self._planned = True
+    def _groups(self) -> list[PlannedGroup]:
         by_key: dict[str, list[int]] = {}
         for row, key in enumerate(self._routing.keys):
             by_key.setdefault(key, []).append(row)
@@ -383,18 +380,12 @@ class _HyperRun:
                     inputs=self._x[rows, :m1].contiguous(),
                 )
             )
-        return Plan(groups)
+        return groups
 
-    def combine(self, plan: Plan, results: Sequence[GroupResult]) -> None:
+    def _combine(self, plan: Plan, results: Sequence[GroupResult]) -> torch.Tensor:
         good = [(g, r) for g, r in zip(plan.groups, results, strict=True) if r.error is None]
         out = torch.zeros((self._x.shape[0], self._model.spec.output_dim), dtype=torch.float32)
         for group, result in good:
             # Each row is in exactly one group and takes its output unchanged.
             out[group.rows] = result.outputs.to(torch.float32)
-        self._out = out
-
-    @property
-    def outputs(self) -> torch.Tensor:
-        if self._out is None:
-            raise RuntimeError("outputs asked before the round was combined")
-        return self._out
+        return out

@@ -25,6 +25,7 @@ from router import (
 from server._exceptions import CapExceeded, InvalidRequest
 from server._settings import Settings
 from server.kinds._grouping import group_positions
+from server.kinds._one_round import OneRoundRun
 from server.kinds._types import GateRequest, Plan, PlannedGroup
 from server.pool import GroupResult
 
@@ -158,20 +159,16 @@ class MomlpModel:
         return [self.experts[int(e)] for e in ids]
 
 
-class _MomlpRun:
+class _MomlpRun(OneRoundRun):
     """One batch: one round of groups (one per distinct expert), then the weighted sums."""
 
     def __init__(self, x: torch.Tensor, routing: GateRouting, experts: list[ExpertRef]) -> None:
+        super().__init__()
         self._x = x
         self._routing = routing
         self._experts = experts
-        self._planned = False
-        self._out: torch.Tensor | None = None
 
-    def plan(self) -> Plan | None:
-        if self._planned:
-            return None
-        self._planned = True
+    def _groups(self) -> list[PlannedGroup]:
         experts, weights = self._routing.experts, self._routing.weights
         width = experts.shape[1]
         pair_rows = torch.arange(experts.shape[0]).repeat_interleave(width)
@@ -186,9 +183,9 @@ class _MomlpRun:
                     inputs=self._x[rows],
                 )
             )
-        return Plan(groups)
+        return groups
 
-    def combine(self, plan: Plan, results: Sequence[GroupResult]) -> None:
+    def _combine(self, plan: Plan, results: Sequence[GroupResult]) -> torch.Tensor:
         good = [(g, r) for g, r in zip(plan.groups, results, strict=True) if r.error is None]
         out_dim = int(good[0][1].outputs.shape[1]) if good else 0
         # Float64 sums in group (expert id) order: the same additions for a row whatever
@@ -197,10 +194,4 @@ class _MomlpRun:
         for group, result in good:
             contribution = result.outputs.to(torch.float64) * group.weights[:, None]
             out.index_add_(0, group.rows, contribution)
-        self._out = out.to(torch.float32)
-
-    @property
-    def outputs(self) -> torch.Tensor:
-        if self._out is None:
-            raise RuntimeError("outputs asked before the round was combined")
-        return self._out
+        return out.to(torch.float32)

@@ -26,6 +26,7 @@ from router import PrototypeTree
 from server._exceptions import InvalidRequest
 from server._settings import Settings
 from server.kinds._grouping import group_positions
+from server.kinds._one_round import OneRoundRun
 from server.kinds._types import GateRequest, Plan, PlannedGroup
 from server.kinds._views import PatchChoice
 from server.pool import GroupResult
@@ -315,7 +316,7 @@ class PatchModel:
         return [self.experts[int(e)] for e in ids]
 
 
-class _PatchRun:
+class _PatchRun(OneRoundRun):
     """One batch: one round (a group per expert some patch went to), then per-row sums."""
 
     def __init__(
@@ -326,6 +327,7 @@ class _PatchRun:
         num_patches: int,
         expert_input_dim: int,
     ) -> None:
+        super().__init__()
         patches = x.reshape(x.shape[0] * num_patches, -1)
         pad = expert_input_dim - patches.shape[1]
         # Experts take patches zero-padded to an aligned width (experts_store.PATCH_ALIGN).
@@ -334,13 +336,8 @@ class _PatchRun:
         self._experts = experts
         self._num_patches = num_patches
         self._slots: list[torch.Tensor] = []  # per planned group: its flat (row, slot) index
-        self._planned = False
-        self._out: torch.Tensor | None = None
 
-    def plan(self) -> Plan | None:
-        if self._planned:
-            return None
-        self._planned = True
+    def _groups(self) -> list[PlannedGroup]:
         r = self._routing
         width = r.slot_expert.shape[1]
         groups: list[PlannedGroup] = []
@@ -357,9 +354,9 @@ class _PatchRun:
                 )
             )
             self._slots.append(slots)
-        return Plan(groups)
+        return groups
 
-    def combine(self, plan: Plan, results: Sequence[GroupResult]) -> None:
+    def _combine(self, plan: Plan, results: Sequence[GroupResult]) -> torch.Tensor:
         r = self._routing
         b, width = r.slot_expert.shape
         good = [
@@ -376,10 +373,4 @@ class _PatchRun:
         out = torch.zeros(b, out_dim, dtype=torch.float64)
         for t in range(width):
             out += per_slot[:, t]
-        self._out = out.to(torch.float32)
-
-    @property
-    def outputs(self) -> torch.Tensor:
-        if self._out is None:
-            raise RuntimeError("outputs asked before the round was combined")
-        return self._out
+        return out.to(torch.float32)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from benchmarks.seed002_moe import KINDS, fit_one, regression, true_params, voronoi_loss
-from benchmarks.seed002_rates import resume_from
+from benchmarks.seed002_rates import main, resume_from
 
 pytestmark = pytest.mark.unit
 
@@ -93,3 +93,39 @@ def test_resume_keeps_finished_fits_and_drops_a_cut_last_line(tmp_path: Path) ->
     assert left == [("sigmoid", 1000, 1, 1), ("linear", 1000, 1, 0)]
     # The file now ends on a line boundary and holds just the kept fits.
     assert [json.loads(line) for line in raw.read_text().splitlines()] == done[:2]
+
+
+def fake_fits(seed: int, kind: str, slope: float) -> list[dict[str, object]]:
+    """Fits whose losses fall exactly as n^slope (every replicate alike), none failed."""
+    return [
+        {"kind": kind, "n": n, "seed": seed, "replicate": rep,
+         "voronoi_loss": float(n) ** slope, "regression_rmse": 0.01, "failed": False,
+         "reason": "", "seconds": 1.0}
+        for n in (1000, 10000, 100000) for rep in range(3)
+    ]
+
+
+def test_from_raw_reads_one_file_per_seed_and_counts_seeds_that_meet_the_goal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # sigmoid meets -1/2 in both seeds; linear is flatter by 0.4 in seed 0, by 0.05 in seed 1.
+    slopes = {0: {"sigmoid": -0.5, "linear": -0.1}, 1: {"sigmoid": -0.55, "linear": -0.5}}
+    paths = []
+    for seed, by_kind in slopes.items():
+        path = tmp_path / f"seed{seed}.jsonl"
+        rows = [r for kind, s in by_kind.items() for r in fake_fits(seed, kind, s)]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        paths.append(path)
+    argv = ["--kinds", "sigmoid,linear", "--plot", str(tmp_path / "p.png")]
+    for path in paths:
+        argv += ["--from-raw", str(path)]
+    assert main(argv) == 0
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    per_seed = {(o["seed"], o["kind"]): o for o in out if o["figure"] == "seed002_rates"}
+    assert per_seed[(0, "linear")]["slope_median"] == pytest.approx(-0.1, abs=1e-3)
+    assert per_seed[(1, "linear")]["met"] is False
+    seeds = {o["kind"]: o for o in out if o["figure"] == "seed002_rates_seeds"}
+    assert seeds["sigmoid"]["seeds_met"] == "2/2" and seeds["sigmoid"]["met_in_every_seed"]
+    assert seeds["linear"]["seeds_met"] == "1/2" and not seeds["linear"]["met_in_every_seed"]
+    assert seeds["linear"]["slopes_median"] == pytest.approx([-0.1, -0.5], abs=1e-3)
+    assert (tmp_path / "p.png").stat().st_size > 0
