@@ -65,6 +65,9 @@ class Settings(BaseSettings):
 
     max_batch_wait_ms: float = Field(default=2.0, ge=0.0, description="batch window")
     max_batch_rows: int = Field(default=4096, ge=1, description="rows merged into one batch")
+    max_inflight_batches: int = Field(
+        default=2, ge=1, le=64, description="batches of one store version routed or running at once"
+    )
     max_queue_rows: int = Field(
         default=65536, ge=1, description="rows waiting before new requests get 429"
     )

@@ -46,7 +46,9 @@ BatcherFactory = Callable[[ServedModel, ExpertPool, Settings, Clock], BatcherLik
 def default_batcher(
     model: ServedModel, pool: ExpertPool, settings: Settings, clock: Clock
 ) -> BatcherLike:
-    return Batcher(model, pool, settings, clock)
+    return Batcher(
+        model, pool, settings, clock, max_inflight_batches=settings.max_inflight_batches
+    )
 
 
 @dataclass

@@ -15,6 +15,7 @@ from server._settings import Settings
 from server.batching import Batcher
 from server.kinds import MomlpModel
 from server.pool import ActorInfo, FakeExpertPool, Group, GroupResult, activation_peak_bytes
+from server.serving import default_batcher
 
 pytestmark = pytest.mark.unit
 
@@ -421,5 +422,32 @@ async def test_a_failing_collector_fails_its_requests_and_restarts(
     monkeypatch.undo()
     answer = await batcher.submit(inputs([1], 3))
     assert answer.experts.tolist() == [[1]]
+    await batcher.close()
+    await pool.close()
+
+
+@pytest.mark.parametrize("limit", [1, 3])
+async def test_the_server_runs_at_most_max_inflight_batches_at_once(
+    make_store: MakeStore, limit: int
+) -> None:
+    store = Store.open(make_store(K=6, n=3, width=8, out=2))
+    settings = Settings(max_batch_wait_ms=0.0, cache_bytes=10**7, max_inflight_batches=limit)
+    clock = FakeClock()
+    pool = GatedPool(FakeExpertPool(settings, clock=clock))
+    model = MomlpModel(TableRouter(dim=3, num_prototypes=6), refs(store))
+    batcher = default_batcher(model, pool, settings, clock)
+    pool.gate.clear()
+    # Different top_k never merge: four requests are four batches.
+    tasks = [
+        asyncio.create_task(batcher.submit(inputs([e], 3), Gate(top_k=k)))
+        for e, k in zip([0, 1, 2, 3], [1, 2, 3, 4], strict=True)
+    ]
+    await _until(lambda: len(pool.runs) == limit)
+    await asyncio.sleep(0.05)
+    assert len(pool.runs) == limit
+    pool.gate.set()
+    answers = await asyncio.gather(*tasks)
+    assert [a.experts.shape[1] for a in answers] == [1, 2, 3, 4]
+    assert len(pool.runs) == 4
     await batcher.close()
     await pool.close()
