@@ -197,13 +197,31 @@ def train_on_ray(plan: JobPlan, config: BuildConfig, progress: bool) -> Results:
             try:
                 result: dict[str, Any] = ray.get(ready[0])
             except ray.exceptions.RayError as exc:  # task error or dead worker, after retries
-                for ref in pending:
-                    ray.cancel(ref, force=True)
+                _cancel_and_wait(list(pending))
                 raise BuildFailed(expert_id=owner, reason=str(exc).splitlines()[0]) from exc
             bar.done(owner, result)
     finally:
         bar.close()
     return bar.results, bar.baseline
+
+
+def _cancel_and_wait(refs: list[Any], timeout_s: float = 60.0) -> None:
+    """Kill the tasks still running and wait until they have ended.
+
+    A task that is still writing its expert into the staging directory while the writer
+    removes it can recreate a file there mid-removal and leave the directory behind; so
+    the failure is raised only once no task can write any more.
+    """
+    import ray
+
+    for ref in refs:
+        ray.cancel(ref, force=True)
+    if not refs:
+        return
+    _, still = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    if still:
+        logger.warning("%d cancelled training tasks had not ended after %.0f s",
+                       len(still), timeout_s)
 
 
 def train_locally(plan: JobPlan, config: BuildConfig, progress: bool) -> Results:
