@@ -16,7 +16,7 @@ from pool_support import IdGroup, IdPool
 
 from experts_store import ExpertTooLarge, Store, load_expert
 from router import PrototypeTree
-from server._exceptions import ExpertUnavailable
+from server._exceptions import ExpertUnavailable, PoolStartFailed
 from server._settings import Settings
 from server.batching import Batcher
 from server.kinds import MomlpModel
@@ -174,3 +174,12 @@ async def test_an_expert_larger_than_the_budget_refuses_to_start(make_store: Mak
             IdPool(store, pool)
     finally:
         await pool.close()
+
+
+async def test_actors_the_cluster_cannot_place_fail_the_start_naming_what_they_asked() -> None:
+    # No node offers this resource: the actor stays pending until the start timeout.
+    settings = Settings(actor_resource="momlp-no-such-node", actor_start_timeout_s=2.0)
+    with pytest.raises(PoolStartFailed) as info:
+        await asyncio.to_thread(RayExpertPool.create, settings)
+    message = str(info.value)
+    assert "momlp-no-such-node" in message and "within 2 s" in message
