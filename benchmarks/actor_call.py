@@ -5,6 +5,8 @@ limit); this splits off one part of the difference. The same `ExpertActor.run` p
 groups of R one-expert rows, every expert resident) is run
 
 - in this process on an `ActorCore` (the work alone: lease, aligned padded forward, reply);
+- through a Ray actor that answers a reply computed beforehand (the call alone), at once
+  or after sleeping as long as the work takes (a busy actor, without the CPU);
 - through a real Ray actor (`ExpertActor`, 1 CPU, 1 torch thread, as the pool starts them),
   awaited from asyncio with 1 or 4 calls in flight, for max_concurrency 1 and 4 (the pool
   uses 4),
@@ -53,18 +55,19 @@ def payload_for(store: Any, groups: int, rows: int, seed: int) -> list[tuple[Any
     ]
 
 
-def in_process(payload: list[tuple[Any, np.ndarray]], calls: int) -> float:
+def in_process(payload: list[tuple[Any, np.ndarray]], calls: int) -> tuple[float, Any]:
+    """CPU ms per `ActorCore.run` of `payload` in this process, and the reply it gives."""
     from server.pool._actor import ActorCore
 
     core = ActorCore(name="bench", budget_bytes=1 << 34)
     for _ in range(max(20, calls // 20)):
-        core.run(payload)
+        reply = core.run(payload)
     me = psutil.Process()
     start = cpu_s(me)
     for _ in range(calls):
         core.run(payload)
     core.close()
-    return (cpu_s(me) - start) * 1000.0 / calls
+    return (cpu_s(me) - start) * 1000.0 / calls, reply
 
 
 async def drive(handle: Any, payload: Any, calls: int, inflight: int) -> None:
@@ -75,16 +78,44 @@ async def drive(handle: Any, payload: Any, calls: int, inflight: int) -> None:
     await asyncio.gather(*(caller(calls // inflight) for _ in range(inflight)))
 
 
+class Echo:
+    """An actor that takes the same payload and answers a reply computed beforehand: what
+    the call itself costs, with no work and no cache. With `wait_s` it sleeps that long
+    first (no CPU), as a call carrying real work keeps the actor busy."""
+
+    def __init__(self, reply: Any, wait_s: float = 0.0) -> None:
+        self._reply = reply
+        self._wait_s = wait_s
+
+    def get_pid(self) -> int:
+        return os.getpid()
+
+    def run(self, payload: Any) -> Any:
+        if self._wait_s:
+            time.sleep(self._wait_s)
+        return self._reply
+
+
 def through_ray(
-    payload: Any, calls: int, concurrency: int, inflight: int
+    payload: Any,
+    calls: int,
+    concurrency: int,
+    inflight: int,
+    echo: Any = None,
+    wait_s: float = 0.0,
 ) -> dict[str, float]:
     import ray
 
     from server.pool._actor import ExpertActor
 
-    handle = ray.remote(ExpertActor).options(
+    options = ray.remote(ExpertActor if echo is None else Echo).options(
         num_cpus=1, max_concurrency=concurrency
-    ).remote("bench", "cpu", 1 << 34, 1)
+    )
+    handle: Any = (
+        options.remote("bench", "cpu", 1 << 34, 1)
+        if echo is None
+        else options.remote(echo, wait_s)
+    )
     actor = psutil.Process(ray.get(handle.get_pid.remote()))
     me = psutil.Process()
     try:
@@ -122,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for groups, rows in shapes:
             payload = payload_for(store, groups, rows, seed=groups)
-            work = in_process(payload, calls)
+            work, reply = in_process(payload, calls)
             base = {
                 "bench": "actor_call", "groups": groups, "rows_per_group": rows,
                 "widths": list(widths), "calls": calls, "machine": MACHINE,
@@ -130,6 +161,13 @@ def main(argv: list[str] | None = None) -> int:
             }
             print(json.dumps({**base, "where": "in_process", "cpu_ms_per_call": work}),
                   flush=True)
+            for inflight, wait_ms in ((4, 0.0), (1, work), (4, work)):
+                print(json.dumps({
+                    **base, "where": "ray_echo", "max_concurrency": 1, "inflight": inflight,
+                    "wait_ms": wait_ms,
+                    **through_ray(payload, calls, 1, inflight, echo=reply,
+                                  wait_s=wait_ms / 1000.0),
+                }), flush=True)
             for concurrency in (1, 4):
                 for inflight in (1, 4):
                     figures = through_ray(payload, calls, concurrency, inflight)

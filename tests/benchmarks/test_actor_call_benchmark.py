@@ -1,0 +1,55 @@
+"""benchmarks/actor_call.py runs against the actor it measures and prints every figure.
+
+Run as a user runs it (its own Ray, a fresh store, few calls); checks what it prints and
+that the figures hang together, not how fast anything was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.ray
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_actor_call_benchmark_prints_the_work_the_bare_call_and_each_setting(
+    tmp_path: Path,
+) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "actor_call.py"),
+            "--quick",
+            "--calls",
+            "40",
+            "--widths",
+            "8,32,4",
+            "--store",
+            str(tmp_path / "store"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    where = [line["where"] for line in lines]
+    assert where == ["in_process"] + ["ray_echo"] * 3 + ["ray"] * 4
+    settings = {(line["max_concurrency"], line["inflight"]) for line in lines[4:]}
+    assert settings == {(1, 1), (1, 4), (4, 1), (4, 4)}
+    for line in lines[1:]:
+        assert line["calls_per_s"] > 0 and line["caller_cpu_ms_per_call"] >= 0
+    for line in lines[4:]:
+        # The figure it prints is the difference it names.
+        expected = (line["actor_cpu_ms_per_call"] - line["work_cpu_ms_per_call"]
+                    + line["caller_cpu_ms_per_call"])
+        assert line["ray_overhead_cpu_ms_per_call"] == pytest.approx(expected)
