@@ -7,16 +7,16 @@ torch thread each) with room for `--experts-per-actor` experts each: momlp throu
 Ray Serve deployment whose replicas route the rows themselves and load experts through
 `@serve.multiplexed(max_num_models_per_replica = B // expert bytes)` (benchmarks/_rayserve_app.py).
 
-The same driver (httpx, closed loop, `--concurrency` requests in flight) sends both the same
-seeded sequence of requests of `--rows-per-request` rows (default 1) whose experts follow
-Zipf(1.0) over the experts ranked by a seeded permutation; each row is drawn near its expert's
-prototype and verified to route there. A Ray Serve HTTP request names one multiplexed model
-(header `serve_multiplexed_model_id`), so the driver sends the first row's expert in that header
-and Ray Serve's router can prefer a replica that holds it: with one row per request that is the
-baseline's best case; with several, its replica routes the rows and loads the other experts
-itself. momlp ignores the header and routes on the server. Each round runs both systems one
-after the other (the order alternates), each from a cold start; the first `--warmup` requests
-are not measured.
+The same driver (`--client`: aiohttp by default, or httpx; closed loop, `--concurrency` requests
+in flight) sends both the same seeded sequence of requests of `--rows-per-request` rows (default
+1) whose experts follow Zipf(1.0) over the experts ranked by a seeded permutation; each row is
+drawn near its expert's prototype and verified to route there. A Ray Serve HTTP request names
+one multiplexed model (header `serve_multiplexed_model_id`), so the driver sends the first row's
+expert in that header and Ray Serve's router can prefer a replica that holds it: with one row
+per request that is the baseline's best case; with several, its replica routes the rows and
+loads the other experts itself. momlp ignores the header and routes on the server. Each round
+runs both systems one after the other (the order alternates), each from a cold start; the first
+`--warmup` requests are not measured.
 
 Ray Serve runs in its best documented configuration for throughput by default
 (`--rayserve-config best`: `RAY_SERVE_THROUGHPUT_OPTIMIZED=1` and `RAY_SERVE_ENABLE_HA_PROXY=1`,
@@ -48,6 +48,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -187,29 +189,84 @@ def parse_rayserve(body: dict[str, Any]) -> tuple[int, int, dict[str, int]]:
     return int(body["hits"]), int(body["misses"]), {body["replica"]: int(body["resident_bytes"])}
 
 
+# One POST: (status, parsed JSON body or {}); raises the library's own errors.
+Post = Callable[[str, dict[str, Any], dict[str, str]], Awaitable[tuple[int, dict[str, Any]]]]
+
+
+@asynccontextmanager
+async def http_client(kind: str, concurrency: int) -> AsyncIterator[Post]:
+    """A pooled HTTP/1.1 keep-alive client with `concurrency` connections.
+
+    httpx is pure Python above the socket and costs ~1.4 ms of CPU per request here;
+    aiohttp parses in C and costs ~0.09 ms (RESULTS, "the load generator's own CPU"). On a
+    machine whose cores the servers share with the load generator, the client's CPU is taken from
+    the servers, so the cheaper client measures the servers more than itself.
+    """
+    if kind == "httpx":
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        async with httpx.AsyncClient(timeout=60.0, limits=limits) as client:
+
+            async def post_httpx(
+                url: str, body: dict[str, Any], headers: dict[str, str]
+            ) -> tuple[int, dict[str, Any]]:
+                response = await client.post(url, json=body, headers=headers)
+                ok = response.status_code == 200
+                return response.status_code, response.json() if ok else {}
+
+            yield post_httpx
+        return
+    import aiohttp
+
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    timeout = aiohttp.ClientTimeout(total=60.0)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+        async def post_aiohttp(
+            url: str, body: dict[str, Any], headers: dict[str, str]
+        ) -> tuple[int, dict[str, Any]]:
+            async with session.post(url, json=body, headers=headers) as response:
+                ok = response.status == 200
+                parsed: dict[str, Any] = await response.json() if ok else {}
+                return response.status, parsed
+
+        yield post_aiohttp
+
+
+def client_errors(kind: str) -> tuple[type[BaseException], ...]:
+    if kind == "httpx":
+        return (httpx.HTTPError,)
+    import aiohttp
+
+    return (aiohttp.ClientError, asyncio.TimeoutError)
+
+
 async def drive(
-    url: str, work: list[tuple[int, list[list[float]]]], *, concurrency: int, system: str
+    url: str,
+    work: list[tuple[int, list[list[float]]]],
+    *,
+    concurrency: int,
+    system: str,
+    client: str = "aiohttp",
 ) -> list[Record]:
     """Closed loop: `concurrency` workers take the next request until the list is done."""
     parse = parse_momlp if system == "momlp" else parse_rayserve
     records: list[Record | None] = [None] * len(work)
     cursor = iter(range(len(work)))
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=60.0, limits=limits) as client:
+    errors = client_errors(client)
+    async with http_client(client, concurrency) as post:
 
         async def worker() -> None:
             for index in cursor:
                 expert_id, rows = work[index]
                 start = time.perf_counter()
                 try:
-                    response = await client.post(
+                    status, body = await post(
                         url,
-                        json={"inputs": rows, "return_stats": True},
-                        headers={"serve_multiplexed_model_id": str(expert_id)},
+                        {"inputs": rows, "return_stats": True},
+                        {"serve_multiplexed_model_id": str(expert_id)},
                     )
-                    ok = response.status_code == 200
-                    body = response.json() if ok else {}
-                except httpx.HTTPError:
+                    ok = status == 200
+                except errors:
                     ok, body = False, {}
                 latency = time.perf_counter() - start
                 if not ok:
@@ -268,11 +325,17 @@ def run_driver(
     concurrency: int,
     system: str,
     serving_pid: int,
+    client: str = "aiohttp",
 ) -> tuple[list[Record], float, dict[str, float]]:
-    warm = asyncio.run(drive(url, work[:warmup], concurrency=concurrency, system=system))
+    def run(part: list[tuple[int, list[list[float]]]]) -> list[Record]:
+        return asyncio.run(
+            drive(url, part, concurrency=concurrency, system=system, client=client)
+        )
+
+    warm = run(work[:warmup])
     meter = CpuMeter(serving_pid)
     start = time.perf_counter()
-    rest = asyncio.run(drive(url, work[warmup:], concurrency=concurrency, system=system))
+    rest = run(work[warmup:])
     seconds = time.perf_counter() - start
     return warm + rest, seconds, meter.elapsed()
 
@@ -319,7 +382,9 @@ def run_momlp(args: argparse.Namespace, store: Store, work: list[Any], round_: i
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             wait_ready(url, {"inputs": work[0][1]}, 240.0)
-            result = run_driver(url, work, args.warmup, args.concurrency, "momlp", process.pid)
+            result = run_driver(
+                url, work, args.warmup, args.concurrency, "momlp", process.pid, args.client
+            )
         except Exception:
             log.seek(0)
             sys.stderr.write(log.read()[-4000:])
@@ -410,7 +475,9 @@ def run_rayserve(args: argparse.Namespace, store: Store, work: list[Any], round_
         serve.run(app, name="momlp_multiplexed", route_prefix="/v1/predict")
         wait_ready(url, {"inputs": work[0][1]}, 240.0)
         # Serve's processes descend from this one (ray.init started the cluster here).
-        result = run_driver(url, work, args.warmup, args.concurrency, "ray_serve", os.getpid())
+        result = run_driver(
+            url, work, args.warmup, args.concurrency, "ray_serve", os.getpid(), args.client
+        )
     finally:
         # ray.shutdown() ends Serve's controller, proxy and replicas with the cluster; a
         # serve.shutdown() first only adds a noisy "graceful_shutdown failed" line on stdout.
@@ -428,6 +495,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--warmup", type=int, default=300)
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument(
+        "--client",
+        choices=("aiohttp", "httpx"),
+        default="aiohttp",
+        help="load generator's HTTP client: aiohttp (C parser, ~0.1 ms CPU a request) or "
+        "httpx (~1.4 ms; what runs before 2026-11-23's fifth session used)",
+    )
     parser.add_argument(
         "--rows-per-request",
         type=int,
@@ -470,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         "requests": args.requests,
         "warmup": args.warmup,
         "concurrency": args.concurrency,
+        "client": args.client,
         "batch": args.rows_per_request,
         "distribution": "zipf:1.0",
         "rayserve_config": args.rayserve_config,
