@@ -485,6 +485,25 @@ def run_rayserve(args: argparse.Namespace, store: Store, work: list[Any], round_
     return result
 
 
+def prepare(
+    args: argparse.Namespace,
+) -> tuple[Store, tuple[int, ...], int, list[tuple[int, list[list[float]]]]]:
+    """The store (built on first use), its widths and largest expert, and the workload; sets
+    `args.budget` (bytes per actor) from `--experts-per-actor`."""
+    torch.set_num_threads(1)
+    widths = tuple(int(w) for w in args.widths.split(","))
+    store = open_or_build(args.store, experts=args.experts, widths=widths, seed=args.seed)
+    expert_bytes = max(store.expert_nbytes(e) for e in range(store.manifest.num_experts))
+    args.budget = args.experts_per_actor * expert_bytes
+    work = make_workload(
+        store,
+        count=args.warmup + args.requests,
+        seed=args.seed,
+        rows_per_request=args.rows_per_request,
+    )
+    return store, widths, expert_bytes, work
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--store", type=Path, default=Path(tempfile.gettempdir()) / "momlp-vs-rs")
@@ -523,17 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.requests, args.warmup = 1, 600, 100
-    torch.set_num_threads(1)
-    widths = tuple(int(w) for w in args.widths.split(","))
-    store = open_or_build(args.store, experts=args.experts, widths=widths, seed=args.seed)
-    expert_bytes = max(store.expert_nbytes(e) for e in range(store.manifest.num_experts))
-    args.budget = args.experts_per_actor * expert_bytes
-    work = make_workload(
-        store,
-        count=args.warmup + args.requests,
-        seed=args.seed,
-        rows_per_request=args.rows_per_request,
-    )
+    store, widths, expert_bytes, work = prepare(args)
     setup = {
         "experts": store.manifest.num_experts,
         "widths": list(widths),

@@ -74,7 +74,14 @@ class Settings(BaseSettings):
     spill_queue_rows: int = Field(
         default=1024, ge=1, description="queued rows on a home actor before a hot expert spills"
     )
-    prefetch: bool = Field(default=True, description="warm home actors as soon as routing knows")
+    # Unset: on for CUDA actors, where a load crosses PCIe while another expert computes; off
+    # for CPU ones, where a load from the page cache is CPU work the run would do anyway and
+    # the extra routing and actor calls cost more than they hide (benchmarks/RESULTS.md,
+    # "prefetch on CPU").
+    prefetch: bool | None = Field(
+        default=None,
+        description="warm home actors as soon as routing knows; unset: on for CUDA, off for CPU",
+    )
 
     max_rows: int = Field(default=8192, ge=1, description="rows per request (413 above)")
     max_body_bytes: int = Field(

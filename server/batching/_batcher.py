@@ -32,7 +32,7 @@ from server._settings import Settings
 from server.batching._assemble import Round, request_answers
 from server.batching._types import BatchAnswer
 from server.kinds import GateRequest, ServedModel
-from server.pool import ExpertPool
+from server.pool import ExpertPool, resolve_device
 
 __all__ = ["Batcher"]
 
@@ -91,6 +91,11 @@ class Batcher:
         self._inflight: set[asyncio.Task[None]] = set()
         self._rows_per_s: float | None = None
         self._prefetching: asyncio.Task[None] | None = None
+        self._prefetch_on = (
+            settings.prefetch
+            if settings.prefetch is not None
+            else resolve_device(settings.device).startswith("cuda")
+        )
         self._closed = False
         self.batches = 0  # batches dispatched so far (for tests and metrics)
 
@@ -186,7 +191,7 @@ class Batcher:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            if self._settings.prefetch and self._slots.locked():
+            if self._prefetch_on and self._slots.locked():
                 self._start_prefetch()
             await self._slots.acquire()
             try:

@@ -3,6 +3,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -261,6 +262,20 @@ async def _until(condition: Callable[[], bool]) -> None:
     raise AssertionError("condition never held")
 
 
+async def _busy_slots_and_a_queued_request(
+    batcher: Batcher, pool: GatedPool
+) -> tuple[list[asyncio.Task[Any]], asyncio.Task[Any]]:
+    """Both batch slots held by gated runs (keys differ, so two batches), then one request
+    queued behind them; the caller opens `pool.gate`."""
+    pool.gate.clear()
+    running = [
+        asyncio.create_task(batcher.submit(inputs([0], 3), Gate(top_k=1))),
+        asyncio.create_task(batcher.submit(inputs([2], 3), Gate(top_k=2))),
+    ]
+    await _until(lambda: len(pool.runs) == 2)
+    return running, asyncio.create_task(batcher.submit(inputs([5, 1, 5], 3)))
+
+
 async def test_a_batch_is_not_prefetched_for_itself(setup: Setup) -> None:
     _, batcher, pool, _router, _clock = setup(max_batch_wait_ms=0.0)
     await batcher.submit(inputs([5, 1, 5], 3))
@@ -270,14 +285,8 @@ async def test_a_batch_is_not_prefetched_for_itself(setup: Setup) -> None:
 
 
 async def test_queued_work_is_prefetched_while_every_slot_is_busy(setup: Setup) -> None:
-    _, batcher, pool, router, _clock = setup(max_batch_wait_ms=0.0)
-    pool.gate.clear()
-    running = [
-        asyncio.create_task(batcher.submit(inputs([0], 3), Gate(top_k=1))),
-        asyncio.create_task(batcher.submit(inputs([2], 3), Gate(top_k=2))),
-    ]
-    await _until(lambda: len(pool.runs) == 2)
-    queued = asyncio.create_task(batcher.submit(inputs([5, 1, 5], 3)))
+    _, batcher, pool, router, _clock = setup(max_batch_wait_ms=0.0, prefetch=True)
+    running, queued = await _busy_slots_and_a_queued_request(batcher, pool)
     await _until(lambda: bool(pool.prefetched))
     assert pool.prefetched == [[1, 5]]
     routed = len(router.calls)
@@ -287,6 +296,31 @@ async def test_queued_work_is_prefetched_while_every_slot_is_busy(setup: Setup) 
     # The routing made for the prefetch is the one the batch used: no second router call.
     assert len(router.calls) == routed
     assert answer.experts[:, 0].tolist() == [5, 1, 5]
+    await batcher.close()
+    await pool.close()
+
+
+@pytest.mark.parametrize(("device", "prefetched"), [("cpu", False), ("cuda", True)])
+async def test_unless_set_prefetch_is_on_for_cuda_actors_only(
+    make_store: MakeStore, device: str, prefetched: bool
+) -> None:
+    store = Store.open(make_store(K=6, n=3, width=8, out=2))
+    cpu = Settings(max_batch_wait_ms=0.0, cache_bytes=10**7, device="cpu")
+    assert cpu.prefetch is None
+    clock = FakeClock()
+    pool = GatedPool(FakeExpertPool(cpu, clock=clock))  # the actors' device is only read
+    model = MomlpModel(TableRouter(dim=3, num_prototypes=6), refs(store))
+    batcher = Batcher(
+        model, pool, cpu.model_copy(update={"device": device}), clock, sleep=clock.sleep
+    )
+    running, queued = await _busy_slots_and_a_queued_request(batcher, pool)
+    if prefetched:
+        await _until(lambda: bool(pool.prefetched))
+    else:
+        await asyncio.sleep(0.05)  # time enough for a prefetch to start, were it on
+    assert bool(pool.prefetched) is prefetched
+    pool.gate.set()
+    await asyncio.gather(queued, *running)
     await batcher.close()
     await pool.close()
 
