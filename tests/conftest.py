@@ -14,8 +14,8 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # Ray maps 127.0.0.1 to the machine's outward address unless told this is a one-machine
 # setup; with it, all of Ray's own traffic in tests stays on loopback.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-# A new actor's worker imports torch before it answers; on a 2-core machine that other work
-# also loads, that took over the default minute (a stress run). Tests allow three.
+# With both cores of a 2-core machine busy, a new actor took over the default minute to come
+# up (a stress run; likely its worker's torch import). Tests allow three.
 os.environ.setdefault("MOMLP_ACTOR_START_TIMEOUT_S", "180")
 
 

@@ -6,42 +6,21 @@ that the figures hang together, not how fast anything was.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from script_support import run_benchmark
 
 pytestmark = pytest.mark.ray
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_actor_call_benchmark_prints_the_work_the_bare_call_and_each_setting(
     tmp_path: Path,
 ) -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "actor_call.py"),
-            "--quick",
-            "--calls",
-            "40",
-            "--widths",
-            "8,32,4",
-            "--store",
-            str(tmp_path / "store"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    lines = run_benchmark(
+        "actor_call.py", "--quick", "--calls", "40", "--widths", "8,32,4",
+        "--store", str(tmp_path / "store"),
+    )  # fmt: skip
     where = [line["where"] for line in lines]
     assert where == ["in_process"] + ["ray_echo"] * 3 + ["ray"] * 4
     settings = {(line["max_concurrency"], line["inflight"]) for line in lines[4:]}

@@ -7,39 +7,16 @@ in-process fake pool, quick) and checks what it prints, not how fast anything wa
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from script_support import run_benchmark
 
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def test_pool_benchmark_batches_requests_and_times_misses() -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "pool.py"),
-            "--quick",
-            "--pool",
-            "fake",
-            "--only",
-            "batching,miss_latency",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-        cwd=ROOT,
+    lines = run_benchmark(
+        "pool.py", "--quick", "--pool", "fake", "--only", "batching,miss_latency"
     )
-    assert done.returncode == 0, done.stderr[-2000:]
-    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     batching = [line for line in lines if line["bench"] == "pool.batching"]
     misses = [line for line in lines if line["bench"] == "pool.miss_latency"]
     assert len(batching) == 1 and len(misses) == 1
