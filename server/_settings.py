@@ -65,6 +65,15 @@ class Settings(BaseSettings):
 
     max_batch_wait_ms: float = Field(default=2.0, ge=0.0, description="batch window")
     max_batch_rows: int = Field(default=4096, ge=1, description="rows merged into one batch")
+    # A thread hop costs more than routing a few rows: benchmarks/RESULTS.md, "routing on the
+    # event loop".
+    inline_route_ms: float = Field(
+        default=2.0,
+        ge=0.0,
+        le=50.0,
+        description="route a batch on the event loop when its routing is estimated to take at"
+        " most this much CPU; larger batches go to a thread (0: always a thread)",
+    )
     max_inflight_batches: int = Field(
         default=2, ge=1, le=64, description="batches of one store version routed or running at once"
     )

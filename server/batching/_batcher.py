@@ -30,6 +30,7 @@ from router import RouterInputError
 from server._exceptions import InvalidRequest, PoolClosed, PoolSaturated
 from server._settings import Settings
 from server.batching._assemble import Round, request_answers
+from server.batching._route import RouteRunner
 from server.batching._types import BatchAnswer
 from server.kinds import GateRequest, ServedModel
 from server.pool import ExpertPool, resolve_device
@@ -62,7 +63,8 @@ class Batcher:
     One batcher serves one store version: `model` (its kind's planner/combiner, with its
     router and `ExpertRef`s) is that version's, so every request it answers is served by one
     version.
-    `sleep` is injectable with `clock` so that tests drive the batch window without waiting.
+    `sleep` is injectable with `clock` so that tests drive the batch window without waiting;
+    `cpu_clock` times routing (a thread's CPU seconds) to decide where it runs (`RouteRunner`).
     The batcher does not own the pool: `close()` stops batching, the server closes the pool.
     """
 
@@ -75,6 +77,7 @@ class Batcher:
         *,
         sleep: Callable[[float], Awaitable[None]] | None = None,
         max_inflight_batches: int = 2,
+        cpu_clock: Clock | None = None,
     ) -> None:
         self._model = model
         self._pool = pool
@@ -82,6 +85,7 @@ class Batcher:
         self._clock: Clock = clock if clock is not None else MonotonicClock()
         self._sleep = sleep if sleep is not None else asyncio.sleep
         self._window_s = settings.max_batch_wait_ms / 1000.0
+        self._route = RouteRunner(model.route, settings.inline_route_ms / 1000.0, cpu_clock)
         self._queue: deque[_Pending] = deque()
         self._queued_rows = 0
         self._wakeup: asyncio.Event | None = None
@@ -227,7 +231,7 @@ class Batcher:
     async def _prefetch(self, items: list[_Pending]) -> None:
         try:
             x = items[0].x if len(items) == 1 else torch.cat([item.x for item in items])
-            routing = await asyncio.to_thread(self._model.route, x, items[0].options)
+            routing = await self._route(x, items[0].options)
             start = 0
             for item in items:
                 stop = start + item.rows
@@ -334,7 +338,7 @@ class Batcher:
         if all(item.routing is not None for item in batch):
             routing = self._model.concat([item.routing for item in batch])
         else:
-            routing = await asyncio.to_thread(self._model.route, x, batch[0].options)
+            routing = await self._route(x, batch[0].options)
         route_ms = (self._clock.now() - started) * 1000.0
         run = self._model.start(x, routing)
         rounds: list[Round] = []

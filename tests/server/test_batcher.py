@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -57,9 +58,11 @@ class TableRouter:
         self.dim = dim
         self.num_prototypes = num_prototypes
         self.calls: list[int] = []
+        self.threads: list[int] = []  # the thread each call ran on
 
     def gate(self, x: torch.Tensor, gate: Gate) -> GateRouting:
         self.calls.append(int(x.shape[0]))
+        self.threads.append(threading.get_ident())
         top_k = gate.top_k
         first = x[:, 0].round().long() % self.num_prototypes
         experts = torch.stack([(first + j) % self.num_prototypes for j in range(top_k)], dim=1)
@@ -485,3 +488,26 @@ async def test_the_server_runs_at_most_max_inflight_batches_at_once(
     assert len(pool.runs) == 4
     await batcher.close()
     await pool.close()
+
+
+async def test_small_batches_are_routed_on_the_event_loop_with_the_same_answers(
+    make_store: MakeStore,
+) -> None:
+    store = Store.open(make_store(K=6, n=3, width=8, out=2))
+    loop_thread = threading.get_ident()
+    outputs: dict[float, torch.Tensor] = {}
+    for bound_ms in (0.0, 0.5):
+        settings = Settings(max_batch_wait_ms=0.0, cache_bytes=10**7, inline_route_ms=bound_ms)
+        router = TableRouter(dim=3, num_prototypes=6)
+        pool = FakeExpertPool(settings)
+        # A CPU clock that never moves: routing looks free once it has been timed.
+        batcher = Batcher(MomlpModel(router, refs(store)), pool, settings, cpu_clock=FakeClock())
+        answers = [await batcher.submit(inputs([0, 1, 2, 5], 3, seed=s)) for s in range(3)]
+        await batcher.close()
+        await pool.close()
+        outputs[bound_ms] = torch.cat([answer.outputs for answer in answers])
+        on_loop = [thread == loop_thread for thread in router.threads]
+        # The first batch is timed in a thread; a bound of 0 keeps every batch there.
+        assert on_loop == ([False] * 3 if bound_ms == 0.0 else [False, True, True])
+
+    torch.testing.assert_close(outputs[0.5], outputs[0.0], rtol=0, atol=0)
