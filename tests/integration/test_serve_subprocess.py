@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -51,3 +52,6 @@ def test_momlp_serve_answers_then_stops_cleanly_on_sigterm(tmp_path: Path) -> No
     text = "".join(log)
     assert "momlp stopped" in text
     assert "Traceback" not in text
+    # The startup heap (torch, Ray, the app) was taken out of the cyclic GC's full collections.
+    frozen = re.search(r"froze (\d+) objects alive after startup", text)
+    assert frozen is not None and int(frozen.group(1)) > 10_000, text
