@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -48,8 +49,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -318,6 +319,23 @@ def summarize(
     }
 
 
+@contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Keep this process's cyclic GC off what existed before the measured phase.
+
+    This process is every system's load generator and the in-process limit, and it holds
+    torch, Ray and Ray Serve's client: a full collection of that heap took 185-196 ms and
+    stalled all 16 clients at once, which was the stray ~200 ms p99 of one momlp round in most
+    runs (benchmarks/RESULTS.md, "full collections"). Young collections still run.
+    """
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def run_driver(
     url: str,
     work: list[tuple[int, list[list[float]]]],
@@ -333,11 +351,13 @@ def run_driver(
         )
 
     warm = run(work[:warmup])
-    meter = CpuMeter(serving_pid)
-    start = time.perf_counter()
-    rest = run(work[warmup:])
-    seconds = time.perf_counter() - start
-    return warm + rest, seconds, meter.elapsed()
+    with frozen_heap():
+        meter = CpuMeter(serving_pid)
+        start = time.perf_counter()
+        rest = run(work[warmup:])
+        seconds = time.perf_counter() - start
+        cpu = meter.elapsed()
+    return warm + rest, seconds, cpu
 
 
 def free_port() -> int:
@@ -414,30 +434,32 @@ def run_inprocess(args: argparse.Namespace, store: Store, work: list[Any], round
     mode = store.manifest.routing
     records: list[Record] = []
     measured_from, cpu_from = 0.0, 0.0
-    for index, (_expert_id, rows) in enumerate(work):
-        if index == args.warmup:
-            measured_from, cpu_from = time.perf_counter(), time.process_time()
-        start = time.perf_counter()
-        x = torch.tensor(rows, dtype=torch.float32)
-        experts = tree.route(x, mode=mode).experts[:, 0]
-        hits = misses = 0
-        if x.shape[0] == 1:
-            # One row, one expert: no grouping (it would cost the limit ~10 % per row).
-            with cache.lease(refs[int(experts[0])]) as lease, torch.inference_mode():
-                out = lease.value(x)
-            hits, misses = int(lease.hit), int(not lease.hit)
-        else:
-            out = torch.empty(x.shape[0], store.manifest.output_dim)
-            for expert in torch.unique(experts).tolist():
-                mask = experts == expert
-                with cache.lease(refs[expert]) as lease, torch.inference_mode():
-                    out[mask] = lease.value(x[mask])
-                hits, misses = hits + int(lease.hit), misses + int(not lease.hit)
-        latency = time.perf_counter() - start
-        keep = out.tolist() if index < 32 else None
-        records.append(Record(latency, True, hits, misses, {}, keep))
-    cpu = {"serving": time.process_time() - cpu_from, "client": 0.0}
-    return records, time.perf_counter() - measured_from, cpu
+    with frozen_heap():
+        for index, (_expert_id, rows) in enumerate(work):
+            if index == args.warmup:
+                measured_from, cpu_from = time.perf_counter(), time.process_time()
+            start = time.perf_counter()
+            x = torch.tensor(rows, dtype=torch.float32)
+            experts = tree.route(x, mode=mode).experts[:, 0]
+            hits = misses = 0
+            if x.shape[0] == 1:
+                # One row, one expert: no grouping (it would cost the limit ~10 % per row).
+                with cache.lease(refs[int(experts[0])]) as lease, torch.inference_mode():
+                    out = lease.value(x)
+                hits, misses = int(lease.hit), int(not lease.hit)
+            else:
+                out = torch.empty(x.shape[0], store.manifest.output_dim)
+                for expert in torch.unique(experts).tolist():
+                    mask = experts == expert
+                    with cache.lease(refs[expert]) as lease, torch.inference_mode():
+                        out[mask] = lease.value(x[mask])
+                    hits, misses = hits + int(lease.hit), misses + int(not lease.hit)
+            latency = time.perf_counter() - start
+            keep = out.tolist() if index < 32 else None
+            records.append(Record(latency, True, hits, misses, {}, keep))
+        cpu = {"serving": time.process_time() - cpu_from, "client": 0.0}
+        seconds = time.perf_counter() - measured_from
+    return records, seconds, cpu
 
 
 def run_rayserve(args: argparse.Namespace, store: Store, work: list[Any], round_: int) -> Any:
