@@ -24,6 +24,7 @@ __all__ = ["freeze_heap", "run_server"]
 
 logger = logging.getLogger(__name__)
 
+
 def freeze_heap() -> int:
     """Collect garbage, then move every object still alive out of the cyclic GC's reach;
     returns how many objects are frozen.

@@ -2,7 +2,8 @@
 
 Requests with the same options (the kind's resolved gate) that arrive within
 `max_batch_wait_ms` of the first one are merged up to `max_batch_rows` rows. A batch is routed
-off the event loop by the store's kind, which plans groups (cache key, rows, gate weights);
+by the store's kind (on the event loop when recent batches say it is cheap, else in a thread:
+`RouteRunner`), which plans groups (cache key, rows, gate weights);
 the pool runs each round's groups and the kind combines them; each request then gets its own
 rows back in order, with per-group stats.
 

@@ -10,8 +10,9 @@ row's outputs never depend on the other rows of its batch.
 
 A failed group (a corrupt or deleted node expert) marks its rows dead: later waves neither
 route nor run them, and the batcher fails only the requests holding them (503 naming node
-and expert). Route (off the event loop) routes wave 0; later waves route inside `plan`
-(small trees in 2-3 dimensions: microseconds per row). Routing is filled in wave by wave
+and expert). Route routes wave 0 (on the event loop or in a thread, as the batcher's
+`RouteRunner` decides); later waves route inside `plan` (small trees in 2-3 dimensions:
+microseconds per row). Routing is filled in wave by wave
 into the `GraphRouting` the batcher passed to `start`, so each request's slice of it, taken
 after the last round, reports every node's expert per row.
 
