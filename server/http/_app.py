@@ -19,10 +19,11 @@ from server.http._admin import add_admin_routes
 from server.http._auth import ApiKeyMiddleware
 from server.http._errors import CatchAllMiddleware, install_error_handlers
 from server.http._graph import add_graph_routes
+from server.http._hot import HotRoutes
 from server.http._hyper import add_hyper_routes
 from server.http._metrics import Metrics, MetricsMiddleware, PoolSnapshot
 from server.http._openapi import install_openapi
-from server.http._routes import add_routes
+from server.http._routes import HOT_ROUTES, add_routes
 from server.http._v2 import add_v2_routes, model_name
 from server.serving import BatcherFactory, PoolFactory, ServingState
 
@@ -96,7 +97,9 @@ def create_app(
     add_hyper_routes(app)
     install_openapi(app, serving, model_name(settings))
     # Starlette runs the last added middleware first: metrics see every answer, the catch-all
-    # answers whatever escaped, and the key check runs before any route or body is touched.
+    # answers whatever escaped, the key check runs before any route or body is touched, and
+    # then the hot endpoints skip FastAPI's routing.
+    app.add_middleware(HotRoutes, routes=HOT_ROUTES)
     app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(CatchAllMiddleware)
     app.add_middleware(

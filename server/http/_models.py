@@ -15,6 +15,7 @@ __all__ = [
     "ExpertPatchesModel",
     "ExpertStatModel",
     "ExpertsResponse",
+    "GateQuery",
     "GraphStatsModel",
     "HealthResponse",
     "ModelResponse",
@@ -98,6 +99,36 @@ class PredictRequest(RouteRequest):
         strict=True,
         description="pmoe stores: add `patches`, each expert's patches and gates per row "
         "(other kinds: `patches` stays null)",
+    )
+
+
+class GateQuery(BaseModel):
+    """The query string of /v1/predict and /v1/route: a binary body's gate and what to return.
+
+    A JSON body carries its own (`PredictRequest`); unknown parameters are ignored. Values
+    arrive as strings, so numbers and booleans are parsed leniently ("3", "true").
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    top_k: int | None = Field(default=None, ge=1, description="binary bodies only")
+    mode: Mode | None = Field(default=None, description="binary bodies only")
+    temperature: float | None = Field(
+        default=None, gt=0, allow_inf_nan=False, description="binary bodies only"
+    )
+    min_weight: float | None = Field(default=None, ge=0, lt=1, description="binary bodies only")
+    top_p: float | None = Field(default=None, gt=0, le=1, description="binary bodies only")
+    beam: str | None = Field(
+        default=None,
+        pattern=r"^[1-9][0-9]{0,5}(,[1-9][0-9]{0,5}){0,63}$",
+        description="binary bodies only: widths per level, comma-separated (2,2,2)",
+    )
+    score: Literal["sqdist", "dist"] | None = Field(
+        default=None, description="binary bodies only"
+    )
+    return_stats: bool = Field(default=False, description="binary bodies only")
+    return_routing: bool = Field(
+        default=False, description="binary bodies only; pmoe stores"
     )
 
 

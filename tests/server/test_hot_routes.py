@@ -1,0 +1,91 @@
+"""The hot endpoints (predict, route) skip FastAPI's routing: same answers, errors and docs."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from app_support import error_of, fake_app, running
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.types import Receive, Scope, Send
+
+from server.http._hot import HotRoutes
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def store(make_store: Any) -> Path:
+    path: Path = make_store(K=6, n=4, width=8, out=3)
+    return path
+
+
+async def test_only_an_exact_method_and_path_take_the_hot_endpoint() -> None:
+    passed_on: list[tuple[str, str]] = []
+
+    async def inner(scope: Scope, receive: Receive, send: Send) -> None:
+        passed_on.append((scope["method"], scope["path"]))
+        await PlainTextResponse("inner")(scope, receive, send)
+
+    async def endpoint(request: Request) -> Response:
+        return PlainTextResponse(f"hot {len(await request.body())}")
+
+    app = HotRoutes(inner, routes={("POST", "/v1/predict"): endpoint})
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        hot = await client.post("/v1/predict", content=b"abc")
+        wrong_method = await client.get("/v1/predict")
+        other_path = await client.post("/v1/predict/", content=b"abc")
+    assert hot.text == "hot 3"
+    assert wrong_method.text == other_path.text == "inner"
+    assert passed_on == [("GET", "/v1/predict"), ("POST", "/v1/predict/")]
+
+
+async def test_query_errors_name_the_parameter_and_unknown_ones_are_ignored(
+    store: Path,
+) -> None:
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    buf = io.BytesIO()
+    np.save(buf, x)
+    binary = {"content": buf.getvalue(), "headers": {"Content-Type": "application/x-npy"}}
+    async with running(fake_app(store)) as client:
+        plain = await client.post("/v1/predict", json={"inputs": x.tolist()})
+        unknown = await client.post("/v1/predict?colour=red", json={"inputs": x.tolist()})
+        with_stats = await client.post("/v1/predict", params={"return_stats": "true"}, **binary)
+        refused = {
+            name: await client.post(path, params={name: value}, **binary)
+            for path, name, value in (
+                ("/v1/predict", "top_k", "0"),
+                ("/v1/predict", "mode", "fastest"),
+                ("/v1/route", "temperature", "inf"),
+                ("/v1/route", "beam", "2,x"),
+                ("/v1/predict", "return_stats", "maybe"),
+            )
+        }
+    assert unknown.status_code == plain.status_code == 200
+    assert unknown.json() == plain.json()
+    assert with_stats.status_code == 200 and with_stats.json()["stats"]["experts"]
+    assert with_stats.json()["outputs"] == plain.json()["outputs"]
+    for name, response in refused.items():
+        assert response.status_code == 422, name
+        error = error_of(response)
+        assert error["code"] == "invalid_input"
+        assert [entry["loc"] for entry in error["detail"]] == [["query", name]], name
+
+
+def test_openapi_documents_the_query_parameters_the_endpoints_read(store: Path) -> None:
+    paths = fake_app(store).openapi()["paths"]
+    predict = {p["name"]: p for p in paths["/v1/predict"]["post"]["parameters"]}
+    route = {p["name"] for p in paths["/v1/route"]["post"]["parameters"]}
+    assert set(predict) == {
+        "top_k", "mode", "temperature", "min_weight", "top_p", "beam", "score",
+        "return_stats", "return_routing",
+    }  # fmt: skip
+    assert route == set(predict) - {"return_stats", "return_routing"}
+    assert all(p["in"] == "query" and not p["required"] for p in predict.values())
+    assert predict["top_k"]["schema"]["anyOf"][0] == {"minimum": 1, "type": "integer"}
