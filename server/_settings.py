@@ -91,6 +91,14 @@ class Settings(BaseSettings):
         default=None,
         description="warm home actors as soon as routing knows; unset: on for CUDA, off for CPU",
     )
+    # Unset: on for CUDA actors, where the next group's copy over PCIe overlaps this group's
+    # compute; off for CPU ones, where the hand-off to a helper thread costs more than it hides
+    # (benchmarks/RESULTS.md, "look-ahead on CPU").
+    lookahead: bool | None = Field(
+        default=None,
+        description="actors lease the next group's expert on a helper thread while one "
+        "computes; unset: on for CUDA, off for CPU",
+    )
 
     max_rows: int = Field(default=8192, ge=1, description="rows per request (413 above)")
     max_body_bytes: int = Field(

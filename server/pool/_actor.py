@@ -145,8 +145,11 @@ class ActorCore:
     """Runs groups of rows through their experts on one device, loading misses on demand.
 
     Calls to `run` are serialised (the device computes one expert at a time, which is what
-    the per-request VRAM figure assumes); while one group computes, the next group's expert
-    is leased (loaded if missing) on a helper thread, so a load overlaps a compute.
+    the per-request VRAM figure assumes). With `lookahead` (default: on for CUDA), while one
+    group computes, the next group's expert is leased (loaded if missing) on a helper thread,
+    so a copy over PCIe overlaps a compute. On CPU a load is CPU work the run would do anyway,
+    and each hand-off to the helper thread costs a wake-up and a GIL switch: off by default
+    (benchmarks/RESULTS.md, "look-ahead on CPU").
     `prefetch` may run concurrently and only warms the cache.
     """
 
@@ -159,6 +162,7 @@ class ActorCore:
         cache_policy: CachePolicy = "tinylfu",
         clock: Clock | None = None,
         lease_timeout_s: float = 30.0,
+        lookahead: bool | None = None,
     ) -> None:
         self.name = name
         self.device = resolve_device(device)
@@ -177,14 +181,26 @@ class ActorCore:
         # Experts of run calls that arrived and have not finished: a prefetch never evicts them.
         self._wanted: Counter[ExpertRef] = Counter()
         self._wanted_lock = threading.Lock()
-        self._lookahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-lease")
+        if lookahead is None:
+            lookahead = self.device.startswith("cuda")
+        self._lookahead = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-lease")
+            if lookahead
+            else None
+        )
 
     @property
     def cache(self) -> ExpertCache[Cached]:
         return self._cache
 
+    @property
+    def lookahead(self) -> bool:
+        """Whether the next group's expert is leased on a helper thread during a compute."""
+        return self._lookahead is not None
+
     def close(self) -> None:
-        self._lookahead.shutdown(wait=True)
+        if self._lookahead is not None:
+            self._lookahead.shutdown(wait=True)
 
     def pinned(self) -> list[str]:
         """The sha256 of each hypernetwork pinned now, least recently used first."""
@@ -239,6 +255,7 @@ class ActorCore:
         # Only a miss is worth a helper thread: a hit's lease takes microseconds, and handing
         # work to a thread costs more than that on a busy machine.
         resident = self._cache.resident()
+        ahead = self._lookahead
         outcomes: list[GroupOutcome] = []
         pending: Future[_Leased] | None = None
         try:
@@ -248,8 +265,9 @@ class ActorCore:
                     pending = None
                 else:
                     leased = self._open_lease(ref)
-                if index + 1 < len(groups) and groups[index + 1][0] not in resident:
-                    pending = self._lookahead.submit(self._open_lease, groups[index + 1][0])
+                following = groups[index + 1][0] if index + 1 < len(groups) else None
+                if ahead is not None and following is not None and following not in resident:
+                    pending = ahead.submit(self._open_lease, following)
                 outcomes.append(self._compute(ref, rows, leased))
         finally:
             if pending is not None:
@@ -412,6 +430,7 @@ class ExpertActor:
         budget_bytes: int,
         torch_threads: int | None = None,
         cache_policy: CachePolicy = "tinylfu",
+        lookahead: bool | None = None,
     ) -> None:
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
@@ -420,6 +439,7 @@ class ExpertActor:
             device=device,
             budget_bytes=budget_bytes,
             cache_policy=cache_policy,
+            lookahead=lookahead,
         )
 
     def run(self, groups: list[tuple[ExpertRef, np.ndarray]]) -> ActorReply:

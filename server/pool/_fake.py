@@ -52,6 +52,7 @@ class FakeExpertPool(DispatchingPool):
             budget_bytes=self._settings.cache_bytes,
             cache_policy=self._settings.cache_policy,
             clock=self._clock_arg,
+            lookahead=self._settings.lookahead,
         )
 
     def core(self, actor: str) -> ActorCore:

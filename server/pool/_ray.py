@@ -91,6 +91,7 @@ class RayExpertPool(DispatchingPool):
                 settings.cache_bytes,
                 torch_threads,
                 cache_policy=settings.cache_policy,
+                lookahead=settings.lookahead,
             )
         try:
             ray.get(

@@ -46,6 +46,13 @@ class IdCore:
         return dataclasses.replace(info, resident=sorted(self.ids[k] for k in info.resident))  # type: ignore[arg-type]
 
 
+def test_look_ahead_is_off_on_cpu_unless_asked_for(make_store: MakeStore) -> None:
+    # On CPU a helper thread's hand-offs cost more than the load they would hide.
+    store = Store.open(make_store(K=2, n=2, width=4, out=1))
+    assert not IdCore(store, name="a0", budget_bytes=10**8).lookahead
+    assert IdCore(store, name="a0", budget_bytes=10**8, lookahead=True).lookahead
+
+
 def direct(store: Store, expert_id: int, rows: np.ndarray) -> np.ndarray:
     """Independent reference: read the file ourselves and run the expert."""
     entry = store.expert_entry(expert_id)
@@ -58,9 +65,12 @@ def rows_for(n: int, m: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((m, n)).astype(np.float32)
 
 
-def test_outputs_equal_a_direct_forward_with_hit_and_miss_stats(make_store: MakeStore) -> None:
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_outputs_equal_a_direct_forward_with_hit_and_miss_stats(
+    make_store: MakeStore, lookahead: bool
+) -> None:
     store = Store.open(make_store(K=6, n=5, width=12, out=3))
-    core = IdCore(store, name="a0", budget_bytes=10**8)
+    core = IdCore(store, lookahead=lookahead, name="a0", budget_bytes=10**8)
     groups = [(e, rows_for(5, 4 + e, seed=e)) for e in (0, 3, 5)]
     first = core.run(groups)
     second = core.run(groups)
@@ -110,9 +120,12 @@ def test_resident_bytes_never_exceed_the_budget(make_store: MakeStore) -> None:
     core.close()
 
 
-def test_a_budget_of_one_expert_still_serves_many(make_store: MakeStore) -> None:
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_a_budget_of_one_expert_still_serves_many(
+    make_store: MakeStore, lookahead: bool
+) -> None:
     store = Store.open(make_store(K=4, n=2, width=4, out=1))
-    core = IdCore(store, name="a0", budget_bytes=store.expert_nbytes(0))
+    core = IdCore(store, lookahead=lookahead, name="a0", budget_bytes=store.expert_nbytes(0))
     groups = [(e, rows_for(2, 2, seed=e)) for e in range(4)]
     reply = core.run(groups)
     for (expert_id, rows), outcome in zip(groups, reply.results, strict=True):
@@ -130,10 +143,13 @@ def corrupt(store: Store, expert_id: int) -> Path:
     return path
 
 
-def test_a_corrupted_expert_fails_only_its_group(make_store: MakeStore) -> None:
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_a_corrupted_expert_fails_only_its_group(
+    make_store: MakeStore, lookahead: bool
+) -> None:
     store = Store.open(make_store(K=3, n=2, width=4, out=1))
     corrupt(store, 1)
-    core = IdCore(store, name="a0", budget_bytes=10**8)
+    core = IdCore(store, lookahead=lookahead, name="a0", budget_bytes=10**8)
     reply = core.run([(e, rows_for(2, 2, seed=e)) for e in range(3)])
     good0, bad, good2 = reply.results
     assert good0.error is None and good2.error is None
