@@ -24,7 +24,7 @@ from server.http._hyper import add_hyper_routes
 from server.http._metrics import Metrics, MetricsMiddleware, PoolSnapshot
 from server.http._openapi import install_openapi
 from server.http._routes import HOT_ROUTES, add_routes
-from server.http._v2 import add_v2_routes, model_name
+from server.http._v2 import add_v2_routes, hot_v2_routes, model_name
 from server.serving import BatcherFactory, PoolFactory, ServingState
 
 __all__ = ["create_app", "pool_snapshot"]
@@ -99,7 +99,7 @@ def create_app(
     # Starlette runs the last added middleware first: metrics see every answer, the catch-all
     # answers whatever escaped, the key check runs before any route or body is touched, and
     # then the hot endpoints skip FastAPI's routing.
-    app.add_middleware(HotRoutes, routes=HOT_ROUTES)
+    app.add_middleware(HotRoutes, routes={**HOT_ROUTES, **hot_v2_routes(settings)})
     app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(CatchAllMiddleware)
     app.add_middleware(

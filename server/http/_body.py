@@ -20,6 +20,7 @@ from server.http._models import PredictRequest, RouteRequest
 from server.kinds import ConditionRequest, GateRequest, PatchInputs
 
 __all__ = [
+    "THREAD_PARSE_BYTES",
     "HttpError",
     "ParsedInputs",
     "check_rows",
@@ -37,7 +38,7 @@ RAW_TYPE = "application/octet-stream"
 ROWS_HEADER = "x-momlp-rows"
 _NPY_DTYPES = ("<f4", "<f8", ">f4", ">f8")
 # Bodies above this are parsed in a worker thread so that the event loop keeps serving.
-_THREAD_PARSE_BYTES = 256 * 1024
+THREAD_PARSE_BYTES = 256 * 1024
 
 
 class HttpError(Exception):
@@ -318,6 +319,6 @@ async def parse_inputs(
             x = parse_raw_float32(body, rows_header, max_rows=max_rows, input_dim=input_dim)
         return ParsedInputs(x, gate, return_stats, return_routing)
 
-    if len(body) > _THREAD_PARSE_BYTES:
+    if len(body) > THREAD_PARSE_BYTES:
         return await run_in_threadpool(parse)
     return parse()

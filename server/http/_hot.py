@@ -1,5 +1,7 @@
 """`HotRoutes`: the per-row endpoints answered without FastAPI's router and request plumbing.
 
+Hot: `POST /v1/predict`, `POST /v1/route` and the served model's unversioned v2 infer path.
+
 FastAPI's route layer (exception middleware, two exit stacks, the router's match, the request
 wrapper) costs about 0.1 ms of the event loop per request, as much again as parsing a 4-row
 JSON body; at a few hundred requests a second on two cores it is CPU the actors need. The

@@ -225,10 +225,9 @@ async def predict(request: Request) -> Response:
         )
         x = torch.from_numpy(parsed.x)
         try:
-            answer = await asyncio.wait_for(
-                version.batcher.submit(x, parsed.options),
-                timeout=settings.request_timeout_s,
-            )
+            # `asyncio.timeout`, not `wait_for`: no second task per request.
+            async with asyncio.timeout(settings.request_timeout_s):
+                answer = await version.batcher.submit(x, parsed.options)
         except TimeoutError:
             raise RequestTimeout(timeout_s=settings.request_timeout_s) from None
     metrics.observe_prediction(x.shape[0], [(s.cache, s.load_ms) for s in answer.stats])

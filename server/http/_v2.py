@@ -13,6 +13,7 @@ No Content-Type is required: tritonclient's sync client may send none.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.metadata
 from typing import Any
 
@@ -23,7 +24,8 @@ from fastapi.responses import Response
 
 from server._exceptions import RequestTimeout
 from server._settings import Settings
-from server.http._body import HttpError, read_body_limited
+from server.http._body import THREAD_PARSE_BYTES, HttpError, read_body_limited
+from server.http._hot import Endpoint
 from server.http._openapi import inline_defs
 from server.http._v2_codec import (
     HEADER_LENGTH,
@@ -43,7 +45,7 @@ from server.http._v2_models import (
 from server.kinds import GateRequest
 from server.serving import ServingState, StoreVersion
 
-__all__ = ["INPUT_NAME", "add_v2_routes", "model_name"]
+__all__ = ["INPUT_NAME", "add_v2_routes", "hot_v2_routes", "infer", "model_name"]
 
 INPUT_NAME = "input"
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -142,6 +144,66 @@ def _metadata(current: StoreVersion, name: str) -> ModelMetadata:
     )
 
 
+async def infer(request: Request, name: str, version: str | None) -> Response:
+    """POST /v2/models/{name}[/versions/{version}]/infer (also called by `HotRoutes`)."""
+    serving = _serving(request)
+    settings = serving.settings
+    async with serving.use() as current:
+        _version_for(serving, name, version)
+        body = await read_body_limited(
+            request, settings.max_body_bytes, settings.body_timeout_s
+        )
+        parse = functools.partial(
+            parse_infer,
+            body,
+            request.headers.get(HEADER_LENGTH),
+            input_name=INPUT_NAME,
+            input_dim=current.model.input_dim,
+            max_rows=settings.max_rows,
+        )
+        # A small body is parsed on the event loop: a thread hop costs more than its parse.
+        parsed = parse() if len(body) <= THREAD_PARSE_BYTES else await asyncio.to_thread(parse)
+        options = current.model.resolve(_gate(parsed.request.parameters), settings)
+        try:
+            async with asyncio.timeout(settings.request_timeout_s):
+                answer = await current.batcher.submit(torch.from_numpy(parsed.x), options)
+        except TimeoutError:
+            raise RequestTimeout(timeout_s=settings.request_timeout_s) from None
+    request.app.state.metrics.observe_prediction(
+        parsed.x.shape[0], [(s.cache, s.load_ms) for s in answer.stats]
+    )
+    outputs = [
+        OutputTensor("output", "FP32", answer.outputs.numpy().astype(np.float32)),
+        OutputTensor("experts", "INT64", answer.experts.numpy().astype(np.int64)),
+        # Rows may keep fewer experts than others (min_weight, top_p): padded with -1 / 0.
+        OutputTensor("weights", "FP32", answer.weights.numpy().astype(np.float32)),
+    ]
+    content, header_length = encode_response(
+        parsed.request,
+        outputs,
+        model_name=name,
+        model_version=current.version,
+        parameters={"vram_bytes": answer.vram_bytes, "store_version": current.version},
+    )
+    if header_length is None:
+        return Response(content, media_type="application/json")
+    return Response(
+        content,
+        media_type="application/octet-stream",
+        headers={"Inference-Header-Content-Length": str(header_length)},
+    )
+
+
+def hot_v2_routes(settings: Settings) -> dict[tuple[str, str], Endpoint]:
+    """The served model's unversioned infer path, for `HotRoutes` (other paths: FastAPI)."""
+    name = model_name(settings)
+
+    async def infer_served(request: Request) -> Response:
+        return await infer(request, name, None)
+
+    return {("POST", f"/v2/models/{name}/infer"): infer_served}
+
+
 def add_v2_routes(app: FastAPI) -> None:
     @app.get("/v2/health/live", response_model=LiveResponse, tags=["v2"])
     async def live() -> LiveResponse:
@@ -168,54 +230,6 @@ def add_v2_routes(app: FastAPI) -> None:
     async def model_ready(request: Request, name: str, version: str | None) -> ReadyResponse:
         _version_for(_serving(request), name, version)
         return ReadyResponse(ready=True)
-
-    async def infer(request: Request, name: str, version: str | None) -> Response:
-        serving = _serving(request)
-        settings = serving.settings
-        async with serving.use() as current:
-            _version_for(serving, name, version)
-            body = await read_body_limited(
-                request, settings.max_body_bytes, settings.body_timeout_s
-            )
-            parsed = await asyncio.to_thread(
-                parse_infer,
-                body,
-                request.headers.get(HEADER_LENGTH),
-                input_name=INPUT_NAME,
-                input_dim=current.model.input_dim,
-                max_rows=settings.max_rows,
-            )
-            options = current.model.resolve(_gate(parsed.request.parameters), settings)
-            try:
-                answer = await asyncio.wait_for(
-                    current.batcher.submit(torch.from_numpy(parsed.x), options),
-                    timeout=settings.request_timeout_s,
-                )
-            except TimeoutError:
-                raise RequestTimeout(timeout_s=settings.request_timeout_s) from None
-        request.app.state.metrics.observe_prediction(
-            parsed.x.shape[0], [(s.cache, s.load_ms) for s in answer.stats]
-        )
-        outputs = [
-            OutputTensor("output", "FP32", answer.outputs.numpy().astype(np.float32)),
-            OutputTensor("experts", "INT64", answer.experts.numpy().astype(np.int64)),
-            # Rows may keep fewer experts than others (min_weight, top_p): padded with -1 / 0.
-            OutputTensor("weights", "FP32", answer.weights.numpy().astype(np.float32)),
-        ]
-        content, header_length = encode_response(
-            parsed.request,
-            outputs,
-            model_name=name,
-            model_version=current.version,
-            parameters={"vram_bytes": answer.vram_bytes, "store_version": current.version},
-        )
-        if header_length is None:
-            return Response(content, media_type="application/json")
-        return Response(
-            content,
-            media_type="application/octet-stream",
-            headers={"Inference-Header-Content-Length": str(header_length)},
-        )
 
     model_paths = (("/v2/models/{name}", ""), ("/v2/models/{name}/versions/{version}", "v"))
     for path, version_part in model_paths:

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from app_support import error_of, fake_app, running
+from app_support import build_small_store, error_of, fake_app, running
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.types import Receive, Scope, Send
@@ -89,3 +89,24 @@ def test_openapi_documents_the_query_parameters_the_endpoints_read(store: Path) 
     assert route == set(predict) - {"return_stats", "return_routing"}
     assert all(p["in"] == "query" and not p["required"] for p in predict.values())
     assert predict["top_k"]["schema"]["anyOf"][0] == {"minimum": 1, "type": "integer"}
+
+
+async def test_v2_infer_answers_alike_on_the_hot_and_the_versioned_path(tmp_path: Path) -> None:
+    # Only the served model's unversioned path is hot; the versioned one goes through FastAPI.
+    store = build_small_store(tmp_path / "served", K=8, n=4, out=2)
+    x = np.random.default_rng(1).normal(size=(6, 4)).astype(np.float32)
+    body = {"inputs": [{"name": "input", "shape": [6, 4], "datatype": "FP32",
+                        "data": x.ravel().tolist()}]}  # fmt: skip
+    async with running(fake_app(store)) as client:
+        version = (await client.get("/v2/models/served")).json()["versions"][0]
+        hot = await client.post("/v2/models/served/infer", json=body)
+        routed = await client.post(f"/v2/models/served/versions/{version}/infer", json=body)
+        other = await client.post("/v2/models/elsewhere/infer", json=body)
+        too_wide = await client.post(
+            "/v2/models/served/infer",
+            json={"inputs": [{**body["inputs"][0], "shape": [4, 6]}]},  # type: ignore[index]
+        )
+    assert hot.status_code == routed.status_code == 200
+    assert hot.json()["outputs"] == routed.json()["outputs"]
+    assert other.status_code == 404 and set(other.json()) == {"error"}
+    assert too_wide.status_code == 400 and set(too_wide.json()) == {"error"}
