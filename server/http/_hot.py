@@ -18,31 +18,45 @@ authorised, counted and, when it raises, answered with the same error JSON
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-__all__ = ["Endpoint", "HotRoutes"]
+__all__ = ["Endpoint", "HotRoute", "HotRoutes"]
 
 Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+@dataclass(frozen=True)
+class HotRoute:
+    """An endpoint `HotRoutes` calls, and its route template (`path`, as on FastAPI's routes).
+
+    The template goes into `scope["route"]` as FastAPI's router would put its route there, so
+    the metrics label a hot request by its template too.
+    """
+
+    endpoint: Endpoint
+    path: str
 
 
 class HotRoutes:
     """Calls `routes[(method, path)]` for an exact match; passes everything else on."""
 
-    def __init__(self, app: ASGIApp, *, routes: Mapping[tuple[str, str], Endpoint]) -> None:
+    def __init__(self, app: ASGIApp, *, routes: Mapping[tuple[str, str], HotRoute]) -> None:
         self.app = app
         self._routes = dict(routes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        endpoint = (
+        route = (
             self._routes.get((scope["method"], scope["path"]))
             if scope["type"] == "http"
             else None
         )
-        if endpoint is None:
+        if route is None:
             await self.app(scope, receive, send)
             return
-        response = await endpoint(Request(scope, receive, send))
+        scope["route"] = route
+        response = await route.endpoint(Request(scope, receive, send))
         await response(scope, receive, send)

@@ -24,6 +24,7 @@ from server._exceptions import NotReady, RequestTimeout
 from server._settings import Settings
 from server.http._body import parse_inputs
 from server.http._graph import graph_fields
+from server.http._hot import HotRoute
 from server.http._metrics import CONTENT_TYPE, Metrics
 from server.http._models import (
     ActorInfoModel,
@@ -283,7 +284,10 @@ async def route(request: Request) -> Response:
 
 
 # The hot endpoints, called straight from `HotRoutes` (their FastAPI routes document them).
-HOT_ROUTES = {("POST", "/v1/predict"): predict, ("POST", "/v1/route"): route}
+HOT_ROUTES = {
+    ("POST", "/v1/predict"): HotRoute(predict, "/v1/predict"),
+    ("POST", "/v1/route"): HotRoute(route, "/v1/route"),
+}
 
 
 def add_routes(app: FastAPI) -> None:

@@ -25,7 +25,7 @@ from fastapi.responses import Response
 from server._exceptions import RequestTimeout
 from server._settings import Settings
 from server.http._body import THREAD_PARSE_BYTES, HttpError, read_body_limited
-from server.http._hot import Endpoint
+from server.http._hot import HotRoute
 from server.http._openapi import inline_defs
 from server.http._v2_codec import (
     HEADER_LENGTH,
@@ -48,6 +48,7 @@ from server.serving import ServingState, StoreVersion
 __all__ = ["INPUT_NAME", "add_v2_routes", "hot_v2_routes", "infer", "model_name"]
 
 INPUT_NAME = "input"
+_INFER_PATH = "/v2/models/{name}/infer"
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": V2Error, "description": text}
     for status, text in (
@@ -194,14 +195,14 @@ async def infer(request: Request, name: str, version: str | None) -> Response:
     )
 
 
-def hot_v2_routes(settings: Settings) -> dict[tuple[str, str], Endpoint]:
+def hot_v2_routes(settings: Settings) -> dict[tuple[str, str], HotRoute]:
     """The served model's unversioned infer path, for `HotRoutes` (other paths: FastAPI)."""
     name = model_name(settings)
 
     async def infer_served(request: Request) -> Response:
         return await infer(request, name, None)
 
-    return {("POST", f"/v2/models/{name}/infer"): infer_served}
+    return {("POST", f"/v2/models/{name}/infer"): HotRoute(infer_served, _INFER_PATH)}
 
 
 def add_v2_routes(app: FastAPI) -> None:

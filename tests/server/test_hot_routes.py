@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from server.http._hot import HotRoutes
+from server.http._hot import HotRoute, HotRoutes
 
 pytestmark = pytest.mark.unit
 
@@ -33,15 +33,16 @@ async def test_only_an_exact_method_and_path_take_the_hot_endpoint() -> None:
         await PlainTextResponse("inner")(scope, receive, send)
 
     async def endpoint(request: Request) -> Response:
-        return PlainTextResponse(f"hot {len(await request.body())}")
+        route = request.scope["route"]
+        return PlainTextResponse(f"hot {len(await request.body())} {route.path}")
 
-    app = HotRoutes(inner, routes={("POST", "/v1/predict"): endpoint})
+    app = HotRoutes(inner, routes={("POST", "/v1/predict"): HotRoute(endpoint, "/v1/predict")})
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
         hot = await client.post("/v1/predict", content=b"abc")
         wrong_method = await client.get("/v1/predict")
         other_path = await client.post("/v1/predict/", content=b"abc")
-    assert hot.text == "hot 3"
+    assert hot.text == "hot 3 /v1/predict"
     assert wrong_method.text == other_path.text == "inner"
     assert passed_on == [("GET", "/v1/predict"), ("POST", "/v1/predict/")]
 
@@ -106,7 +107,12 @@ async def test_v2_infer_answers_alike_on_the_hot_and_the_versioned_path(tmp_path
             "/v2/models/served/infer",
             json={"inputs": [{**body["inputs"][0], "shape": [4, 6]}]},  # type: ignore[index]
         )
+        metrics = (await client.get("/metrics")).text
     assert hot.status_code == routed.status_code == 200
+    # The hot request is counted under its route template, as FastAPI's route would be.
+    assert 'endpoint="/v2/models/{name}/infer",status="200"} 1.0' in metrics
+    assert 'endpoint="/v2/models/{name}/infer",status="400"} 1.0' in metrics
+    assert 'endpoint="/v2/models/{name}/versions/{version}/infer",status="200"} 1.0' in metrics
     assert hot.json()["outputs"] == routed.json()["outputs"]
     assert other.status_code == 404 and set(other.json()) == {"error"}
     assert too_wide.status_code == 400 and set(too_wide.json()) == {"error"}
