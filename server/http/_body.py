@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import io
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 from pydantic import ValidationError
@@ -20,13 +21,13 @@ from server.http._models import PredictRequest, RouteRequest
 from server.kinds import ConditionRequest, GateRequest, PatchInputs
 
 __all__ = [
-    "THREAD_PARSE_BYTES",
     "HttpError",
     "ParsedInputs",
     "check_rows",
     "parse_inputs",
     "parse_npy",
     "parse_raw_float32",
+    "parse_sized",
     "read_body_limited",
     "validation_detail",
 ]
@@ -38,7 +39,8 @@ RAW_TYPE = "application/octet-stream"
 ROWS_HEADER = "x-momlp-rows"
 _NPY_DTYPES = ("<f4", "<f8", ">f4", ">f8")
 # Bodies above this are parsed in a worker thread so that the event loop keeps serving.
-THREAD_PARSE_BYTES = 256 * 1024
+_THREAD_PARSE_BYTES = 256 * 1024
+_T = TypeVar("_T")
 
 
 class HttpError(Exception):
@@ -319,6 +321,12 @@ async def parse_inputs(
             x = parse_raw_float32(body, rows_header, max_rows=max_rows, input_dim=input_dim)
         return ParsedInputs(x, gate, return_stats, return_routing)
 
-    if len(body) > THREAD_PARSE_BYTES:
+    return await parse_sized(len(body), parse)
+
+
+async def parse_sized(nbytes: int, parse: Callable[[], _T]) -> _T:
+    """`parse()` of a body of `nbytes`: on the event loop when small (a thread hop costs more
+    than parsing a few rows), in a worker thread when large, so the loop keeps serving."""
+    if nbytes > _THREAD_PARSE_BYTES:
         return await run_in_threadpool(parse)
     return parse()

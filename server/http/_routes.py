@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 
 from server._exceptions import NotReady, RequestTimeout
 from server._settings import Settings
+from server.batching import BatchAnswer
 from server.http._body import parse_inputs
 from server.http._graph import graph_fields
 from server.http._hot import HotRoute
@@ -47,7 +48,10 @@ from server.http._openapi import inline_defs
 from server.kinds import GateRequest, PatchInputs, PatchRowRouting, attach_conditions
 from server.serving import ServingState, StoreVersion
 
-__all__ = ["ERROR_RESPONSES", "HOT_ROUTES", "add_routes", "model_response", "predict", "route"]
+__all__ = [
+    "ERROR_RESPONSES", "HOT_ROUTES", "add_routes", "model_response", "predict", "route",
+    "submit_in_time",
+]  # fmt: skip
 
 _MAX_PROTOTYPE_VALUES = 10_000_000
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -211,6 +215,18 @@ def _ragged(rows: list[list[Any]], kept: list[int]) -> list[list[Any]]:
     return [row[:n] for row, n in zip(rows, kept, strict=True)]
 
 
+async def submit_in_time(
+    version: StoreVersion, x: torch.Tensor, options: Hashable, settings: Settings
+) -> BatchAnswer:
+    """The version's batcher's answer, or `RequestTimeout` past `settings.request_timeout_s`."""
+    try:
+        # `asyncio.timeout`, not `wait_for`: no second task per request.
+        async with asyncio.timeout(settings.request_timeout_s):
+            return await version.batcher.submit(x, options)
+    except TimeoutError:
+        raise RequestTimeout(timeout_s=settings.request_timeout_s) from None
+
+
 async def predict(request: Request) -> Response:
     """POST /v1/predict. Takes only `request`: FastAPI solves no dependency per call, and
     `HotRoutes` calls it without FastAPI's router (see `_query`)."""
@@ -225,12 +241,7 @@ async def predict(request: Request) -> Response:
             query.return_stats, query.return_routing,
         )
         x = torch.from_numpy(parsed.x)
-        try:
-            # `asyncio.timeout`, not `wait_for`: no second task per request.
-            async with asyncio.timeout(settings.request_timeout_s):
-                answer = await version.batcher.submit(x, parsed.options)
-        except TimeoutError:
-            raise RequestTimeout(timeout_s=settings.request_timeout_s) from None
+        answer = await submit_in_time(version, x, parsed.options, settings)
     metrics.observe_prediction(x.shape[0], [(s.cache, s.load_ms) for s in answer.stats])
     nodes, graph_stats = graph_fields(answer, parsed.return_stats)
     stats = None

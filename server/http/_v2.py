@@ -12,7 +12,6 @@ No Content-Type is required: tritonclient's sync client may send none.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import importlib.metadata
 from typing import Any
@@ -22,11 +21,11 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from server._exceptions import RequestTimeout
 from server._settings import Settings
-from server.http._body import THREAD_PARSE_BYTES, HttpError, read_body_limited
+from server.http._body import HttpError, parse_sized, read_body_limited
 from server.http._hot import HotRoute
 from server.http._openapi import inline_defs
+from server.http._routes import submit_in_time
 from server.http._v2_codec import (
     HEADER_LENGTH,
     InferRequest,
@@ -162,14 +161,9 @@ async def infer(request: Request, name: str, version: str | None) -> Response:
             input_dim=current.model.input_dim,
             max_rows=settings.max_rows,
         )
-        # A small body is parsed on the event loop: a thread hop costs more than its parse.
-        parsed = parse() if len(body) <= THREAD_PARSE_BYTES else await asyncio.to_thread(parse)
+        parsed = await parse_sized(len(body), parse)
         options = current.model.resolve(_gate(parsed.request.parameters), settings)
-        try:
-            async with asyncio.timeout(settings.request_timeout_s):
-                answer = await current.batcher.submit(torch.from_numpy(parsed.x), options)
-        except TimeoutError:
-            raise RequestTimeout(timeout_s=settings.request_timeout_s) from None
+        answer = await submit_in_time(current, torch.from_numpy(parsed.x), options, settings)
     request.app.state.metrics.observe_prediction(
         parsed.x.shape[0], [(s.cache, s.load_ms) for s in answer.stats]
     )
