@@ -4,6 +4,9 @@ Three parts, printed as tables:
 
 1. `F.linear` alone: for reduction dims k and output dims n, does a row's output depend on its
    position (and on its buffer's base offset) in a 16..128-row batch? Which (k, n) fail.
+   1b. With k a multiple of ROW_ALIGN and aligned rows: for which row counts M does a row's
+   output differ from the same row alone in a 4-row block? (Why the CPU actor pads a group
+   to a multiple of 4 rows, `ROW_BLOCK`.)
 2. momlp experts through the served forward, before (the file's widths, the actor's old input
    copy) and after (`FrozenExpert.aligned` + `ActorCore._forward`): rows 0..31 of a 32-row
    group against the same row alone, over widths (d, h, h, o), d 1-9, h 1-40, o 1-3.
@@ -23,9 +26,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from experts_store import ExpertArch, ExpertMLP, FrozenExpert
+from experts_store import ROW_ALIGN, ExpertArch, ExpertMLP, FrozenExpert
 from server.pool import ActorCore, activation_peak_bytes
 from server.pool._actor import ROW_BLOCK
+
+# The actor's row block before it was measured down to 4 (part 1b): 16 rows.
+OLD_ROW_BLOCK = 16
 
 
 def linear_grid(ks: range, ns: range, offsets: tuple[int, ...]) -> dict[tuple[int, int], list[int]]:
@@ -46,14 +52,31 @@ def linear_grid(ks: range, ns: range, offsets: tuple[int, ...]) -> dict[tuple[in
     return bad
 
 
+def row_counts(ks: list[int], ns: range, counts: range) -> dict[int, int]:
+    """Row count M -> how many (k, n) have a row whose bits in an M-row GEMM differ from the
+    same row alone in a 4-row block (aligned buffers)."""
+    bad: dict[int, int] = {}
+    for k in ks:
+        for n in ns:
+            g = torch.Generator().manual_seed(k * 1000 + n)
+            w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+            x = torch.randn(max(counts), k, generator=g)
+            alone = torch.stack([F.linear(torch.cat([row[None], x.new_zeros(3, k)]), w, b)[0]
+                                 for row in x])
+            for m in counts:
+                if not torch.equal(F.linear(x[:m], w, b), alone[:m]):
+                    bad[m] = bad.get(m, 0) + 1
+    return bad
+
+
 def old_forward(module: FrozenExpert, rows: np.ndarray) -> np.ndarray:
     """`ActorCore._forward` (CPU) before aligning: the caller's rows, padded to 16 rows."""
     if not rows.flags.writeable:
         rows = np.array(rows)
     x = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
     m = int(x.shape[0])
-    if m % ROW_BLOCK:
-        x = torch.cat([x, x.new_zeros((ROW_BLOCK - m % ROW_BLOCK, x.shape[1]))])
+    if m % OLD_ROW_BLOCK:
+        x = torch.cat([x, x.new_zeros((OLD_ROW_BLOCK - m % OLD_ROW_BLOCK, x.shape[1]))])
     with torch.inference_mode():
         y = module(x)
         activation_peak_bytes(module.arch.widths, m, y.element_size())
@@ -107,6 +130,18 @@ def main() -> None:
         fails = {off: grid[(k, off)] for off in offsets if (k, off) in grid}
         if fails:
             print(f"   k={k}: " + "; ".join(f"+{off}: n {ns}" for off, ns in fails.items()))
+
+    ks = [ROW_ALIGN * j for j in range(1, 5 if args.quick else 17)] + [256, 512]
+    counts = range(1, 65 if args.quick else 257)
+    print(f"1b. F.linear, k in {ks[0]}..{ks[-1]} (multiples of {ROW_ALIGN}), n in 1..{top}, "
+          f"M in 1..{counts[-1]}: configurations whose rows differ from a 4-row block alone")
+    bad_counts = row_counts(ks, range(1, top + 1), counts)
+    fours = sum(v for m, v in bad_counts.items() if m % 4 == 0)
+    others = [m for m in counts if m % 4]
+    differing = [m for m in others if m in bad_counts]
+    print(f"   M a multiple of 4: {fours} (k, n) differ; other M: {len(differing)} of"
+          f" {len(others)} have some (k, n) that differs, first {differing[:8]}"
+          f" (the CPU actor's ROW_BLOCK is {ROW_BLOCK['cpu']})")
 
     hidden = range(1, 17 if args.quick else 41)
     print("2. experts (d, h, h, o): shapes with any of 32 positions differing from alone")

@@ -51,8 +51,12 @@ ERROR_BUSY = "busy"
 ERROR_INTERNAL = "internal"
 
 
-# Rows of a group are computed in whole blocks of this many (zero rows pad the last one).
-ROW_BLOCK = 16
+# Rows of a group are computed in whole blocks of this many (zero rows pad the last one). On
+# CPU, with input and hidden widths multiples of ROW_ALIGN and aligned rows, a row's bits are
+# the same in every GEMM whose row count is a multiple of 4, and differ for 1-3 rows (and other
+# counts; benchmarks/gemm_alignment.py, part 1b). So a group of 1-3 rows, the common case under
+# Zipf traffic, costs a 4-row forward, not a 16-row one. CUDA keeps 16: unmeasured there.
+ROW_BLOCK = {"cpu": 4, "cuda": 16}
 # A caller's buffer is used as is when its rows start this aligned: 16 bytes give the same bits
 # as torch's 64-byte-aligned buffers (benchmarks/gemm_alignment.py, part 1); numpy's small arrays
 # are 16-byte aligned. Rows of width ROW_ALIGN·j keep the base's alignment.
@@ -169,6 +173,7 @@ class ActorCore:
         self._clock: Clock = clock if clock is not None else MonotonicClock()
         self._lease_timeout_s = lease_timeout_s
         self._loader = _DeviceLoader(self.device)
+        self._row_block = ROW_BLOCK["cuda" if self.device.startswith("cuda") else "cpu"]
         self._cache: ExpertCache[Cached] = ExpertCache(
             budget_bytes, self._loader, clock=self._clock, policy=cache_policy
         )
@@ -331,7 +336,8 @@ class ActorCore:
         m, n = rows.shape
         if n != module.arch.input_dim:
             raise ValueError(f"rows have {n} columns, the expert takes {module.arch.input_dim}")
-        x = _aligned_input(rows, -(-m // ROW_BLOCK) * ROW_BLOCK, module.input_width)
+        block = self._row_block
+        x = _aligned_input(rows, -(-m // block) * block, module.input_width)
         with torch.inference_mode():
             if self.device.startswith("cuda"):
                 torch.cuda.reset_peak_memory_stats(self.device)
