@@ -71,8 +71,9 @@ class Settings(BaseSettings):
         default=2.0,
         ge=0.0,
         le=50.0,
-        description="route a batch on the event loop when its routing is estimated to take at"
-        " most this much CPU; larger batches go to a thread (0: always a thread)",
+        description="route a batch or a /v1/route request on the event loop when its routing"
+        " is estimated to take at most this much CPU; larger ones go to a thread (0: always a"
+        " thread)",
     )
     max_inflight_batches: int = Field(
         default=2, ge=1, le=64, description="batches of one store version routed or running at once"

@@ -1,4 +1,5 @@
-"""Where a batch is routed: on the event loop when it is cheap, in a worker thread otherwise.
+"""Where a batch (or a /v1/route request) is routed: on the event loop when it is cheap, in a
+worker thread otherwise.
 
 Routing is CPU work on tensors. A large batch on a large store takes milliseconds and must
 not stall every other request, so it goes to a thread; but handing a thread a batch of a few

@@ -42,6 +42,12 @@ def _integral(value: object) -> object:
 ConditionId = Annotated[str, Field(min_length=1, max_length=128)]
 PositiveWhole = Annotated[int, Field(strict=True, ge=1), BeforeValidator(_integral)]
 Mode = Literal["tree", "exact"]
+# A gate's bounds, one statement for its JSON field (GateModel) and its query parameter
+# (GateQuery). Lax, so that a query string's "0.5" parses.
+Temperature = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+MinWeight = Annotated[float, Field(ge=0, lt=1)]
+TopP = Annotated[float, Field(gt=0, le=1)]
+Score = Literal["sqdist", "dist"]
 
 
 class _Strict(BaseModel):
@@ -51,14 +57,12 @@ class _Strict(BaseModel):
 class GateModel(_Strict):
     """Request-time gate; every field defaults to the store's gate (manifest `gate`)."""
 
-    temperature: float | None = Field(
-        default=None, gt=0, allow_inf_nan=False, description="τ of softmax(-score/τ)"
+    temperature: Temperature | None = Field(default=None, description="τ of softmax(-score/τ)")
+    min_weight: MinWeight | None = Field(
+        default=None, description="drop experts below this weight, renormalise"
     )
-    min_weight: float | None = Field(
-        default=None, ge=0, lt=1, description="drop experts below this weight, renormalise"
-    )
-    top_p: float | None = Field(
-        default=None, gt=0, le=1, description="keep the smallest prefix reaching p, renormalise"
+    top_p: TopP | None = Field(
+        default=None, description="keep the smallest prefix reaching p, renormalise"
     )
     beam: list[PositiveWhole] | None = Field(
         default=None,
@@ -66,7 +70,7 @@ class GateModel(_Strict):
         description="hierarchical gate: beam width per tree level (a shorter list reuses its"
         " last width); all 1 is mode=tree",
     )
-    score: Literal["sqdist", "dist"] | None = Field(
+    score: Score | None = Field(
         default=None, description="softmax over -d² (sqdist) or -d (dist, the paper's eq. 39)"
     )
 
@@ -113,19 +117,15 @@ class GateQuery(BaseModel):
 
     top_k: int | None = Field(default=None, ge=1, description="binary bodies only")
     mode: Mode | None = Field(default=None, description="binary bodies only")
-    temperature: float | None = Field(
-        default=None, gt=0, allow_inf_nan=False, description="binary bodies only"
-    )
-    min_weight: float | None = Field(default=None, ge=0, lt=1, description="binary bodies only")
-    top_p: float | None = Field(default=None, gt=0, le=1, description="binary bodies only")
+    temperature: Temperature | None = Field(default=None, description="binary bodies only")
+    min_weight: MinWeight | None = Field(default=None, description="binary bodies only")
+    top_p: TopP | None = Field(default=None, description="binary bodies only")
     beam: str | None = Field(
         default=None,
         pattern=r"^[1-9][0-9]{0,5}(,[1-9][0-9]{0,5}){0,63}$",
         description="binary bodies only: widths per level, comma-separated (2,2,2)",
     )
-    score: Literal["sqdist", "dist"] | None = Field(
-        default=None, description="binary bodies only"
-    )
+    score: Score | None = Field(default=None, description="binary bodies only")
     return_stats: bool = Field(default=False, description="binary bodies only")
     return_routing: bool = Field(
         default=False, description="binary bodies only; pmoe stores"

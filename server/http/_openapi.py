@@ -19,13 +19,14 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from server.http._paths import PREDICT_PATH, ROUTE_PATH
 from server.serving import ServingState
 
 __all__ = ["MAX_ABS_INPUT", "inline_defs", "install_openapi"]
 
 # The router refuses |x| above this: squared distances would overflow float32.
 MAX_ABS_INPUT = 1e15
-_BODY_PATHS = ("/v1/predict", "/v1/route")
+_BODY_PATHS = (PREDICT_PATH, ROUTE_PATH)
 
 
 def inline_defs(schema: dict[str, Any]) -> dict[str, Any]:

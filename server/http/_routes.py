@@ -18,7 +18,6 @@ from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
-from starlette.concurrency import run_in_threadpool
 
 from server._exceptions import NotReady, RequestTimeout
 from server._settings import Settings
@@ -45,6 +44,7 @@ from server.http._models import (
     RouteResponse,
 )
 from server.http._openapi import inline_defs
+from server.http._paths import PREDICT_PATH, ROUTE_PATH
 from server.kinds import GateRequest, PatchInputs, PatchRowRouting, attach_conditions
 from server.serving import ServingState, StoreVersion
 
@@ -280,7 +280,7 @@ async def route(request: Request) -> Response:
     async with serving.use() as version:
         parsed = await _inputs(request, version, serving.settings, RouteRequest, gate, False)
         x = torch.from_numpy(parsed.x)
-        routing = await run_in_threadpool(version.model.route, x, parsed.options)
+        routing = await version.route_runner(x, parsed.options)
     kept = (routing.experts >= 0).sum(dim=1).tolist()
     return model_response(
         RouteResponse.model_construct(
@@ -296,21 +296,21 @@ async def route(request: Request) -> Response:
 
 # The hot endpoints, called straight from `HotRoutes` (their FastAPI routes document them).
 HOT_ROUTES = {
-    ("POST", "/v1/predict"): HotRoute(predict, "/v1/predict"),
-    ("POST", "/v1/route"): HotRoute(route, "/v1/route"),
+    ("POST", PREDICT_PATH): HotRoute(predict, PREDICT_PATH),
+    ("POST", ROUTE_PATH): HotRoute(route, ROUTE_PATH),
 }
 
 
 def add_routes(app: FastAPI) -> None:
     app.post(
-        "/v1/predict",
+        PREDICT_PATH,
         response_model=PredictResponse,
         responses=ERROR_RESPONSES,
         openapi_extra=_body_doc(PredictRequest),
         summary="Predict: route each row to its expert(s) and run them",
     )(predict)
     app.post(
-        "/v1/route",
+        ROUTE_PATH,
         response_model=RouteResponse,
         responses=ERROR_RESPONSES,
         openapi_extra=_body_doc(RouteRequest),

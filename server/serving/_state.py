@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from experts_store import Clock, ExpertRef, Store
 from server._exceptions import NotReady, PoolStartFailed
 from server._settings import Settings
+from server.batching import RouteRunner
 from server.kinds import ServedModel, check_kind_budget, open_model
 from server.pool import ActorInfo, ExpertPool, Group, GroupResult, check_budget
 from server.serving._version import (
@@ -207,7 +208,8 @@ class ServingState:
         check_kind_budget(model, pool.budget_bytes)
         observed = ObservedPool(pool, self._on_batch, self._on_generated)
         batcher = self.batcher_factory(model, observed, self.settings, self.clock)
-        return StoreVersion(store, model, batcher)
+        inline_s = self.settings.inline_route_ms / 1000.0
+        return StoreVersion(store, model, batcher, RouteRunner(model.route, inline_s))
 
     def current(self) -> StoreVersion:
         version = self.version

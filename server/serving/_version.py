@@ -20,7 +20,7 @@ import torch
 
 from experts_store import Clock, ExpertRef, Manifest, Store
 from server._settings import Settings
-from server.batching import BatchAnswer, Batcher
+from server.batching import BatchAnswer, Batcher, RouteRunner
 from server.kinds import ServedModel
 from server.pool import ExpertPool
 
@@ -56,6 +56,8 @@ class StoreVersion:
     store: Store
     model: ServedModel
     batcher: BatcherLike
+    # Routes /v1/route's requests, which no batch carries: on the event loop when cheap.
+    route_runner: RouteRunner
     in_flight: int = 0
     drained: asyncio.Event = field(default_factory=asyncio.Event)
 
