@@ -16,11 +16,14 @@ import socket
 import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from server._settings import Settings
 
-__all__ = ["freeze_heap", "run_server"]
+if TYPE_CHECKING:
+    import uvicorn
+
+__all__ = ["freeze_heap", "run_server", "uvicorn_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +55,22 @@ def _bound_url(server: Any, settings: Settings) -> str:
     return f"http://{settings.host}:{settings.port}"
 
 
+def uvicorn_config(app: Any, settings: Settings) -> uvicorn.Config:
+    """How `run_server` runs uvicorn: bound and logging as `settings` say."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        access_log=settings.access_log,
+        lifespan="on",
+        # Requests end by request_timeout_s on their own; past it, nothing is worth waiting for.
+        timeout_graceful_shutdown=max(1, math.ceil(settings.request_timeout_s)),
+    )
+
+
 def run_server(settings: Settings, *, app_factory: Callable[[Settings], Any] | None = None) -> int:
     """Serve until SIGINT/SIGTERM; 0 after a clean shutdown, 1 if startup failed."""
     import uvicorn
@@ -74,17 +93,7 @@ def run_server(settings: Settings, *, app_factory: Callable[[Settings], Any] | N
                         "momlp serving %s at %s (API docs at %s/docs)", settings.store, url, url
                     )
 
-        config = uvicorn.Config(
-            app,
-            host=settings.host,
-            port=settings.port,
-            log_config=None,
-            lifespan="on",
-            # Requests end by request_timeout_s on their own; past it, nothing is worth waiting
-            # for.
-            timeout_graceful_shutdown=max(1, math.ceil(settings.request_timeout_s)),
-        )
-        server = _Server(config)
+        server = _Server(uvicorn_config(app, settings))
         received: list[int] = []
 
         def remember(sig: int, _frame: FrameType | None) -> None:

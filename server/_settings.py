@@ -135,5 +135,10 @@ class Settings(BaseSettings):
         description="once started, exempt the objects then alive from the cyclic GC (its full"
         " collections of that heap otherwise pause the server ~150 ms every few seconds)",
     )
+    access_log: bool = Field(
+        default=True,
+        description="log one line per HTTP request (uvicorn's access log); off saves its"
+        " formatting and write on every request, for deployments that log at a proxy",
+    )
     watch_store: bool = Field(default=True, description="reload when manifest.json changes")
     watch_interval_s: float = Field(default=2.0, gt=0.0)
