@@ -80,6 +80,8 @@ run() {  # every GPU item of issues 13 and 19; each step logs and goes on if one
   [ -n "${QUICK:-}" ] && quick=(--quick)
   step expert_load "$python" benchmarks/expert_load.py --device "${DEVICE:-cuda}" "${quick[@]}"
   step pool_cuda "$python" benchmarks/pool.py --only cuda
+  # Issue 19 item 2: one grouped matmul over a call's experts, where grouped kernels exist.
+  step grouped_forward "$python" benchmarks/grouped_forward.py --device "${DEVICE:-cuda}" "${quick[@]}"
   # The hot swap with one actor on the GPU: the case issue 13's bug hit hardest.
   step hot_swap_tests "$python" -m pytest -q -p no:cacheprovider tests/integration/test_hot_swap.py
   step hot_swap "$python" benchmarks/hot_swap.py --quick

@@ -15,9 +15,12 @@ their weights are not all in cache:
 - `grouped_stack`: the same, stacking the G experts' separate tensors per call (what grouping
   would cost with today's cache, which holds each expert's tensors apart).
 
-Also prints the largest difference from the separate forwards' outputs.
+Also prints the largest difference from the separate forwards' outputs. With `--device cuda`
+(benchmarks/gpu_session.sh) the figures are wall µs per call after a device synchronize, and
+the CPU row block is replaced by the CUDA one; a way the device's grouped_mm refuses (dtype,
+architecture) is reported as unsupported, not failed.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/grouped_forward.py [--quick]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/grouped_forward.py [--quick] [--device cuda]
 """
 
 from __future__ import annotations
@@ -79,15 +82,22 @@ def stack(weights: list[Weights]) -> list[tuple[torch.Tensor, torch.Tensor, torc
     return layers
 
 
-def timed(fn: Callable[[], Any], repeats: int, inner: int) -> float:
-    """Median CPU µs of one call over `repeats` rounds of `inner` calls."""
+def timed(fn: Callable[[], Any], repeats: int, inner: int, device: str) -> float:
+    """Median µs of one call over `repeats` rounds of `inner` calls: this thread's CPU time on
+    CPU, wall time to a finished device on CUDA (kernels run asynchronously)."""
+    cuda = device.startswith("cuda")
+    clock = time.perf_counter if cuda else time.thread_time
     fn()
     samples = []
     for _ in range(repeats):
-        start = time.thread_time()
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = clock()
         for _ in range(inner):
             fn()
-        samples.append((time.thread_time() - start) / inner * 1e6)
+        if cuda:
+            torch.cuda.synchronize(device)
+        samples.append((clock() - start) / inner * 1e6)
     return statistics.median(samples)
 
 
@@ -95,16 +105,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--pool", type=int, default=20, help="resident experts drawn from")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     args = parser.parse_args()
+    device = args.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print(json.dumps({"benchmark": "grouped_forward", "device": device, "skipped": True,
+                          "reason": "no CUDA device: unmeasured"}))
+        return
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
-    block = ROW_BLOCK["cpu"]
+    block = ROW_BLOCK["cuda" if device.startswith("cuda") else "cpu"]
     repeats, inner = (5, 20) if args.quick else (15, 50)
     shapes = [(16, 256, 512, 8), (32, 512, 512, 8), (8, 64, 64, 8)]
     for widths in shapes[:2] if args.quick else shapes:
         torch.manual_seed(sum(widths))
         experts = [
-            FrozenExpert.from_module(ExpertMLP(ExpertArch(widths=widths)).eval()).aligned()
+            FrozenExpert.from_module(ExpertMLP(ExpertArch(widths=widths)).eval().to(device))
+            .aligned()
             for _ in range(args.pool)
         ]
         weights = [expert_weights(e) for e in experts]
@@ -115,10 +132,10 @@ def main() -> None:
             chosen = [experts[i] for i in picks]
             # Each group's rows padded to the row block, as the actor does.
             padded = -(-rows // block) * block
-            xs = [torch.randn(padded, widths[0]) for _ in picks]
+            xs = [torch.randn(padded, widths[0], device=device) for _ in picks]
             x = torch.cat(xs)
-            sizes = torch.full((groups,), padded, dtype=torch.long)
-            slab_sizes = torch.zeros(args.pool, dtype=torch.long)
+            sizes = torch.full((groups,), padded, dtype=torch.long, device=device)
+            slab_sizes = torch.zeros(args.pool, dtype=torch.long, device=device)
             slab_sizes[picks] = padded
 
             def from_slab(
@@ -132,20 +149,35 @@ def main() -> None:
             ) -> torch.Tensor:
                 return grouped(stack([weights[i] for i in picks]), x, sizes)
 
+            ways: dict[str, Callable[[], Any]] = {
+                "separate": partial(separate, chosen, xs),
+                "grouped_slab": from_slab,
+                "grouped_stack": from_stack,
+            }
+            us: dict[str, float] = {}
+            unsupported: dict[str, str] = {}
+            diff = 0.0
             with torch.inference_mode():
                 want = torch.cat(separate(chosen, xs))
-                diff = max(float((from_slab() - want).abs().max()),
-                           float((from_stack() - want).abs().max()))
-                us = {
-                    "separate": timed(partial(separate, chosen, xs), repeats, inner),
-                    "grouped_slab": timed(from_slab, repeats, inner),
-                    "grouped_stack": timed(from_stack, repeats, inner),
-                }
+                for name, way in ways.items():
+                    try:
+                        got = way()
+                    except (RuntimeError, NotImplementedError) as exc:
+                        if device == "cpu":
+                            raise  # the CPU path is the one this script vouches for
+                        unsupported[name] = str(exc).splitlines()[0][:200]
+                        continue
+                    if name != "separate":
+                        diff = max(diff, float((got - want).abs().max()))
+                    us[name] = timed(way, repeats, inner, device)
             print(json.dumps({
-                "benchmark": "grouped_forward", "widths": list(widths), "groups": groups,
-                "rows_per_group": rows, "row_block": block, "pool": args.pool,
-                "cpu_us_per_call": {k: round(v, 1) for k, v in us.items()},
+                "benchmark": "grouped_forward", "device": device, "widths": list(widths),
+                "groups": groups, "rows_per_group": rows, "row_block": block,
+                "pool": args.pool,
+                "us_per_call": {k: round(v, 1) for k, v in us.items()},
+                "us_measure": "wall, device synchronized" if device != "cpu" else "thread CPU",
                 "vs_separate": {k: round(v / us["separate"], 2) for k, v in us.items()},
+                "unsupported": unsupported or None,
                 "max_abs_diff": diff, "torch": torch.__version__,
                 "machine": MACHINE, "cpu": platform.processor() or platform.machine(),
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
