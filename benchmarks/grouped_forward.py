@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from experts_store import ExpertArch, ExpertMLP, FrozenExpert
-from server.pool._actor import ROW_BLOCK
+from server.pool._actor import row_block
 
 MACHINE = os.environ.get("MOMLP_BENCH_MACHINE", "2-core x86-64 VM, no GPU")
 Weights = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
@@ -114,7 +114,7 @@ def main() -> None:
         return
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
-    block = ROW_BLOCK["cuda" if device.startswith("cuda") else "cpu"]
+    block = row_block(device)
     repeats, inner = (5, 20) if args.quick else (15, 50)
     shapes = [(16, 256, 512, 8), (32, 512, 512, 8), (8, 64, 64, 8)]
     for widths in shapes[:2] if args.quick else shapes:

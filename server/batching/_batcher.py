@@ -86,7 +86,7 @@ class Batcher:
         self._clock: Clock = clock if clock is not None else MonotonicClock()
         self._sleep = sleep if sleep is not None else asyncio.sleep
         self._window_s = settings.max_batch_wait_ms / 1000.0
-        self._route = RouteRunner(model.route, settings.inline_route_ms / 1000.0, cpu_clock)
+        self._route = RouteRunner.for_settings(model.route, settings, cpu_clock)
         self._queue: deque[_Pending] = deque()
         self._queued_rows = 0
         self._wakeup: asyncio.Event | None = None

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from experts_store import Clock
+from server._settings import Settings
 
 __all__ = ["RouteRunner", "ThreadCpuClock"]
 
@@ -48,6 +49,16 @@ class RouteRunner:
 
     `inline_s` 0 sends every batch to a thread.
     """
+
+    @classmethod
+    def for_settings(
+        cls,
+        route: Callable[[torch.Tensor, Hashable], Any],
+        settings: Settings,
+        cpu_clock: Clock | None = None,
+    ) -> RouteRunner:
+        """A runner with the server's bound (`inline_route_ms`)."""
+        return cls(route, settings.inline_route_ms / 1000.0, cpu_clock)
 
     def __init__(
         self,

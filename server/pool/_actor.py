@@ -42,7 +42,9 @@ from experts_store import (
 )
 from server.pool._types import ActorInfo, ActorReply, GroupOutcome
 
-__all__ = ["ActorCore", "ExpertActor", "activation_peak_bytes", "resolve_device"]
+__all__ = [
+    "ROW_BLOCK", "ActorCore", "ExpertActor", "activation_peak_bytes", "resolve_device", "row_block",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,12 @@ ERROR_INTERNAL = "internal"
 # counts; benchmarks/gemm_alignment.py, part 1b). So a group of 1-3 rows, the common case under
 # Zipf traffic, costs a 4-row forward, not a 16-row one. CUDA keeps 16: unmeasured there.
 ROW_BLOCK = {"cpu": 4, "cuda": 16}
+
+
+def row_block(device: str) -> int:
+    """Rows per block on `device` (a resolved device string, e.g. "cpu" or "cuda:0")."""
+    return ROW_BLOCK["cuda" if device.startswith("cuda") else "cpu"]
+
 # A caller's buffer is used as is when its rows start this aligned: 16 bytes give the same bits
 # as torch's 64-byte-aligned buffers (benchmarks/gemm_alignment.py, part 1); numpy's small arrays
 # are 16-byte aligned. Rows of width ROW_ALIGN·j keep the base's alignment.
@@ -173,7 +181,7 @@ class ActorCore:
         self._clock: Clock = clock if clock is not None else MonotonicClock()
         self._lease_timeout_s = lease_timeout_s
         self._loader = _DeviceLoader(self.device)
-        self._row_block = ROW_BLOCK["cuda" if self.device.startswith("cuda") else "cpu"]
+        self._row_block = row_block(self.device)
         self._cache: ExpertCache[Cached] = ExpertCache(
             budget_bytes, self._loader, clock=self._clock, policy=cache_policy
         )

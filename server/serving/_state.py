@@ -208,8 +208,8 @@ class ServingState:
         check_kind_budget(model, pool.budget_bytes)
         observed = ObservedPool(pool, self._on_batch, self._on_generated)
         batcher = self.batcher_factory(model, observed, self.settings, self.clock)
-        inline_s = self.settings.inline_route_ms / 1000.0
-        return StoreVersion(store, model, batcher, RouteRunner(model.route, inline_s))
+        route_runner = RouteRunner.for_settings(model.route, self.settings)
+        return StoreVersion(store, model, batcher, route_runner)
 
     def current(self) -> StoreVersion:
         version = self.version
