@@ -10,6 +10,8 @@ groups of R one-expert rows, every expert resident) is run
 - through a real Ray actor (`ExpertActor`, 1 CPU, 1 torch thread, as the pool starts them),
   awaited from asyncio with 1 or 4 calls in flight, for max_concurrency 1 and 4 (the pool
   uses 4),
+- through the same actor's channel (`MOMLP_ACTOR_CHANNEL=socket`, the pool's default: a Unix
+  socket into the actor, `server.pool.Channel`), 1 or 4 calls in flight,
 
 and prints the CPU time per call of the actor process and of the caller (this process),
 from the processes' own counters. Ray's overhead per call is the actor's CPU minus the work,
@@ -27,6 +29,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -70,12 +73,26 @@ def in_process(payload: list[tuple[Any, np.ndarray]], calls: int) -> tuple[float
     return (cpu_s(me) - start) * 1000.0 / calls, reply
 
 
-async def drive(handle: Any, payload: Any, calls: int, inflight: int) -> None:
+async def drive(
+    handle: Any, payload: Any, calls: int, inflight: int, socket_path: Path | None = None
+) -> None:
+    """`calls` run calls, `inflight` at a time: Ray calls, or over the actor's channel."""
+    from server.pool import Channel
+
+    channel = None if socket_path is None else await Channel.connect(socket_path)
+
     async def caller(count: int) -> None:
         for _ in range(count):
-            await handle.run.remote(payload)
+            if channel is None:
+                await handle.run.remote(payload)
+            else:
+                await channel.run(payload)
 
-    await asyncio.gather(*(caller(calls // inflight) for _ in range(inflight)))
+    try:
+        await asyncio.gather(*(caller(calls // inflight) for _ in range(inflight)))
+    finally:
+        if channel is not None:
+            await channel.close()
 
 
 class Echo:
@@ -103,6 +120,7 @@ def through_ray(
     inflight: int,
     echo: Any = None,
     wait_s: float = 0.0,
+    channel: bool = False,
 ) -> dict[str, float]:
     import ray
 
@@ -118,10 +136,15 @@ def through_ray(
     )
     actor = psutil.Process(ray.get(handle.get_pid.remote()))
     me = psutil.Process()
+    folder = Path(tempfile.mkdtemp(prefix="momlp-channels-"))
+    path = None
+    if channel:
+        opened = ray.get(handle.open_channel.remote(str(folder)))
+        path = Path(opened[1])
     try:
-        asyncio.run(drive(handle, payload, max(inflight, calls // 5), inflight))  # warm
+        asyncio.run(drive(handle, payload, max(inflight, calls // 5), inflight, path))  # warm
         actor_start, own_start, wall_start = cpu_s(actor), cpu_s(me), time.perf_counter()
-        asyncio.run(drive(handle, payload, calls, inflight))
+        asyncio.run(drive(handle, payload, calls, inflight, path))
         wall = time.perf_counter() - wall_start
         done = calls // inflight * inflight
         return {
@@ -131,6 +154,7 @@ def through_ray(
         }
     finally:
         ray.kill(handle)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,6 +203,15 @@ def main(argv: list[str] | None = None) -> int:
                         "work_cpu_ms_per_call": work,
                         "ray_overhead_cpu_ms_per_call": overhead,
                     }), flush=True)
+            for inflight in (1, 4):
+                figures = through_ray(payload, calls, 4, inflight, channel=True)
+                overhead = (figures["actor_cpu_ms_per_call"] - work
+                            + figures["caller_cpu_ms_per_call"])
+                print(json.dumps({
+                    **base, "where": "channel", "max_concurrency": 4, "inflight": inflight,
+                    **figures, "work_cpu_ms_per_call": work,
+                    "call_overhead_cpu_ms_per_call": overhead,
+                }), flush=True)
     finally:
         ray.shutdown()
     return 0

@@ -100,6 +100,14 @@ class Settings(BaseSettings):
         description="actors lease the next group's expert on a helper thread while one "
         "computes; unset: on for CUDA, off for CPU",
     )
+    # A Ray actor call costs ~1 ms of CPU and ~1.5 ms of latency on a 2-core machine; the
+    # socket carries the same call for ~0.1 ms (benchmarks/RESULTS.md, "actor channel").
+    actor_channel: Literal["socket", "ray"] = Field(
+        default="socket",
+        description="how the server sends each batch to an actor on its own node: socket (a"
+        " Unix socket into the Ray actor) or ray (a Ray actor call); prefetch, info and actors"
+        " on other nodes always use Ray calls",
+    )
 
     max_rows: int = Field(default=8192, ge=1, description="rows per request (413 above)")
     max_body_bytes: int = Field(

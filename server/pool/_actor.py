@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,7 @@ from experts_store import (
     MonotonicClock,
     StoreError,
 )
+from server.pool._channel import ChannelServer
 from server.pool._types import ActorInfo, ActorReply, GroupOutcome
 
 __all__ = [
@@ -455,9 +457,30 @@ class ExpertActor:
             cache_policy=cache_policy,
             lookahead=lookahead,
         )
+        self._name = name
+        self._channel: ChannelServer | None = None
 
     def run(self, groups: list[tuple[ExpertRef, np.ndarray]]) -> ActorReply:
         return self._core.run(groups)
+
+    def open_channel(self, directory: str) -> tuple[str, str] | None:
+        """Answer `run` on a Unix socket in `directory` too (`_channel`); returns (this
+        actor's Ray node id, the socket's path), or None where the directory is not on this
+        node or the path is too long for a socket (the caller then keeps to Ray calls)."""
+        import ray
+
+        if self._channel is None:
+            folder = Path(directory)
+            if not folder.is_dir():
+                return None
+            path = folder / f"{self._name}-{os.getpid()}.sock"
+            try:
+                self._channel = ChannelServer(path, self._core.run)
+            except (OSError, ValueError) as exc:
+                logger.warning("no channel for %s: %s", self._name, exc)
+                return None
+        node = ray.get_runtime_context().get_node_id()
+        return node, os.fspath(self._channel.path)
 
     def prefetch(self, experts: list[ExpertRef]) -> dict[str, int]:
         return self._core.prefetch(experts)

@@ -5,16 +5,21 @@ Ray is imported inside the methods, so importing this module does not start or n
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from experts_store import Clock, ExpertRef
-from server._exceptions import PoolStartFailed
+from server._exceptions import ActorFailed, PoolStartFailed
 from server._settings import Settings
 from server.pool._actor import ExpertActor, resolve_device
 from server.pool._base import ActorDied, DispatchingPool
+from server.pool._channel import Channel, ChannelCallFailed, ChannelClosed
 from server.pool._types import ActorInfo, ActorReply
 
 __all__ = ["RayExpertPool"]
@@ -24,7 +29,13 @@ logger = logging.getLogger(__name__)
 
 class RayExpertPool(DispatchingPool):
     """One Ray actor per device (per GPU on CUDA, `settings.actors` on CPU), created once and
-    kept for the server's lifetime: a new store version never creates an actor."""
+    kept for the server's lifetime: a new store version never creates an actor.
+
+    With `channels` (a folder on the server's node, `settings.actor_channel == "socket"`),
+    `run` calls go over a Unix socket to each actor on this node (`_channel`), opened on the
+    first call and again after the actor restarts; other calls, and actors on other nodes,
+    use Ray's calls.
+    """
 
     def __init__(
         self,
@@ -34,6 +45,8 @@ class RayExpertPool(DispatchingPool):
         settings: Settings,
         clock: Clock | None = None,
         failure_ttl_s: float = 30.0,
+        channels: Path | None = None,
+        node_id: str | None = None,
     ) -> None:
         super().__init__(
             list(handles),
@@ -44,6 +57,11 @@ class RayExpertPool(DispatchingPool):
             failure_ttl_s=failure_ttl_s,
         )
         self._handles = handles
+        self._channel_dir = channels
+        self._node_id = node_id
+        # Absent: not opened since the actor (re)started; None: this actor uses Ray's calls.
+        self._channels: dict[str, Channel | None] = {}
+        self._channel_locks = {name: asyncio.Lock() for name in handles}
 
     @classmethod
     def create(
@@ -113,22 +131,77 @@ class RayExpertPool(DispatchingPool):
             settings.cache_bytes,
             settings.cache_policy,
         )
-        return cls(handles, device=device, settings=settings, clock=clock)
+        channels = None
+        if settings.actor_channel == "socket":
+            channels = Path(tempfile.mkdtemp(prefix="momlp-channels-"))
+        node_id = ray.get_runtime_context().get_node_id()
+        return cls(
+            handles,
+            device=device,
+            settings=settings,
+            clock=clock,
+            channels=channels,
+            node_id=node_id,
+        )
 
     def handle(self, actor: str) -> Any:
         """The Ray actor handle (for fault-injection tests and tooling)."""
         return self._handles[actor]
+
+    def transport(self, actor: str) -> str:
+        """How `run` reaches `actor` now: "socket", "ray", or "unopened" before its first
+        call since it (re)started."""
+        if actor not in self._channels:
+            return "ray" if self._channel_dir is None else "unopened"
+        channel = self._channels[actor]
+        return "ray" if channel is None else "socket"
 
     async def _call_run(
         self, actor: str, payload: list[tuple[ExpertRef, np.ndarray]]
     ) -> ActorReply:
         from ray.exceptions import RayActorError
 
+        channel = await self._channel(actor)
         try:
+            if channel is not None:
+                return await channel.run(payload)
             reply: ActorReply = await self._handles[actor].run.remote(payload)
+        except (RayActorError, ChannelClosed) as exc:
+            # A restarted actor is a new process: its channel is opened afresh.
+            self._channels.pop(actor, None)
+            raise ActorDied(actor) from exc
+        except ChannelCallFailed as exc:
+            raise ActorFailed(actor=actor, reason=str(exc)) from exc
+        return reply
+
+    async def _channel(self, actor: str) -> Channel | None:
+        """The open channel to `actor`, opening it if need be; None: use Ray's call."""
+        if self._channel_dir is None:
+            return None
+        async with self._channel_locks[actor]:
+            if actor in self._channels:
+                channel = self._channels[actor]
+                if channel is None or not channel.closed:
+                    return channel
+            return await self._open_channel(actor, self._channel_dir)
+
+    async def _open_channel(self, actor: str, folder: Path) -> Channel | None:
+        from ray.exceptions import RayActorError
+
+        try:
+            opened: tuple[str, str] | None = await self._handles[actor].open_channel.remote(
+                str(folder)
+            )
         except RayActorError as exc:
             raise ActorDied(actor) from exc
-        return reply
+        channel = None
+        if opened is not None and opened[0] == self._node_id:
+            try:
+                channel = await Channel.connect(Path(opened[1]))
+            except OSError as exc:
+                logger.warning("actor %s: no channel (%s); using Ray calls", actor, exc)
+        self._channels[actor] = channel
+        return channel
 
     async def _call_prefetch(self, actor: str, experts: list[ExpertRef]) -> dict[str, int]:
         from ray.exceptions import RayActorError
@@ -151,5 +224,11 @@ class RayExpertPool(DispatchingPool):
     async def _shutdown(self) -> None:
         import ray
 
+        for channel in self._channels.values():
+            if channel is not None:
+                await channel.close()
+        self._channels.clear()
         for handle in self._handles.values():
             ray.kill(handle, no_restart=True)
+        if self._channel_dir is not None:
+            shutil.rmtree(self._channel_dir, ignore_errors=True)

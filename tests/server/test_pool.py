@@ -51,10 +51,13 @@ async def start(store: Store, **settings: int | str) -> IdPool:
     return IdPool(store, pool)
 
 
-async def test_outputs_match_the_files_and_caches_stay_in_budget(make_store: MakeStore) -> None:
+@pytest.mark.parametrize("channel", ["socket", "ray"])
+async def test_outputs_match_the_files_and_caches_stay_in_budget(
+    make_store: MakeStore, channel: str
+) -> None:
     store = Store.open(make_store(K=50, n=4, width=16, out=3))
     budget = 5 * store.expert_nbytes(0)
-    pool = await start(store, actors=2, cache_bytes=budget)
+    pool = await start(store, actors=2, cache_bytes=budget, actor_channel=channel)
     rng = np.random.default_rng(0)
     try:
         for _ in range(12):
@@ -68,6 +71,7 @@ async def test_outputs_match_the_files_and_caches_stay_in_budget(make_store: Mak
             for info in pool.actors():
                 assert info.resident_bytes <= budget and len(info.resident) <= 5
         assert {info.name for info in pool.actors()} == {"actor-0", "actor-1"}
+        assert {pool.transport(name) for name in ("actor-0", "actor-1")} == {channel}
     finally:
         await pool.close()
 
@@ -107,11 +111,12 @@ async def test_the_cache_policy_decides_whether_hot_experts_outlast_one_off_requ
         await pool.close()
 
 
+@pytest.mark.parametrize("channel", ["socket", "ray"])
 async def test_killing_an_actor_mid_stream_loses_and_duplicates_nothing(
-    make_store: MakeStore,
+    make_store: MakeStore, channel: str
 ) -> None:
     store = Store.open(make_store(K=16, n=4, width=32, out=2))
-    pool = await start(store, actors=2, cache_bytes=10**7)
+    pool = await start(store, actors=2, cache_bytes=10**7, actor_channel=channel)
     rng = np.random.default_rng(2)
     batches = [random_groups(rng, 16, 4, 8) for _ in range(30)]
     try:
@@ -130,6 +135,7 @@ async def test_killing_an_actor_mid_stream_loses_and_duplicates_nothing(
         assert new_pid != pid
         results = await pool.run(batches[0])
         assert all(r.error is None for r in results)
+        assert pool.transport("actor-0") == channel  # the new process got a channel too
     finally:
         await pool.close()
 
