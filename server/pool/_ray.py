@@ -178,6 +178,9 @@ class RayExpertPool(DispatchingPool):
         """The open channel to `actor`, opening it if need be; None: use Ray's call."""
         if self._channel_dir is None:
             return None
+        known = self._channels.get(actor)
+        if known is not None and not known.closed:
+            return known
         async with self._channel_locks[actor]:
             if actor in self._channels:
                 channel = self._channels[actor]
