@@ -64,6 +64,15 @@ class Settings(BaseSettings):
     )
 
     max_batch_wait_ms: float = Field(default=2.0, ge=0.0, description="batch window")
+    # Under a closed-loop burst, requests join a window a few tenths of a ms apart here; a
+    # gap of 0.3 ms split bursts (more batches, more CPU per row), 0.6 did not, and let
+    # light load skip most of the window (benchmarks/RESULTS.md, "batch gap").
+    batch_gap_ms: float = Field(
+        default=0.6,
+        ge=0.0,
+        description="close a batch window early once no request has joined it for this long;"
+        " 0 waits out the whole window",
+    )
     max_batch_rows: int = Field(default=4096, ge=1, description="rows merged into one batch")
     # A thread hop costs more than routing a few rows: benchmarks/RESULTS.md, "routing on the
     # event loop".

@@ -86,6 +86,7 @@ class Batcher:
         self._clock: Clock = clock if clock is not None else MonotonicClock()
         self._sleep = sleep if sleep is not None else asyncio.sleep
         self._window_s = settings.max_batch_wait_ms / 1000.0
+        self._gap_s = settings.batch_gap_ms / 1000.0
         self._route = RouteRunner.for_settings(model.route, settings, cpu_clock)
         self._queue: deque[_Pending] = deque()
         self._queued_rows = 0
@@ -253,7 +254,8 @@ class Batcher:
             self._queue.popleft()
 
     async def _wait_for_window(self) -> None:
-        """Wait until the first request's window closes or its key has a full batch."""
+        """Wait until the first request's window closes (at its end, or once no request has
+        joined it for the gap) or its key has a full batch."""
         assert self._wakeup is not None
         while True:
             self._drop_cancelled()
@@ -261,7 +263,12 @@ class Batcher:
                 return
             first = self._queue[0]
             same = sum(p.rows for p in self._queue if p.key == first.key)
-            remaining = first.submitted + self._window_s - self._clock.now()
+            # The window closes at its end, or earlier once no request has joined for the
+            # gap: a burst that has all arrived need not wait out the rest.
+            closes = first.submitted + self._window_s
+            if self._gap_s > 0:
+                closes = min(closes, self._queue[-1].submitted + self._gap_s)
+            remaining = closes - self._clock.now()
             if same >= self._settings.max_batch_rows or remaining <= 0:
                 return
             self._wakeup.clear()

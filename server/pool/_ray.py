@@ -198,11 +198,15 @@ class RayExpertPool(DispatchingPool):
         except RayActorError as exc:
             raise ActorDied(actor) from exc
         channel = None
-        if opened is not None and opened[0] == self._node_id:
+        if opened is None or opened[0] != self._node_id:
+            logger.info("actor %s: no socket on this node; its batches go as Ray calls", actor)
+        else:
             try:
                 channel = await Channel.connect(Path(opened[1]))
             except OSError as exc:
                 logger.warning("actor %s: no channel (%s); using Ray calls", actor, exc)
+            else:
+                logger.info("actor %s takes its batches over %s", actor, opened[1])
         self._channels[actor] = channel
         return channel
 

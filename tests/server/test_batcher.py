@@ -137,7 +137,9 @@ def reference(store: Store, experts: torch.Tensor, weights: torch.Tensor, x: tor
 def setup(make_store: MakeStore) -> Setup:
     def build(**settings_kwargs: object) -> Built:
         store = Store.open(make_store(K=6, n=3, width=8, out=2))
-        fields: dict[str, object] = {"max_batch_wait_ms": 2.0, "cache_bytes": 10**7}
+        fields: dict[str, object] = {
+            "max_batch_wait_ms": 2.0, "batch_gap_ms": 0.0, "cache_bytes": 10**7
+        }
         fields.update(settings_kwargs)
         settings = Settings(**fields)  # type: ignore[arg-type]
         clock = FakeClock()
@@ -179,6 +181,29 @@ async def test_requests_within_the_window_share_one_router_and_pool_call(setup: 
     clock.advance(0.002)
     await third
     assert router.calls == [5, 1]
+    await batcher.close()
+    await pool.close()
+
+
+async def test_a_window_closes_early_once_requests_stop_joining_it(setup: Setup) -> None:
+    _, batcher, pool, router, clock = setup(batch_gap_ms=0.5)
+    first = asyncio.create_task(batcher.submit(inputs([0, 1], 3, seed=1)))
+    await settle()
+    clock.advance(0.0003)
+    second = asyncio.create_task(batcher.submit(inputs([2], 3, seed=2)))
+    await settle()
+    clock.advance(0.0003)  # 0.6 ms after the first request but 0.3 after the last: open
+    await settle()
+    assert router.calls == []
+    clock.advance(0.0003)  # 0.6 ms since a request joined: it closes, 1.1 ms before 2 ms
+    a, b = await asyncio.gather(first, second)
+    assert router.calls == [3] and len(pool.runs) == 1
+    assert a.queue_ms == pytest.approx(0.9) and b.queue_ms == pytest.approx(0.6)
+    lone = asyncio.create_task(batcher.submit(inputs([3], 3)))
+    await settle()
+    clock.advance(0.0005)  # a lone request waits the gap, not the window
+    assert (await lone).queue_ms == pytest.approx(0.5)
+    assert router.calls == [3, 1]
     await batcher.close()
     await pool.close()
 
