@@ -55,3 +55,7 @@ def test_momlp_serve_answers_then_stops_cleanly_on_sigterm(tmp_path: Path) -> No
     # The startup heap (torch, Ray, the app) was taken out of the cyclic GC's full collections.
     frozen = re.search(r"froze (\d+) objects alive after startup", text)
     assert frozen is not None and int(frozen.group(1)) > 10_000, text
+    # The batches reached the actor over its socket, and the socket's folder left with the server.
+    socket = re.search(r"actor actor-0 takes its batches over (\S+)", text)
+    assert socket is not None, text
+    assert not Path(socket.group(1)).parent.exists()
