@@ -76,6 +76,10 @@ class ChannelServer:
 
     def close(self) -> None:
         self._closed = True
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (Linux)
+        except OSError:
+            pass
         self._listener.close()
         self.path.unlink(missing_ok=True)
 
