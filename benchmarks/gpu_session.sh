@@ -12,7 +12,8 @@
 #                   (each call within 30 s of the last, or the machine is given back)
 # Here, no GPU:     bash benchmarks/gpu_session.sh dry-run   (the same steps on CPU, .venv)
 #
-# `run` writes every figure as JSON lines and logs under $OUT (or ./gpu-out here).
+# `run` writes every figure as JSON lines to $OUT/figures.jsonl (or ./gpu-out here), and the
+# steps' logs and the load test's report to $OUT/logs.tar.gz (a device call returns 8 files).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -80,6 +81,9 @@ run() {  # every GPU item of issues 13 and 19; each step logs and goes on if one
   [ -n "${QUICK:-}" ] && quick=(--quick)
   step expert_load "$python" benchmarks/expert_load.py --device "${DEVICE:-cuda}" "${quick[@]}"
   step pool_cuda "$python" benchmarks/pool.py --only cuda
+  # A real `momlp serve` on the device under `momlp loadtest`: VRAM per request.
+  step serve_loadtest "$python" benchmarks/serve_loadtest.py --device "${DEVICE:-cuda}" \
+    "${quick[@]}" --report "$OUT/loadtest"
   # Issue 19 item 2: one grouped matmul over a call's experts, where grouped kernels exist.
   step grouped_forward "$python" benchmarks/grouped_forward.py --device "${DEVICE:-cuda}" "${quick[@]}"
   # The hot swap with one actor on the GPU: the case issue 13's bug hit hardest.
@@ -91,7 +95,11 @@ run() {  # every GPU item of issues 13 and 19; each step logs and goes on if one
     step table4 "$python" benchmarks/paper_table4.py --scale full --executor local \
       --tasks holder1d --seeds 3
   fi
-  echo "figures: $OUT/figures.jsonl"
+  # At most 8 files come back from a device call: the figures stay apart, the rest is bundled.
+  tar czf /tmp/momlp-gpu-logs.tar.gz -C "$OUT" --exclude=./figures.jsonl .
+  find "$OUT" -mindepth 1 ! -name figures.jsonl -delete
+  mv /tmp/momlp-gpu-logs.tar.gz "$OUT/logs.tar.gz"
+  echo "figures: $OUT/figures.jsonl; logs and the load test's report: $OUT/logs.tar.gz"
 }
 
 dry_run() {  # the staging and the steps on this CPU machine, with the project's own venv
