@@ -133,7 +133,10 @@ class RayExpertPool(DispatchingPool):
         )
         channels = None
         if settings.actor_channel == "socket":
-            channels = Path(tempfile.mkdtemp(prefix="momlp-channels-"))
+            try:
+                channels = Path(tempfile.mkdtemp(prefix="momlp-channels-"))
+            except OSError as exc:  # e.g. a read-only temporary directory
+                logger.warning("no folder for actor sockets (%s); batches go as Ray calls", exc)
         node_id = ray.get_runtime_context().get_node_id()
         return cls(
             handles,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import tempfile
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -72,6 +73,21 @@ async def test_outputs_match_the_files_and_caches_stay_in_budget(
                 assert info.resident_bytes <= budget and len(info.resident) <= 5
         assert {info.name for info in pool.actors()} == {"actor-0", "actor-1"}
         assert {pool.transport(name) for name in ("actor-0", "actor-1")} == {channel}
+    finally:
+        await pool.close()
+
+
+async def test_without_a_folder_for_sockets_the_pool_serves_over_ray_calls(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = Store.open(make_store(K=8, n=3, width=8, out=2))
+    monkeypatch.setattr(tempfile, "tempdir", "/nonexistent/momlp-tmp")  # mkdtemp fails
+    pool = await start(store, actors=2, cache_bytes=10**7)
+    try:
+        groups = random_groups(np.random.default_rng(5), 8, 3, 6)
+        for group, result in zip(groups, await pool.run(groups), strict=True):
+            torch.testing.assert_close(result.outputs, reference(store, group))
+        assert {pool.transport(name) for name in ("actor-0", "actor-1")} == {"ray"}
     finally:
         await pool.close()
 
