@@ -136,9 +136,9 @@ def through_ray(
     )
     actor = psutil.Process(ray.get(handle.get_pid.remote()))
     me = psutil.Process()
-    folder = Path(tempfile.mkdtemp(prefix="momlp-channels-"))
+    folder = Path(tempfile.mkdtemp(prefix="momlp-channels-")) if channel else None
     path = None
-    if channel:
+    if folder is not None:
         opened = ray.get(handle.open_channel.remote(str(folder)))
         path = Path(opened[1])
     try:
@@ -154,7 +154,8 @@ def through_ray(
         }
     finally:
         ray.kill(handle)
-        shutil.rmtree(folder, ignore_errors=True)
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -66,7 +66,8 @@ class Settings(BaseSettings):
     max_batch_wait_ms: float = Field(default=2.0, ge=0.0, description="batch window")
     # Under a closed-loop burst, requests join a window a few tenths of a ms apart here; a
     # gap of 0.3 ms split bursts (more batches, more CPU per row), 0.6 did not, and let
-    # light load skip most of the window (benchmarks/RESULTS.md, "batch gap").
+    # light load skip most of the window (benchmarks/RESULTS.md, "Ninth session: the batch
+    # gap").
     batch_gap_ms: float = Field(
         default=0.6,
         ge=0.0,
@@ -110,7 +111,8 @@ class Settings(BaseSettings):
         "computes; unset: on for CUDA, off for CPU",
     )
     # A Ray actor call costs ~1 ms of CPU and ~1.5 ms of latency on a 2-core machine; the
-    # socket carries the same call for ~0.1 ms (benchmarks/RESULTS.md, "actor channel").
+    # socket carries the same call for ~0.1-0.4 ms (benchmarks/RESULTS.md, "Ninth session
+    # ...: each batch reaches an actor over a Unix socket").
     actor_channel: Literal["socket", "ray"] = Field(
         default="socket",
         description="how the server sends each batch to an actor on its own node: socket (a"

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from server.pool._actor import ActorCore, ExpertActor, activation_peak_bytes, resolve_device
 from server.pool._base import ActorDied, DispatchingPool, check_budget
-from server.pool._channel import Channel, ChannelCallFailed, ChannelClosed, ChannelServer
+from server.pool._channel import (
+    Channel,
+    ChannelCallFailed,
+    ChannelClosed,
+    ChannelError,
+    ChannelServer,
+)
 from server.pool._dispatch import Dispatcher, rendezvous_rank
 from server.pool._fake import FakeExpertPool
 from server.pool._ray import RayExpertPool
@@ -30,6 +36,7 @@ __all__ = [
     "Channel",
     "ChannelCallFailed",
     "ChannelClosed",
+    "ChannelError",
     "ChannelServer",
     "Dispatcher",
     "DispatchingPool",

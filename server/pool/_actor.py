@@ -457,7 +457,6 @@ class ExpertActor:
             cache_policy=cache_policy,
             lookahead=lookahead,
         )
-        self._name = name
         self._channel: ChannelServer | None = None
 
     def run(self, groups: list[tuple[ExpertRef, np.ndarray]]) -> ActorReply:
@@ -473,11 +472,11 @@ class ExpertActor:
             folder = Path(directory)
             if not folder.is_dir():
                 return None
-            path = folder / f"{self._name}-{os.getpid()}.sock"
+            path = folder / f"{self._core.name}-{os.getpid()}.sock"
             try:
                 self._channel = ChannelServer(path, self._core.run)
             except (OSError, ValueError) as exc:
-                logger.warning("no channel for %s: %s", self._name, exc)
+                logger.warning("no channel for %s: %s", self._core.name, exc)
                 return None
         node = ray.get_runtime_context().get_node_id()
         return node, os.fspath(self._channel.path)

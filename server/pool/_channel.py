@@ -27,6 +27,7 @@ from typing import BinaryIO
 from server.pool._types import ActorReply
 from server.pool._wire import (
     PREFIX,
+    ChannelError,
     RunPayload,
     WireError,
     decode_reply,
@@ -42,6 +43,7 @@ __all__ = [
     "Channel",
     "ChannelCallFailed",
     "ChannelClosed",
+    "ChannelError",
     "ChannelServer",
 ]
 
@@ -51,11 +53,11 @@ logger = logging.getLogger(__name__)
 MAX_SOCKET_PATH = 107
 
 
-class ChannelClosed(Exception):
+class ChannelClosed(ChannelError):
     """The connection to the actor is gone (the actor died, or a frame did not decode)."""
 
 
-class ChannelCallFailed(Exception):
+class ChannelCallFailed(ChannelError):
     """The actor's `run` raised; the message is its reason."""
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "MAX_BODY_BYTES",
     "MAX_HEADER_BYTES",
     "PREFIX",
+    "ChannelError",
     "RunPayload",
     "WireError",
     "decode_reply",
@@ -50,7 +51,12 @@ _REF_KINDS: dict[str, type[ExpertRef]] = {
 _KIND_OF = {cls: kind for kind, cls in _REF_KINDS.items()}
 
 
-class WireError(Exception):
+class ChannelError(Exception):
+    """Base of the actor channel's errors (internal: the pool maps each to `ActorDied` or
+    `ActorFailed`)."""
+
+
+class WireError(ChannelError):
     """A frame that does not decode: wrong magic, sizes, JSON or field types."""
 
 
