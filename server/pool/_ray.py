@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from server._settings import Settings
 from server.pool._actor import ExpertActor, resolve_device
 from server.pool._base import ActorDied, DispatchingPool
 from server.pool._channel import Channel, ChannelCallFailed, ChannelClosed
+from server.pool._channel_dir import make_channel_folder, sweep_stale_folders
 from server.pool._types import ActorInfo, ActorReply
 
 __all__ = ["RayExpertPool"]
@@ -133,8 +133,9 @@ class RayExpertPool(DispatchingPool):
         )
         channels = None
         if settings.actor_channel == "socket":
+            sweep_stale_folders()
             try:
-                channels = Path(tempfile.mkdtemp(prefix="momlp-channels-"))
+                channels = make_channel_folder()
             except OSError as exc:  # e.g. a read-only temporary directory
                 logger.warning("no folder for actor sockets (%s); batches go as Ray calls", exc)
         node_id = ray.get_runtime_context().get_node_id()

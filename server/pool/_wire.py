@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -210,7 +211,8 @@ def _split(
     arrays = []
     offset = 0
     for dtype, shape in layouts:
-        count = int(np.prod(shape))
+        # math.prod, not np.prod: a numpy reduction costs ~3 µs per array, on the event loop.
+        count = math.prod(shape)
         size = dtype.itemsize * count
         if offset + size > len(body):
             raise WireError(f"body of {len(body)} B is shorter than its arrays")

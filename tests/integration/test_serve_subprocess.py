@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +35,13 @@ def test_momlp_serve_answers_then_stops_cleanly_on_sigterm(tmp_path: Path) -> No
         "1",
         "--no-watch-store",
     ]
+    # A server killed with SIGKILL left its socket folder behind; this one removes it.
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = Path(tempfile.gettempdir()) / f"momlp-channels-{gone.pid}-killed"
+    stale.mkdir(mode=0o700)
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(stale / "a.sock"))
     with serve_process(args, env=env, cwd=tmp_path) as served:
         process, url, log = served.process, served.url, served.log
         x = np.random.default_rng(0).normal(size=(10, 3)).astype(np.float32)
@@ -56,6 +66,8 @@ def test_momlp_serve_answers_then_stops_cleanly_on_sigterm(tmp_path: Path) -> No
     frozen = re.search(r"froze (\d+) objects alive after startup", text)
     assert frozen is not None and int(frozen.group(1)) > 10_000, text
     # The batches reached the actor over its socket, and the socket's folder left with the server.
-    socket = re.search(r"actor actor-0 takes its batches over (\S+)", text)
-    assert socket is not None, text
-    assert not Path(socket.group(1)).parent.exists()
+    own = re.search(r"actor actor-0 takes its batches over (\S+)", text)
+    assert own is not None, text
+    assert not Path(own.group(1)).parent.exists()
+    assert not stale.exists()
+    assert re.search(r"removed \d+ socket folder\(s\) of servers no longer running", text), text
