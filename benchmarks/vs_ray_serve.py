@@ -382,11 +382,9 @@ def wait_ready(url: str, probe: dict[str, Any], timeout_s: float) -> None:
     raise RuntimeError(f"{url} not ready within {timeout_s} s: {last}")
 
 
-def run_momlp(args: argparse.Namespace, store: Store, work: list[Any], round_: int) -> Any:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/v1/predict"
-    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", OMP_NUM_THREADS="1")
-    command = [
+def momlp_command(args: argparse.Namespace, store: Store, port: int) -> list[str]:
+    """`momlp serve` of `store` on 127.0.0.1:`port` with the benchmark's actors and budget."""
+    return [
         str(Path(sys.executable).parent / "momlp"),
         "serve",
         "--store", str(store.root),
@@ -398,13 +396,31 @@ def run_momlp(args: argparse.Namespace, store: Store, work: list[Any], round_: i
         "--ray-num-cpus", str(args.ray_num_cpus),
         "--no-watch-store",
     ]  # fmt: skip
-    with tempfile.NamedTemporaryFile("w+", prefix="momlp-serve-", suffix=".log") as log:
+
+
+MOMLP_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "OMP_NUM_THREADS": "1"}
+
+
+def run_momlp(args: argparse.Namespace, store: Store, work: list[Any], round_: int) -> Any:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/v1/predict"
+    env = dict(os.environ, **MOMLP_ENV)
+    command = momlp_command(args, store, port)
+    with served(command, env, url, {"inputs": work[0][1]}, "momlp-serve-") as pid:
+        return run_driver(url, work, args.warmup, args.concurrency, "momlp", pid, args.client)
+
+
+@contextmanager
+def served(
+    command: list[str], env: dict[str, str], url: str, probe: dict[str, Any], prefix: str
+) -> Iterator[int]:
+    """A server process started from `command`, ready at `url`; yields its pid and stops it
+    with SIGTERM. Its output goes to a temporary log, printed to stderr if anything fails."""
+    with tempfile.NamedTemporaryFile("w+", prefix=prefix, suffix=".log") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
-            wait_ready(url, {"inputs": work[0][1]}, 240.0)
-            result = run_driver(
-                url, work, args.warmup, args.concurrency, "momlp", process.pid, args.client
-            )
+            wait_ready(url, probe, 240.0)
+            yield process.pid
         except Exception:
             log.seek(0)
             sys.stderr.write(log.read()[-4000:])
@@ -416,7 +432,6 @@ def run_momlp(args: argparse.Namespace, store: Store, work: list[Any], round_: i
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout=30)
-    return result
 
 
 RAYSERVE_BEST = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}

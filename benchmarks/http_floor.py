@@ -1,0 +1,186 @@
+"""momlp's server process beside the floor of any uvicorn server: CPU per request, same load.
+
+Runs, alternating within each round, two servers under `vs_ray_serve.py`'s driver (same store,
+workload, client and concurrency; its flags): `momlp serve` as a user runs it, and uvicorn (the
+same version and defaults as momlp's: httptools, uvloop, one process) serving `_floor_app`, a
+bare ASGI app that parses each JSON body and answers a momlp-shaped body of zeros, with no
+access log. For each it splits the CPU time of the measured requests into the HTTP process
+itself, its descendants (momlp's Ray and actors; none for the floor) and the load generator.
+
+The floor is what the HTTP server alone costs per request here; the rest of momlp's server
+process is its own path (validation, batching, routing, the actor channel, the answer).
+Prints one JSON line per system and round, then one with the medians and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+from vs_ray_serve import (
+    HERE,
+    MACHINE,
+    MOMLP_ENV,
+    drive,
+    free_port,
+    frozen_heap,
+    momlp_command,
+    prepare,
+    served,
+)
+
+
+class ProcessCpu:
+    """CPU seconds of one process, of its descendants, and of this process, since `start`."""
+
+    def __init__(self, pid: int) -> None:
+        self._root = psutil.Process(pid)
+        self._own = psutil.Process()
+        self._start = self._sample()
+
+    def _sample(self) -> tuple[float, float, float]:
+        descendants = 0.0
+        for proc in self._root.children(recursive=True):
+            try:
+                times = proc.cpu_times()
+            except psutil.Error:
+                continue
+            descendants += times.user + times.system
+        root, own = self._root.cpu_times(), self._own.cpu_times()
+        return root.user + root.system, descendants, own.user + own.system
+
+    def elapsed(self) -> dict[str, float]:
+        now = self._sample()
+        names = ("http_process", "descendants", "client")
+        return {name: b - a for name, a, b in zip(names, self._start, now, strict=True)}
+
+
+def measure(
+    system: str, url: str, pid: int, work: list[Any], args: argparse.Namespace, round_: int
+) -> dict[str, Any]:
+    def run(part: list[Any]) -> list[Any]:
+        return asyncio.run(drive(url, part, concurrency=args.concurrency, system="momlp"))
+
+    run(work[: args.warmup])
+    with frozen_heap():
+        meter = ProcessCpu(pid)
+        start = time.perf_counter()
+        records = run(work[args.warmup :])
+        seconds = time.perf_counter() - start
+        cpu = meter.elapsed()
+    ok = [r for r in records if r.ok]
+    latencies = sorted(r.latency_s * 1000 for r in ok)
+    line: dict[str, Any] = {
+        "benchmark": "http_floor",
+        "system": system,
+        "round": round_,
+        "requests": len(records),
+        "errors": len(records) - len(ok),
+        "rows_per_s": len(ok) * args.rows_per_request / seconds,
+        "p50_ms": float(np.percentile(latencies, 50)),
+        "p99_ms": float(np.percentile(latencies, 99)),
+    }
+    for name, spent in cpu.items():
+        line[f"cpu_ms_per_request_{name}"] = 1000 * spent / max(1, len(ok))
+    return line
+
+
+def serve(system: str, args: argparse.Namespace, store: Any, work: list[Any], round_: int) -> Any:
+    port = free_port()
+    if system == "momlp":
+        command = momlp_command(args, store, port)
+        env = dict(os.environ, **MOMLP_ENV)
+        url = f"http://127.0.0.1:{port}/v1/predict"
+    else:
+        command = [
+            sys.executable, "-m", "uvicorn", "_floor_app:app", "--app-dir", str(HERE),
+            "--host", "127.0.0.1", "--port", str(port), "--no-access-log",
+            "--log-level", "warning",
+        ]  # fmt: skip
+        env = dict(os.environ, FLOOR_OUTPUT_DIM=str(store.manifest.output_dim))
+        url = f"http://127.0.0.1:{port}/"
+    with served(command, env, url, {"inputs": work[0][1]}, f"{system}-") as pid:
+        return measure(system, url, pid, work, args, round_)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--store", type=Path, default=Path(tempfile.gettempdir()) / "momlp-http-floor"
+    )
+    parser.add_argument("--experts", type=int, default=200)
+    parser.add_argument("--widths", default="16,256,512,8", help="expert widths d0,...,dout")
+    parser.add_argument("--actors", type=int, default=2)
+    parser.add_argument("--experts-per-actor", type=int, default=20)
+    parser.add_argument("--rows-per-request", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--warmup", type=int, default=300)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ray-num-cpus", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="1 round of 600 requests")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.requests, args.warmup = 1, 600, 100
+    store, widths, _expert_bytes, work = prepare(args)
+    setup = {
+        "experts": store.manifest.num_experts,
+        "widths": list(widths),
+        "actors": args.actors,
+        "experts_per_actor": args.experts_per_actor,
+        "rows_per_request": args.rows_per_request,
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "client": "aiohttp",
+        "machine": MACHINE,
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    lines: dict[str, list[dict[str, Any]]] = {"momlp": [], "floor": []}
+    for round_ in range(args.rounds):
+        order = ["momlp", "floor"] if round_ % 2 == 0 else ["floor", "momlp"]
+        for system in order:
+            line = serve(system, args, store, work, round_) | setup
+            lines[system].append(line)
+            print(json.dumps(line), flush=True)
+    keys = [k for k in lines["momlp"][0] if k.startswith(("rows_per_s", "p50", "p99", "cpu_"))]
+    medians = {
+        system: {k: statistics.median(line[k] for line in got) for k in keys}
+        for system, got in lines.items()
+    }
+    for system, values in medians.items():
+        print(json.dumps({"benchmark": "http_floor", "system": system, "stat": "median"} | values))
+    momlp, floor = medians["momlp"], medians["floor"]
+    http = "cpu_ms_per_request_http_process"
+    print(
+        json.dumps(
+            {
+                "benchmark": "http_floor",
+                "stat": "ratio momlp / floor (medians)",
+                # None when a process's CPU stayed below the clock's tick (10 ms in all).
+                "http_process_cpu_ratio": momlp[http] / floor[http] if floor[http] else None,
+                "floor_share_of_momlp_http_process": floor[http] / momlp[http]
+                if momlp[http]
+                else None,
+                "momlp_http_process_above_floor_ms": momlp[http] - floor[http],
+            }
+            | setup
+        ),
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
