@@ -45,7 +45,7 @@ from server.http._models import (
 )
 from server.http._openapi import inline_defs
 from server.http._paths import PREDICT_PATH, ROUTE_PATH
-from server.kinds import GateRequest, PatchInputs, PatchRowRouting, attach_conditions
+from server.kinds import GateRequest, attach_conditions, patch_inputs, patch_routing
 from server.serving import ServingState, StoreVersion
 
 __all__ = [
@@ -165,7 +165,7 @@ async def _inputs(
     return_stats: bool,
     return_routing: bool = False,
 ) -> _Inputs:
-    patch_model = version.model if isinstance(version.model, PatchInputs) else None
+    patch_model = patch_inputs(version.model)
     parsed = await parse_inputs(
         request,
         max_bytes=settings.max_body_bytes,
@@ -203,11 +203,12 @@ def _hyper_summary(version: StoreVersion) -> dict[str, Any] | None:
 def _patch_rows(routing: Any) -> list[list[ExpertPatchesModel]] | None:
     """Each row's patch choices, when the kind's routing has them (else None: for other
     kinds `experts` and `weights` already are the whole routing)."""
-    if not isinstance(routing, PatchRowRouting):
+    patches = patch_routing(routing)
+    if patches is None:
         return None
     return [
         [ExpertPatchesModel.model_construct(**vars(choice)) for choice in row]
-        for row in routing.patch_choices()
+        for row in patches.patch_choices()
     ]
 
 
@@ -256,9 +257,10 @@ async def predict(request: Request) -> Response:
             total_ms=max(answer.total_ms, (time.perf_counter() - start) * 1000.0),
             graph=graph_stats,
         )
-        if isinstance(answer.routing, PatchRowRouting):
+        patches = patch_routing(answer.routing)
+        if patches is not None:
             stats.patches_computed = sum(s.rows for s in answer.stats)
-            stats.patches_dense = answer.routing.dense_patches
+            stats.patches_dense = patches.dense_patches
     kept = answer.kept()
     return model_response(
         PredictResponse.model_construct(

@@ -21,7 +21,13 @@ from server.kinds._types import (
     RowRouting,
     ServedModel,
 )
-from server.kinds._views import PatchChoice, PatchInputs, PatchRowRouting
+from server.kinds._views import (
+    PatchChoice,
+    PatchInputs,
+    PatchRowRouting,
+    patch_inputs,
+    patch_routing,
+)
 
 __all__ = [
     "KINDS",
@@ -49,4 +55,6 @@ __all__ = [
     "RowRouting",
     "ServedModel",
     "open_model",
+    "patch_inputs",
+    "patch_routing",
 ]

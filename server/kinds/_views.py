@@ -1,8 +1,8 @@
 """Optional capabilities a kind may have beyond `ServedModel`, for the floors above to ask for.
 
-The HTTP floor checks for them with isinstance (these Protocols are runtime checkable), so a
-kind that has them gets image bodies and per-patch routing in responses without the HTTP
-floor naming the kind.
+The HTTP floor asks for them with `patch_inputs` and `patch_routing` (isinstance against
+these runtime-checkable Protocols, remembered per class), so a kind that has them gets image
+bodies and per-patch routing in responses without the HTTP floor naming the kind.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["PatchChoice", "PatchInputs", "PatchRowRouting"]
+__all__ = ["PatchChoice", "PatchInputs", "PatchRowRouting", "patch_inputs", "patch_routing"]
 
 
 @dataclass(frozen=True)
@@ -51,3 +51,27 @@ class PatchInputs(Protocol):
     def image_rows(self, images: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         """[B, H, W, C] images as flat rows [B, n·d], patches in the order it was trained on."""
         ...
+
+
+# isinstance against a runtime-checkable Protocol looks up each member on the object: ~6 µs,
+# asked on every request. A kind's model and routing classes define their members on the
+# class, so the answer is one per class.
+_CONFORMS: dict[tuple[type, type], bool] = {}
+
+
+def _conforms(obj: object, protocol: type) -> bool:
+    key = (type(obj), protocol)
+    known = _CONFORMS.get(key)
+    if known is None:
+        known = _CONFORMS[key] = isinstance(obj, protocol)
+    return known
+
+
+def patch_inputs(model: object) -> PatchInputs | None:
+    """`model` as a `PatchInputs` when its kind takes patches, else None."""
+    return model if _conforms(model, PatchInputs) else None  # type: ignore[return-value]
+
+
+def patch_routing(routing: object) -> PatchRowRouting | None:
+    """`routing` as a `PatchRowRouting` when it knows each row's patches, else None."""
+    return routing if _conforms(routing, PatchRowRouting) else None  # type: ignore[return-value]

@@ -8,6 +8,7 @@ named by their cache keys (content hashes when served), which it treats as opaqu
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import threading
@@ -19,6 +20,9 @@ __all__ = ["Dispatcher", "rendezvous_rank"]
 logger = logging.getLogger(__name__)
 
 
+# Every batch ranks each of its experts over the actors again (~90 blake2b per batch on the
+# issue-19 load); a score never changes, and 32k of them are a few MB.
+@functools.lru_cache(maxsize=1 << 15)
 def _score(key: Hashable, actor: str) -> int:
     digest = hashlib.blake2b(f"{key}\x00{actor}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")
