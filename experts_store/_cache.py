@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import threading
 from collections import OrderedDict
@@ -326,8 +327,15 @@ class ExpertCache(Generic[T]):
         def movable(item: tuple[Hashable, _Entry[T]]) -> bool:
             return not item[1].pinned and item[0] not in keep
 
-        evictable = sum(item[1].nbytes for item in self._ordered() if movable(item))
-        if free + evictable < nbytes:
+        # Can enough be evicted? Stops at the first movable experts that cover the shortfall
+        # (usually the first one or two) instead of summing the whole cache on every miss.
+        short = nbytes - free
+        for item in itertools.chain(self._window.items(), self._main.items()):
+            if movable(item):
+                short -= item[1].nbytes
+                if short <= 0:
+                    break
+        else:
             return False
         admission = self._admission
         floor = self._budget if admission is None else admission.climber.window_bytes
@@ -340,7 +348,7 @@ class ExpertCache(Generic[T]):
             if candidate is not None and (victim is None or window_full):
                 free += self._settle(*candidate, victim, main_target)
             else:
-                assert victim is not None  # `evictable` covers nbytes - free
+                assert victim is not None  # the scan above found enough movable bytes
                 free += self._drop(*victim)
         return True
 

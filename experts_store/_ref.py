@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -67,7 +66,7 @@ class ExpertRefLoader:
             if self._host_pool is not None:
                 self._host_pool.max_bytes = max(self._host_pool.max_bytes, 2 * ref.nbytes)
         expert = load_frozen_expert(
-            Path(ref.path),
+            ref.path,
             self.device,
             expected_checksum=ref.checksum if fast else None,
             expected_sha256=None if verified else ref.sha256,

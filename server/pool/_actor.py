@@ -269,8 +269,9 @@ class ActorCore:
     def _run_locked(self, groups: Sequence[tuple[ExpertRef, np.ndarray]]) -> list[GroupOutcome]:
         # Only a miss is worth a helper thread: a hit's lease takes microseconds, and handing
         # work to a thread costs more than that on a busy machine.
-        resident = self._cache.resident()
         ahead = self._lookahead
+        # Only the look-ahead asks what is resident (a scan of the cache, per call).
+        resident = self._cache.resident() if ahead is not None else {}
         outcomes: list[GroupOutcome] = []
         pending: Future[_Leased] | None = None
         try:
