@@ -40,6 +40,9 @@ __all__ = ["Batcher"]
 
 logger = logging.getLogger(__name__)
 
+# Distinct option values the batcher remembers as checked (a few hundred bytes each).
+_CHECKED_OPTIONS = 1024
+
 
 @dataclass(eq=False)
 class _Pending:
@@ -103,6 +106,7 @@ class Batcher:
             else resolve_device(settings.device).startswith("cuda")
         )
         self._closed = False
+        self._checked_options: set[Hashable] = set()
         self.batches = 0  # batches dispatched so far (for tests and metrics)
 
     @property
@@ -160,7 +164,13 @@ class Batcher:
         tensor = tensor.to(torch.float32).contiguous()
         if not bool(torch.isfinite(tensor).all()):
             raise InvalidRequest("inputs must be finite numbers", field="inputs")
-        self._model.check(options)
+        if options not in self._checked_options:
+            self._model.check(options)
+            # Requests mostly share a few option values (the store's gate, a client's
+            # settings): each is checked once, not on every request.
+            if len(self._checked_options) >= _CHECKED_OPTIONS:
+                self._checked_options.clear()
+            self._checked_options.add(options)
         return tensor
 
     def _retry_after_s(self) -> float:

@@ -117,23 +117,39 @@ class Metrics:
         )
         self._snapshot: Callable[[], PoolSnapshot | None] = snapshot or (lambda: None)
         r.register(_PoolCollector(lambda: self._snapshot()))
+        # labels() validates and looks up under a lock on every call; endpoints and statuses
+        # are few (route templates), so each labelled child is looked up once.
+        self._request_children: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
 
     def set_snapshot(self, snapshot: Callable[[], PoolSnapshot | None]) -> None:
         self._snapshot = snapshot
 
     def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
-        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
-        self.request_seconds.labels(endpoint=endpoint).observe(seconds)
+        children = self._request_children.get((endpoint, status))
+        if children is None:
+            children = (
+                self.requests.labels(endpoint=endpoint, status=str(status)),
+                self.request_seconds.labels(endpoint=endpoint),
+            )
+            self._request_children[(endpoint, status)] = children
+        count, latency = children
+        count.inc()
+        latency.observe(seconds)
 
     def observe_prediction(self, rows: int, caches: Sequence[tuple[str, float]]) -> None:
         """`caches`: (cache, load_ms) of each ExpertStat of one answered request."""
         self.rows.inc(rows)
+        hits = 0
         for cache, load_ms in caches:
             if cache == "hit":
-                self.cache_hits.inc()
+                hits += 1
             else:
-                self.cache_misses.inc()
                 self.load_seconds.observe(load_ms / 1000.0)
+        # One increment per counter and request (each takes a lock), not one per expert.
+        if hits:
+            self.cache_hits.inc(hits)
+        if hits < len(caches):
+            self.cache_misses.inc(len(caches) - hits)
 
     def observe_generations(self, count: int, where: str = "actor") -> None:
         if count:
