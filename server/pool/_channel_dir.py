@@ -3,8 +3,11 @@
 A server removes its folder when it stops, but one killed with SIGKILL (or by the OOM killer)
 cannot: its folder and sockets stay in the temporary directory. Each folder's name carries the
 server's process id, so the next server on the machine removes those whose process is gone.
-It removes a folder only if the current user owns it and it holds nothing but sockets, so a
-folder that merely looks like one is left alone, and a reused process id only delays a sweep.
+It removes a folder only if the current user owns it, it holds nothing but sockets, and none
+of them accepts a connection: a folder that merely looks like one is left alone, a reused
+process id only delays a sweep, and a live server whose process id this one cannot see (a
+temporary directory shared across process namespaces) keeps its folder, since its actors
+still listen there.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 import stat
 import tempfile
 from collections.abc import Callable
@@ -73,7 +77,23 @@ def _remove_socket_folder(folder: Path, uid: int) -> bool:
     entries = list(folder.iterdir())
     if any(not stat.S_ISSOCK(entry.lstat().st_mode) for entry in entries):
         return False
+    if any(_listening(entry) for entry in entries):
+        return False
     for entry in entries:
         entry.unlink()
     folder.rmdir()
+    return True
+
+
+def _listening(path: Path) -> bool:
+    """Whether something accepts connections on the Unix socket at `path` (an actor's
+    channel server sees the connection close at once and ends that thread)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(os.fspath(path))
+        except (ConnectionRefusedError, FileNotFoundError):  # nobody serves there
+            return False
+        except OSError:  # no answer in time (a full backlog?): assume it is alive
+            return True
     return True

@@ -62,3 +62,17 @@ def test_process_alive_tells_this_process_from_an_unused_id() -> None:
     assert process_alive(os.getpid())
     # Linux caps process ids at 2**22; this one cannot exist.
     assert not process_alive(2**22 + 1)
+
+
+def test_a_folder_whose_socket_still_accepts_connections_is_kept(tmp_path: Path) -> None:
+    # Its server's process id may be invisible here (another process namespace sharing the
+    # temporary directory), but an actor still listens on its socket.
+    folder = tmp_path / f"momlp-channels-{DEAD}-x1"
+    folder.mkdir(mode=0o700)
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(folder / "a.sock"))
+        listener.listen()
+        assert sweep_stale_folders(tmp_path, alive=alive) == []
+        assert (folder / "a.sock").exists()
+    # Once nobody listens, the same folder goes.
+    assert sweep_stale_folders(tmp_path, alive=alive) == [folder]
