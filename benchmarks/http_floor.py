@@ -20,18 +20,17 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 from vs_ray_serve import (
     HERE,
     MACHINE,
     MOMLP_ENV,
+    CpuMeter,
+    add_workload_args,
     drive,
     free_port,
     frozen_heap,
@@ -39,31 +38,6 @@ from vs_ray_serve import (
     prepare,
     served,
 )
-
-
-class ProcessCpu:
-    """CPU seconds of one process, of its descendants, and of this process, since `start`."""
-
-    def __init__(self, pid: int) -> None:
-        self._root = psutil.Process(pid)
-        self._own = psutil.Process()
-        self._start = self._sample()
-
-    def _sample(self) -> tuple[float, float, float]:
-        descendants = 0.0
-        for proc in self._root.children(recursive=True):
-            try:
-                times = proc.cpu_times()
-            except psutil.Error:
-                continue
-            descendants += times.user + times.system
-        root, own = self._root.cpu_times(), self._own.cpu_times()
-        return root.user + root.system, descendants, own.user + own.system
-
-    def elapsed(self) -> dict[str, float]:
-        now = self._sample()
-        names = ("http_process", "descendants", "client")
-        return {name: b - a for name, a, b in zip(names, self._start, now, strict=True)}
 
 
 def measure(
@@ -74,11 +48,11 @@ def measure(
 
     run(work[: args.warmup])
     with frozen_heap():
-        meter = ProcessCpu(pid)
+        meter = CpuMeter(pid)
         start = time.perf_counter()
         records = run(work[args.warmup :])
         seconds = time.perf_counter() - start
-        cpu = meter.elapsed()
+        cpu = meter.elapsed_split()
     ok = [r for r in records if r.ok]
     latencies = sorted(r.latency_s * 1000 for r in ok)
     line: dict[str, Any] = {
@@ -91,7 +65,8 @@ def measure(
         "p50_ms": float(np.percentile(latencies, 50)),
         "p99_ms": float(np.percentile(latencies, 99)),
     }
-    for name, spent in cpu.items():
+    for part, spent in cpu.items():
+        name = "http_process" if part == "root" else part
         line[f"cpu_ms_per_request_{name}"] = 1000 * spent / max(1, len(ok))
     return line
 
@@ -116,20 +91,12 @@ def serve(system: str, args: argparse.Namespace, store: Any, work: list[Any], ro
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--store", type=Path, default=Path(tempfile.gettempdir()) / "momlp-http-floor"
-    )
-    parser.add_argument("--experts", type=int, default=200)
-    parser.add_argument("--widths", default="16,256,512,8", help="expert widths d0,...,dout")
-    parser.add_argument("--actors", type=int, default=2)
-    parser.add_argument("--experts-per-actor", type=int, default=20)
-    parser.add_argument("--rows-per-request", type=int, default=4)
-    parser.add_argument("--requests", type=int, default=3000)
-    parser.add_argument("--warmup", type=int, default=300)
-    parser.add_argument("--concurrency", type=int, default=16)
+    # The issue-19 workload by default: 200 experts of 0.55 MB, 20 per actor, 4-row requests.
+    add_workload_args(
+        parser, store="momlp-http-floor", experts=200, widths="16,256,512,8",
+        experts_per_actor=20, rows_per_request=4,
+    )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--ray-num-cpus", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="1 round of 600 requests")
     args = parser.parse_args(argv)
     if args.quick:

@@ -18,11 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 from datetime import UTC, datetime
-from pathlib import Path
 
-from vs_ray_serve import MACHINE, prepare, run_momlp, summarize
+from vs_ray_serve import MACHINE, add_workload_args, prepare, run_momlp, summarize
 
 KEPT = (
     "rows_per_s", "p50_ms", "p99_ms", "errors", "hit_rate",
@@ -35,18 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--setting", required=True, help="a variable such as MOMLP_PREFETCH")
     parser.add_argument("--values", required=True, help="comma-separated values to compare")
     parser.add_argument("--trials", type=int, default=3)
-    parser.add_argument("--store", type=Path, default=Path(tempfile.gettempdir()) / "momlp-vs-rs")
-    parser.add_argument("--experts", type=int, default=256)
-    parser.add_argument("--widths", default="32,512,512,8")
-    parser.add_argument("--actors", type=int, default=2)
-    parser.add_argument("--experts-per-actor", type=int, default=16)
-    parser.add_argument("--rows-per-request", type=int, default=1)
-    parser.add_argument("--requests", type=int, default=3000)
-    parser.add_argument("--warmup", type=int, default=300)
-    parser.add_argument("--concurrency", type=int, default=16)
+    add_workload_args(parser)
     parser.add_argument("--client", choices=("aiohttp", "httpx"), default="aiohttp")
-    parser.add_argument("--ray-num-cpus", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if not args.setting.startswith("MOMLP_"):
         parser.error("--setting must be a MOMLP_ environment variable")

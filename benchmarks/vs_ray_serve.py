@@ -164,10 +164,16 @@ class CpuMeter:
 
     def elapsed(self) -> dict[str, float]:
         """CPU seconds since construction or the last `restart()`: serving side, client."""
+        split = self.elapsed_split()
+        return {"serving": split["root"] + split["descendants"], "client": split["client"]}
+
+    def elapsed_split(self) -> dict[str, float]:
+        """`elapsed`, its serving side split into the root process and its descendants."""
         serving, own = self._sample()
         before, own_before = self._start
-        spent = sum(cpu - before.get(pid, 0.0) for pid, cpu in serving.items())
-        return {"serving": spent, "client": own - own_before}
+        spent = {pid: cpu - before.get(pid, 0.0) for pid, cpu in serving.items()}
+        root = spent.pop(self._root.pid, 0.0)
+        return {"root": root, "descendants": sum(spent.values()), "client": own - own_before}
 
 
 @dataclass
@@ -541,16 +547,38 @@ def prepare(
     return store, widths, expert_bytes, work
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--store", type=Path, default=Path(tempfile.gettempdir()) / "momlp-vs-rs")
-    parser.add_argument("--experts", type=int, default=256)
-    parser.add_argument("--widths", default="32,512,512,8", help="expert widths d0,...,dout")
+def add_workload_args(
+    parser: argparse.ArgumentParser,
+    *,
+    store: str = "momlp-vs-rs",
+    experts: int = 256,
+    widths: str = "32,512,512,8",
+    experts_per_actor: int = 16,
+    rows_per_request: int = 1,
+) -> None:
+    """The store, actor and load flags that `prepare` reads, shared by the serving benchmarks
+    (defaults: this script's workload; `store` is a folder in the temporary directory)."""
+    parser.add_argument("--store", type=Path, default=Path(tempfile.gettempdir()) / store)
+    parser.add_argument("--experts", type=int, default=experts)
+    parser.add_argument("--widths", default=widths, help="expert widths d0,...,dout")
     parser.add_argument("--actors", type=int, default=2)
-    parser.add_argument("--experts-per-actor", type=int, default=16)
+    parser.add_argument("--experts-per-actor", type=int, default=experts_per_actor)
+    parser.add_argument(
+        "--rows-per-request",
+        type=int,
+        default=rows_per_request,
+        help="rows in each request (the issue's independent run used 4)",
+    )
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--warmup", type=int, default=300)
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--ray-num-cpus", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_args(parser)
     parser.add_argument(
         "--client",
         choices=("aiohttp", "httpx"),
@@ -558,15 +586,7 @@ def main(argv: list[str] | None = None) -> int:
         help="load generator's HTTP client: aiohttp (C parser, ~0.1 ms CPU a request) or "
         "httpx (~1.4 ms; what runs before 2026-11-23's fifth session used)",
     )
-    parser.add_argument(
-        "--rows-per-request",
-        type=int,
-        default=1,
-        help="rows in each request (the issue's independent run used 4)",
-    )
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--ray-num-cpus", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--rayserve-config",
         choices=("best", "default"),
