@@ -19,11 +19,12 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from server._settings import Settings
+from server.batching import OpenConnections
 
 if TYPE_CHECKING:
     import uvicorn
 
-__all__ = ["freeze_heap", "run_server", "uvicorn_config"]
+__all__ = ["count_connections", "freeze_heap", "run_server", "uvicorn_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,15 @@ def uvicorn_config(app: Any, settings: Settings) -> uvicorn.Config:
     )
 
 
+def count_connections(app: Any, server: uvicorn.Server) -> None:
+    """Let a momlp app's batch windows see how many connections `server` holds open
+    (`server.batching.OpenConnections`); other apps are left alone."""
+    connections = getattr(getattr(app, "state", None), "connections", None)
+    if isinstance(connections, OpenConnections):
+        # uvicorn's own set of open connections, the one its limit_concurrency counts.
+        connections.attach(lambda: len(server.server_state.connections))
+
+
 def run_server(settings: Settings, *, app_factory: Callable[[Settings], Any] | None = None) -> int:
     """Serve until SIGINT/SIGTERM; 0 after a clean shutdown, 1 if startup failed."""
     import uvicorn
@@ -94,6 +104,7 @@ def run_server(settings: Settings, *, app_factory: Callable[[Settings], Any] | N
                     )
 
         server = _Server(uvicorn_config(app, settings))
+        count_connections(app, server)
         received: list[int] = []
 
         def remember(sig: int, _frame: FrameType | None) -> None:

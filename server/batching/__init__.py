@@ -10,12 +10,14 @@ from __future__ import annotations
 from server.batching._assemble import request_answers
 from server.batching._batcher import Batcher
 from server.batching._route import RouteRunner
+from server.batching._senders import OpenConnections
 from server.batching._types import BatchAnswer, ExpertStat
 
 __all__ = [
     "BatchAnswer",
     "Batcher",
     "ExpertStat",
+    "OpenConnections",
     "RouteRunner",
     "request_answers",
 ]

@@ -1,9 +1,11 @@
 """Merge concurrent requests into batches: one router call, one pool call per batch.
 
 Requests with the same options (the kind's resolved gate) that arrive within
-`max_batch_wait_ms` of the first one are merged up to `max_batch_rows` rows. A batch is routed
-by the store's kind (on the event loop when recent batches say it is cheap, else in a thread:
-`RouteRunner`), which plans groups (cache key, rows, gate weights);
+`max_batch_wait_ms` of the first one are merged up to `max_batch_rows` rows. A window closes
+early once no request has joined it for `batch_gap_ms`, and at once when every open HTTP
+connection already has a request in this batcher (`OpenConnections`: nobody else can send).
+A batch is routed by the store's kind (on the event loop when recent batches say it is cheap,
+else in a thread: `RouteRunner`), which plans groups (cache key, rows, gate weights);
 the pool runs each round's groups and the kind combines them; each request then gets its own
 rows back in order, with per-group stats.
 
@@ -82,6 +84,7 @@ class Batcher:
         sleep: Callable[[float], Awaitable[None]] | None = None,
         max_inflight_batches: int = 2,
         cpu_clock: Clock | None = None,
+        open_connections: Callable[[], int | None] | None = None,
     ) -> None:
         self._model = model
         self._pool = pool
@@ -107,6 +110,9 @@ class Batcher:
         )
         self._closed = False
         self._checked_options: set[Hashable] = set()
+        self._open_connections = open_connections
+        # Requests submitted and not yet answered: queued or in a running batch.
+        self._waiting = 0
         self.batches = 0  # batches dispatched so far (for tests and metrics)
 
     @property
@@ -141,6 +147,7 @@ class Batcher:
         item = _Pending(x, options, self._clock.now(), loop.create_future())
         self._queue.append(item)
         self._queued_rows += rows
+        self._waiting += 1
         self._start(loop)
         assert self._wakeup is not None
         self._wakeup.set()
@@ -148,6 +155,7 @@ class Batcher:
             return await item.future
         finally:
             self._queued_rows -= rows
+            self._waiting -= 1
 
     def _validate(self, x: torch.Tensor | np.ndarray, options: Hashable) -> torch.Tensor:
         tensor = torch.as_tensor(x)
@@ -263,9 +271,18 @@ class Batcher:
         while self._queue and self._queue[0].future.done():
             self._queue.popleft()
 
+    def _no_other_senders(self) -> bool:
+        """Whether every open connection has a request in this batcher (see _senders)."""
+        if self._open_connections is None:
+            return False
+        connections = self._open_connections()
+        # 0 connections with requests waiting: they came another way (in-process ASGI).
+        return connections is not None and 0 < connections <= self._waiting
+
     async def _wait_for_window(self) -> None:
-        """Wait until the first request's window closes (at its end, or once no request has
-        joined it for the gap) or its key has a full batch."""
+        """Wait until the first request's window closes (at its end, once no request has
+        joined it for the gap, or once no other client can send one) or its key has a full
+        batch."""
         assert self._wakeup is not None
         while True:
             self._drop_cancelled()
@@ -280,6 +297,8 @@ class Batcher:
                 closes = min(closes, self._queue[-1].submitted + self._gap_s)
             remaining = closes - self._clock.now()
             if same >= self._settings.max_batch_rows or remaining <= 0:
+                return
+            if self._no_other_senders():
                 return
             self._wakeup.clear()
             sleeper = asyncio.ensure_future(self._sleep(remaining))

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 
 from experts_store import Clock, MonotonicClock
 from server._settings import Settings
+from server.batching import OpenConnections
 from server.http._admin import add_admin_routes
 from server.http._auth import ApiKeyMiddleware
 from server.http._errors import CatchAllMiddleware, install_error_handlers
@@ -60,9 +61,12 @@ def create_app(
 
     `pool_factory(settings)` builds the expert pool (default: Ray actors in the Ray this
     process runs, see `server.pool.ray_session`; tests pass the in-process `FakeExpertPool`);
-    nothing is built until the lifespan starts.
+    nothing is built until the lifespan starts. The HTTP server that runs the app may attach
+    its count of open connections to `app.state.connections` (`OpenConnections`), which lets a
+    batch window close as soon as no other client can send (`run_server` does, for uvicorn).
     """
     metrics = metrics or Metrics()
+    connections = OpenConnections()
     serving = ServingState(
         settings=settings,
         clock=clock or MonotonicClock(),
@@ -70,6 +74,7 @@ def create_app(
         batcher_factory=batcher_factory,
         on_batch=metrics.observe_batch,
         on_generated=metrics.observe_generations,
+        open_connections=connections,
     )
 
     @asynccontextmanager
@@ -88,6 +93,7 @@ def create_app(
     )
     app.state.serving = serving
     app.state.metrics = metrics
+    app.state.connections = connections
     metrics.set_snapshot(lambda: pool_snapshot(serving))
     install_error_handlers(app)
     add_routes(app)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import logging
 import threading
@@ -22,7 +23,7 @@ from typing import Any, TypeVar
 from experts_store import Clock, ExpertRef, Store
 from server._exceptions import NotReady, PoolStartFailed
 from server._settings import Settings
-from server.batching import RouteRunner
+from server.batching import OpenConnections, RouteRunner
 from server.kinds import ServedModel, check_kind_budget, open_model
 from server.pool import ActorInfo, ExpertPool, Group, GroupResult, check_budget
 from server.serving._version import (
@@ -142,12 +143,15 @@ class ServingState:
         batcher_factory: BatcherFactory | None = None,
         on_batch: Callable[[int], None] | None = None,
         on_generated: Callable[[int], None] | None = None,
+        open_connections: OpenConnections | None = None,
     ) -> None:
         self.settings = settings
         self._on_generated = on_generated
         self.clock = clock
         self.pool_factory: PoolFactory = pool_factory or _default_pool
-        self.batcher_factory: BatcherFactory = batcher_factory or default_batcher
+        self.batcher_factory: BatcherFactory = batcher_factory or functools.partial(
+            default_batcher, open_connections=open_connections
+        )
         self._on_batch = on_batch or (lambda rows: None)
         self.pool: ExpertPool | None = None
         self.version: StoreVersion | None = None

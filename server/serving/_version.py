@@ -20,7 +20,7 @@ import torch
 
 from experts_store import Clock, ExpertRef, Manifest, Store
 from server._settings import Settings
-from server.batching import BatchAnswer, Batcher, RouteRunner
+from server.batching import BatchAnswer, Batcher, OpenConnections, RouteRunner
 from server.kinds import ServedModel
 from server.pool import ExpertPool
 
@@ -44,10 +44,20 @@ BatcherFactory = Callable[[ServedModel, ExpertPool, Settings, Clock], BatcherLik
 
 
 def default_batcher(
-    model: ServedModel, pool: ExpertPool, settings: Settings, clock: Clock
+    model: ServedModel,
+    pool: ExpertPool,
+    settings: Settings,
+    clock: Clock,
+    *,
+    open_connections: OpenConnections | None = None,
 ) -> BatcherLike:
     return Batcher(
-        model, pool, settings, clock, max_inflight_batches=settings.max_inflight_batches
+        model,
+        pool,
+        settings,
+        clock,
+        max_inflight_batches=settings.max_inflight_batches,
+        open_connections=open_connections,
     )
 
 

@@ -14,7 +14,7 @@ from experts_store import ExpertRef, Store, load_expert
 from router import Gate, GateRouting
 from server._exceptions import ExpertUnavailable, InvalidRequest, PoolClosed, PoolSaturated
 from server._settings import Settings
-from server.batching import Batcher
+from server.batching import Batcher, OpenConnections
 from server.kinds import MomlpModel
 from server.pool import ActorInfo, FakeExpertPool, Group, GroupResult, activation_peak_bytes
 from server.serving import default_batcher
@@ -135,7 +135,9 @@ def reference(store: Store, experts: torch.Tensor, weights: torch.Tensor, x: tor
 
 @pytest.fixture
 def setup(make_store: MakeStore) -> Setup:
-    def build(**settings_kwargs: object) -> Built:
+    def build(
+        open_connections: Callable[[], int | None] | None = None, **settings_kwargs: object
+    ) -> Built:
         store = Store.open(make_store(K=6, n=3, width=8, out=2))
         fields: dict[str, object] = {
             "max_batch_wait_ms": 2.0, "batch_gap_ms": 0.0, "cache_bytes": 10**7
@@ -146,7 +148,9 @@ def setup(make_store: MakeStore) -> Setup:
         pool = GatedPool(FakeExpertPool(settings, clock=clock))
         router = TableRouter(dim=3, num_prototypes=6)
         model = MomlpModel(router, refs(store))
-        batcher = Batcher(model, pool, settings, clock, sleep=clock.sleep)
+        batcher = Batcher(
+            model, pool, settings, clock, sleep=clock.sleep, open_connections=open_connections
+        )
         return store, batcher, pool, router, clock
 
     return build
@@ -206,6 +210,57 @@ async def test_a_window_closes_early_once_requests_stop_joining_it(setup: Setup)
     assert router.calls == [3, 1]
     await batcher.close()
     await pool.close()
+
+
+async def test_a_window_closes_at_once_when_every_connection_has_a_request_in(
+    setup: Setup,
+) -> None:
+    connections = OpenConnections()
+    open_now = [3]
+    connections.attach(lambda: open_now[0])
+    _, batcher, pool, router, clock = setup(open_connections=connections, batch_gap_ms=0.6)
+    first = asyncio.create_task(batcher.submit(inputs([0, 1], 3, seed=1)))
+    second = asyncio.create_task(batcher.submit(inputs([2], 3, seed=2)))
+    await settle()
+    assert router.calls == []  # a third connection could still send
+    third = asyncio.create_task(batcher.submit(inputs([3], 3, seed=3)))
+    await settle()  # the clock never moves
+    assert router.calls == [4]
+    answers = await asyncio.gather(first, second, third)
+    assert len(pool.runs) == 1
+    assert [a.queue_ms for a in answers] == [0.0, 0.0, 0.0]
+    # A request in a running batch holds its connection too: with 2 open and one batch held
+    # at the pool, the next request is the last one that can come, so it goes at once.
+    open_now[0] = 2
+    pool.gate.clear()
+    held = asyncio.create_task(batcher.submit(inputs([0], 3, seed=4)))
+    await settle()
+    clock.advance(0.0006)  # its gap: the batch goes, and waits at the pool
+    await settle()
+    assert router.calls == [4, 1]
+    last = asyncio.create_task(batcher.submit(inputs([5], 3, seed=5)))
+    await settle()
+    assert router.calls == [4, 1, 1]
+    pool.gate.set()
+    assert (await last).queue_ms == 0.0 and (await held).queue_ms == pytest.approx(0.6)
+    await batcher.close()
+    await pool.close()
+
+
+async def test_without_a_connection_count_a_window_waits_as_before(setup: Setup) -> None:
+    # No count (in-process clients): 0 connections with requests waiting says nothing either.
+    for count in (None, 0):
+        connections = OpenConnections()
+        if count is not None:
+            connections.attach(lambda: 0)
+        _, batcher, pool, router, clock = setup(open_connections=connections, batch_gap_ms=0.6)
+        lone = asyncio.create_task(batcher.submit(inputs([0], 3)))
+        await settle()
+        assert router.calls == []
+        clock.advance(0.0006)
+        assert (await lone).queue_ms == pytest.approx(0.6)
+        await batcher.close()
+        await pool.close()
 
 
 async def test_a_full_batch_goes_without_waiting_for_the_window(setup: Setup) -> None:

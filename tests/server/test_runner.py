@@ -5,14 +5,16 @@ import gc
 import logging
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 import uvicorn
+from app_support import build_small_store, fake_app
 from starlette.responses import PlainTextResponse
 from starlette.types import Receive, Scope, Send
 
-from server._runner import freeze_heap, uvicorn_config
+from server._runner import count_connections, freeze_heap, uvicorn_config
 from server._settings import Settings
 
 pytestmark = pytest.mark.unit
@@ -72,3 +74,32 @@ async def test_the_access_log_has_one_line_per_request_unless_turned_off(
     lines = [r.getMessage() for r in caplog.records if r.name == "uvicorn.access"]
     assert len(lines) == (3 if access_log else 0)
     assert all("GET /hi" in line and "200" in line for line in lines)
+
+
+async def test_a_lone_client_skips_the_batch_window_an_idle_connection_keeps_it_open(
+    tmp_path: Path,
+) -> None:
+    # A long gap and window, so that waiting them out cannot pass for not waiting.
+    app = fake_app(build_small_store(tmp_path / "store"), max_batch_wait_ms=800.0,
+                   batch_gap_ms=400.0)
+    server = uvicorn.Server(uvicorn_config(app, Settings(host="127.0.0.1", port=0)))
+    count_connections(app, server)
+    serving = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1/predict"
+        body = {"inputs": [[0.1, 0.2, 0.3, 0.4]], "return_stats": True}
+        async with httpx.AsyncClient() as client:
+            waited = [
+                (await client.post(url, json=body)).json()["stats"]["queue_ms"] for _ in range(3)
+            ]
+            # Its one connection has the only request: nobody else can join the window.
+            assert max(waited) < 200.0
+            async with httpx.AsyncClient() as idle:
+                assert (await idle.get(url.replace("/v1/predict", "/healthz"))).status_code == 200
+                # The idle client's open connection could still send: the window waits.
+                assert (await client.post(url, json=body)).json()["stats"]["queue_ms"] >= 390.0
+    finally:
+        server.should_exit = True
+        await serving
