@@ -11,6 +11,7 @@ one budget without counting anything twice.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -88,10 +89,15 @@ def activation_peak_bytes(widths: Sequence[int], rows: int, element_size: int = 
     A Linear layer holds its input (w_j) and output (w_{j+1}) at once; a PReLU or BatchNorm on
     a hidden width w holds 2·w. This is what the CPU path reports as the activation peak.
     """
-    widths = list(widths)
+    return rows * element_size * _peak_width(tuple(widths))
+
+
+# Per arch, not per group: a store's experts share a few architectures.
+@functools.lru_cache(maxsize=256)
+def _peak_width(widths: tuple[int, ...]) -> int:
     linear = max(widths[j] + widths[j + 1] for j in range(len(widths) - 1))
     hidden = max((2 * w for w in widths[1:-1]), default=0)
-    return rows * element_size * max(linear, hidden)
+    return max(linear, hidden)
 
 
 # What an actor's cache holds: loaded experts, generated θ (also FrozenExperts) and pinned

@@ -157,7 +157,9 @@ def decode_reply(header: bytes, body: bytes) -> tuple[int, ActorReply | str]:
                 if dtype is None:
                     raise WireError(f"unknown dtype {shape[0]!r}")
                 layouts.append((dtype, _shape(shape[1], ndim=2)))
-        arrays = iter(_split(body, layouts))
+        # Writable memory (one copy of the body) so the pool wraps each output as a tensor
+        # without copying it (torch refuses to share read-only memory quietly).
+        arrays = iter(_split(bytearray(body), layouts))
         outcomes = [
             GroupOutcome(
                 expert_id=_int(entry["expert_id"]),
@@ -206,7 +208,7 @@ def _load_header(header: bytes) -> dict[str, Any]:
 
 
 def _split(
-    body: bytes, layouts: Sequence[tuple[np.dtype[Any], tuple[int, ...]]]
+    body: bytes | bytearray, layouts: Sequence[tuple[np.dtype[Any], tuple[int, ...]]]
 ) -> list[np.ndarray]:
     arrays = []
     offset = 0
