@@ -23,6 +23,7 @@ from server._exceptions import NotReady, RequestTimeout
 from server._settings import Settings
 from server.batching import BatchAnswer
 from server.http._body import parse_inputs
+from server.http._construct import trusted
 from server.http._graph import graph_fields
 from server.http._hot import HotRoute
 from server.http._metrics import CONTENT_TYPE, Metrics
@@ -247,23 +248,24 @@ async def predict(request: Request) -> Response:
     nodes, graph_stats = graph_fields(answer, parsed.return_stats)
     stats = None
     if parsed.return_stats:
-        stats = PredictStats.model_construct(
-            experts=[ExpertStatModel.model_construct(**vars(s)) for s in answer.stats],
+        patches = patch_routing(answer.routing)
+        stats = trusted(
+            PredictStats,
+            experts=[trusted(ExpertStatModel, **vars(s)) for s in answer.stats],
             vram_bytes=answer.vram_bytes,
             device_bytes=dict(answer.device_bytes),
             distance_evals=answer.distance_evals.tolist(),
             route_ms=answer.route_ms,
             queue_ms=answer.queue_ms,
             total_ms=max(answer.total_ms, (time.perf_counter() - start) * 1000.0),
+            patches_computed=None if patches is None else sum(s.rows for s in answer.stats),
+            patches_dense=None if patches is None else patches.dense_patches,
             graph=graph_stats,
         )
-        patches = patch_routing(answer.routing)
-        if patches is not None:
-            stats.patches_computed = sum(s.rows for s in answer.stats)
-            stats.patches_dense = patches.dense_patches
     kept = answer.kept()
     return model_response(
-        PredictResponse.model_construct(
+        trusted(
+            PredictResponse,
             outputs=answer.outputs.tolist(),
             experts=[experts for experts, _ in kept],
             weights=[weights for _, weights in kept],
