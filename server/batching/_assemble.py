@@ -53,13 +53,15 @@ def request_answers(
         part = routing.slice(start, stop)
         width = max(1, *chosen[start:stop])
         answers.append(
+            # Views into the batch's tensors, not copies (~2 µs each, five per request, on the
+            # event loop): nothing writes to an answer, and it is dropped once sent.
             BatchAnswer(
-                outputs=outputs[start:stop].clone(),
-                experts=part.experts[:, :width].clone(),
-                weights=part.weights[:, :width].clone(),
+                outputs=outputs[start:stop],
+                experts=part.experts[:, :width],
+                weights=part.weights[:, :width],
                 stats=stats,
                 device_bytes=device_bytes,
-                distance_evals=evals[start:stop].clone(),
+                distance_evals=evals[start:stop],
                 route_ms=route_ms,
                 queue_ms=(started - submitted) * 1000.0,
                 total_ms=(finished - submitted) * 1000.0,
