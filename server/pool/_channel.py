@@ -28,13 +28,13 @@ from server.pool._types import ActorReply
 from server.pool._wire import (
     PREFIX,
     ChannelError,
+    RunDecoder,
+    RunEncoder,
     RunPayload,
     WireError,
     decode_reply,
-    decode_run,
     encode_failure,
     encode_reply,
-    encode_run,
     parse_prefix,
 )
 
@@ -96,6 +96,7 @@ class ChannelServer:
             ).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        decoder = RunDecoder()  # the refs this connection defined
         with conn, conn.makefile("rb") as stream:
             while True:
                 try:
@@ -106,7 +107,7 @@ class ChannelServer:
                 if frame is None:
                     return
                 try:
-                    call, payload = decode_run(*frame)
+                    call, payload = decoder.decode(*frame)
                 except WireError as exc:
                     logger.warning("closing a channel connection on a bad frame: %s", exc)
                     return
@@ -145,6 +146,7 @@ class Channel:
         self._pending: dict[int, asyncio.Future[ActorReply]] = {}
         self._calls = itertools.count()
         self._write_lock = asyncio.Lock()
+        self._encoder = RunEncoder()
         self._closed: str | None = None
         self._receiver = asyncio.get_running_loop().create_task(self._receive())
 
@@ -164,11 +166,17 @@ class Channel:
         if self._closed is not None:
             raise ChannelClosed(self._closed)
         call = next(self._calls)
-        frame = encode_run(call, payload)
         answer: asyncio.Future[ActorReply] = asyncio.get_running_loop().create_future()
         self._pending[call] = answer
         try:
             async with self._write_lock:
+                # Encoded and written with no await between: a frame that defines a ref
+                # reaches the actor before any frame that uses it.
+                try:
+                    frame = self._encoder.encode(call, payload)
+                except BaseException:
+                    self._pending.pop(call, None)
+                    raise
                 self._writer.write(frame)
                 await self._writer.drain()
         except OSError as exc:

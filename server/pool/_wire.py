@@ -2,9 +2,13 @@
 
 A frame is a fixed prefix (magic, header length, body length), a JSON header, then a body of
 raw little-endian arrays laid end to end in the order the header lists them. A request
-carries the groups' `ExpertRef`s and row shapes; an answer carries an `ActorReply` with each
-outcome's output shape, or a failure reason. Decoding checks every field's type and that the
-arrays fill the body exactly, so a corrupt frame is a `WireError`, never a wrong answer.
+names each group's `ExpertRef` by a number and its rows' shape; the ref itself travels once
+per connection, in the first frame that uses it (`RunEncoder` on the server's end,
+`RunDecoder` on the actor's: a batch names the same few hundred refs again and again, and
+their JSON was most of a request's header). An answer carries an `ActorReply`, each
+outcome's fields as one positional list with its output's shape, or a failure reason.
+Decoding checks every field's type and that the arrays fill the body exactly, so a corrupt
+frame is a `WireError`, never a wrong answer.
 """
 
 from __future__ import annotations
@@ -27,19 +31,19 @@ __all__ = [
     "PREFIX",
     "ChannelError",
     "RunPayload",
+    "RunDecoder",
+    "RunEncoder",
     "WireError",
     "decode_reply",
-    "decode_run",
     "encode_failure",
     "encode_reply",
-    "encode_run",
     "parse_prefix",
 ]
 
 RunPayload = list[tuple[ExpertRef, np.ndarray]]
 
 PREFIX = struct.Struct("<4sIQ")
-_MAGIC = b"MLW1"
+_MAGIC = b"MLW2"
 MAX_HEADER_BYTES = 1 << 28
 MAX_BODY_BYTES = 1 << 36
 # Rows are float32 by contract; outputs are whatever the expert computed in (float32 today).
@@ -71,57 +75,104 @@ def parse_prefix(prefix: bytes) -> tuple[int, int]:
     return header_len, body_len
 
 
-def encode_run(call: int, payload: Sequence[tuple[ExpertRef, np.ndarray]]) -> bytes:
-    arrays = [np.ascontiguousarray(rows, dtype="<f4") for _, rows in payload]
-    header = {
-        "call": call,
-        "groups": [
-            [_ref_to_json(ref), list(rows.shape)]
-            for (ref, _), rows in zip(payload, arrays, strict=True)
-        ],
-    }
-    return _frame(header, arrays)
+class RunEncoder:
+    """The server's end of one connection: run frames, each ref defined the first time.
+
+    A ref is known by identity (a served model keeps one `ExpertRef` object per expert), so
+    two equal-looking refs from two store versions stay two definitions, each with its own
+    path. Past `max_refs` definitions both ends start over (`reset`), so a server that swaps
+    store versions for months does not grow the tables without end. Frames must reach the
+    actor in the order they were encoded (the channel encodes and writes under one lock).
+    """
+
+    def __init__(self, max_refs: int = 4096) -> None:
+        self._max_refs = max_refs
+        # id(ref) -> (handle, ref): the ref is held so that its id is never reused.
+        self._handles: dict[int, tuple[int, ExpertRef]] = {}
+
+    def encode(self, call: int, payload: Sequence[tuple[ExpertRef, np.ndarray]]) -> bytes:
+        arrays = [np.ascontiguousarray(rows, dtype="<f4") for _, rows in payload]
+        handles = self._handles
+        reset = len(handles) + len(payload) > self._max_refs
+        if reset:
+            handles = {}
+        fresh: dict[int, tuple[int, ExpertRef]] = {}
+        groups = []
+        defined = []
+        for (ref, _), rows in zip(payload, arrays, strict=True):
+            known = handles.get(id(ref)) or fresh.get(id(ref))
+            if known is None:
+                known = (len(handles) + len(fresh), ref)
+                fresh[id(ref)] = known
+                defined.append([known[0], _ref_to_json(ref)])
+            groups.append([known[0], *rows.shape])
+        header: dict[str, Any] = {"call": call, "refs": defined, "groups": groups}
+        if reset:
+            header["reset"] = True
+        frame = _frame(header, arrays)
+        # Only a frame that was built defines anything (a ref that cannot be framed raised).
+        if reset:
+            self._handles = handles
+        handles.update(fresh)
+        return frame
 
 
-def decode_run(header: bytes, body: bytes) -> tuple[int, RunPayload]:
-    fields = _load_header(header)
-    try:
-        call = _int(fields["call"])
-        entries = fields["groups"]
-        if not isinstance(entries, list):
-            raise WireError("groups is not a list")
-        refs = [_ref_from_json(entry[0]) for entry in entries]
-        shapes = [_shape(entry[1], ndim=2) for entry in entries]
-    except (KeyError, IndexError, TypeError) as exc:
-        raise WireError(f"bad run header: {exc!r}") from None
-    arrays = _split(body, [(_DTYPES["<f4"], shape) for shape in shapes])
-    return call, [(ref, array) for ref, array in zip(refs, arrays, strict=True)]
+class RunDecoder:
+    """The actor's end of one connection: the refs its frames defined so far."""
+
+    def __init__(self) -> None:
+        self._refs: dict[int, ExpertRef] = {}
+
+    def decode(self, header: bytes, body: bytes) -> tuple[int, RunPayload]:
+        fields = _load_header(header)
+        try:
+            call = _int(fields["call"])
+            if fields.get("reset", False) is True:
+                self._refs = {}
+            defined, entries = fields["refs"], fields["groups"]
+            if not isinstance(defined, list) or not isinstance(entries, list):
+                raise WireError("refs or groups is not a list")
+            for handle, ref in defined:
+                self._refs[_int(handle)] = _ref_from_json(ref)
+            refs = []
+            shapes = []
+            for handle, rows, cols in entries:
+                ref = self._refs.get(_int(handle))
+                if ref is None:
+                    raise WireError(f"unknown ref {handle} (not defined on this connection)")
+                refs.append(ref)
+                shapes.append(_shape([rows, cols], ndim=2))
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise WireError(f"bad run header: {exc!r}") from None
+        arrays = _split(body, [(_DTYPES["<f4"], shape) for shape in shapes])
+        return call, [(ref, array) for ref, array in zip(refs, arrays, strict=True)]
+
+
+# An outcome's fields in the order of its positional list (the output's shape follows).
+_OUTCOME = (
+    "expert_id", "hit", "load_ms", "compute_ms", "expert_bytes", "activation_bytes",
+    "error", "error_kind", "key", "generator_bytes",
+)
 
 
 def encode_reply(call: int, reply: ActorReply) -> bytes:
     arrays: list[np.ndarray] = []
     results = []
     for outcome in reply.results:
-        entry: dict[str, Any] = {
-            "expert_id": outcome.expert_id,
-            "hit": outcome.hit,
-            "load_ms": outcome.load_ms,
-            "compute_ms": outcome.compute_ms,
-            "expert_bytes": outcome.expert_bytes,
-            "activation_bytes": outcome.activation_bytes,
-            "error": outcome.error,
-            "error_kind": outcome.error_kind,
-            "key": outcome.key,
-            "generator_bytes": outcome.generator_bytes,
-            "outputs": None,
-        }
-        if outcome.outputs is not None:
+        entry: list[Any] = [
+            outcome.expert_id, outcome.hit, outcome.load_ms, outcome.compute_ms,
+            outcome.expert_bytes, outcome.activation_bytes, outcome.error,
+            outcome.error_kind, outcome.key, outcome.generator_bytes,
+        ]
+        if outcome.outputs is None:
+            entry.append(None)
+        else:
             array = np.ascontiguousarray(outcome.outputs)
             dtype = array.dtype.newbyteorder("<").str
             if dtype not in _DTYPES:
                 raise WireError(f"outputs of dtype {array.dtype} cannot be framed")
             arrays.append(array.astype(dtype, copy=False))
-            entry["outputs"] = [dtype, list(array.shape)]
+            entry.append([dtype, *array.shape])
         results.append(entry)
     header = {
         "call": call,
@@ -151,30 +202,35 @@ def decode_reply(header: bytes, body: bytes) -> tuple[int, ActorReply | str]:
             raise WireError("results is not a list")
         layouts = []
         for entry in entries:
-            shape = entry["outputs"]
+            if len(entry) != len(_OUTCOME) + 1:
+                raise WireError(f"an outcome has {len(entry)} fields")
+            shape = entry[-1]
             if shape is not None:
                 dtype = _DTYPES.get(shape[0])
                 if dtype is None:
                     raise WireError(f"unknown dtype {shape[0]!r}")
-                layouts.append((dtype, _shape(shape[1], ndim=2)))
+                layouts.append((dtype, _shape(shape[1:], ndim=2)))
         # Writable memory (one copy of the body) so the pool wraps each output as a tensor
         # without copying it (torch refuses to share read-only memory quietly).
         arrays = iter(_split(bytearray(body), layouts))
         outcomes = [
             GroupOutcome(
-                expert_id=_int(entry["expert_id"]),
-                outputs=None if entry["outputs"] is None else next(arrays),
-                hit=_bool(entry["hit"]),
-                load_ms=_float(entry["load_ms"]),
-                compute_ms=_float(entry["compute_ms"]),
-                expert_bytes=_int(entry["expert_bytes"]),
-                activation_bytes=_int(entry["activation_bytes"]),
-                error=_opt_str(entry["error"]),
-                error_kind=_opt_str(entry["error_kind"]),
-                key=_opt_str(entry["key"]),
-                generator_bytes=_int(entry["generator_bytes"]),
+                expert_id=_int(expert_id),
+                outputs=None if shape is None else next(arrays),
+                hit=_bool(hit),
+                load_ms=_float(load_ms),
+                compute_ms=_float(compute_ms),
+                expert_bytes=_int(expert_bytes),
+                activation_bytes=_int(activation_bytes),
+                error=_opt_str(error),
+                error_kind=_opt_str(error_kind),
+                key=_opt_str(key),
+                generator_bytes=_int(generator_bytes),
             )
-            for entry in entries
+            for (
+                expert_id, hit, load_ms, compute_ms, expert_bytes, activation_bytes,
+                error, error_kind, key, generator_bytes, shape,
+            ) in entries
         ]
         resident = fields["resident"]
         if not isinstance(resident, dict):
@@ -186,14 +242,16 @@ def decode_reply(header: bytes, body: bytes) -> tuple[int, ActorReply | str]:
             resident={_str(key): _int(value) for key, value in resident.items()},
             evictions=_int(fields["evictions"]),
         )
-    except (KeyError, IndexError, TypeError) as exc:
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise WireError(f"bad reply header: {exc!r}") from None
     return call, reply
 
 
 def _frame(header: dict[str, Any], arrays: Sequence[np.ndarray]) -> bytes:
     head = json.dumps(header, separators=(",", ":")).encode()
-    body = b"".join(array.tobytes() for array in arrays)
+    # The arrays are C-contiguous: join reads their buffers without a copy each (an empty
+    # array has no bytes to cast).
+    body = b"".join(array.data.cast("B") if array.size else b"" for array in arrays)
     return PREFIX.pack(_MAGIC, len(head), len(body)) + head + body
 
 

@@ -24,13 +24,13 @@ from server.pool import (
 )
 from server.pool._wire import (
     PREFIX,
+    RunDecoder,
+    RunEncoder,
     RunPayload,
     WireError,
     decode_reply,
-    decode_run,
     encode_failure,
     encode_reply,
-    encode_run,
     parse_prefix,
 )
 
@@ -91,15 +91,70 @@ def reply_for(groups: RunPayload, actor: str = "actor-0") -> ActorReply:
     )
 
 
-def test_a_run_frame_carries_every_kind_of_ref_and_the_rows_bit_for_bit() -> None:
-    sent = payload()
-    call, received = decode_run(*split(encode_run(41, sent)))
-    assert call == 41
-    for (ref, rows), (got_ref, got_rows) in zip(sent, received, strict=True):
+def encode_run(call: int, groups: RunPayload) -> bytes:
+    return RunEncoder().encode(call, groups)
+
+
+def decode_run(header: bytes, body: bytes) -> tuple[int, RunPayload]:
+    return RunDecoder().decode(header, body)
+
+
+def assert_same_payload(got: RunPayload, sent: RunPayload) -> None:
+    for (ref, rows), (got_ref, got_rows) in zip(sent, got, strict=True):
         assert type(got_ref) is type(ref)
         assert got_ref.__dict__ == ref.__dict__  # every field, not only the hash
         assert got_rows.dtype == np.float32
         np.testing.assert_array_equal(got_rows, rows)
+
+
+def test_a_run_frame_carries_every_kind_of_ref_and_the_rows_bit_for_bit() -> None:
+    sent = payload()
+    call, received = decode_run(*split(encode_run(41, sent)))
+    assert call == 41
+    assert_same_payload(received, sent)
+
+
+def test_a_ref_travels_once_per_connection_and_its_number_after() -> None:
+    encoder, decoder = RunEncoder(), RunDecoder()
+    first, second = payload(0), payload(1)
+    header, body = split(encoder.encode(1, first))
+    assert_same_payload(decoder.decode(header, body)[1], first)
+    again, body2 = split(encoder.encode(2, second))
+    assert b"/store/experts/e0" in header and b"/store/experts/e0" not in again
+    call, received = decoder.decode(again, body2)
+    assert call == 2
+    assert_same_payload(received, second)
+    # Equal-looking refs of two store versions are two refs, each with its own path.
+    moved = ExpertRef("a" * 64, "/store2/experts/e0.safetensors", 1000, 0, "xxh3:abcd")
+    [(got, _rows)] = decoder.decode(*split(encoder.encode(3, [(moved, second[0][1])])))[1]
+    assert got.path == moved.path
+    # A connection that never saw the definition cannot make sense of the number.
+    with pytest.raises(WireError, match="unknown ref"):
+        RunDecoder().decode(again, body2)
+
+
+def test_past_its_limit_the_encoder_starts_both_tables_over() -> None:
+    encoder, decoder = RunEncoder(max_refs=4), RunDecoder()
+    for call in range(6):
+        sent = payload(call)  # the same three refs...
+        if call % 2:
+            sent = [(ExpertRef(f"{call}" * 64, f"/s/{call}", 8, call), rows) for _, rows in sent]
+        received = decoder.decode(*split(encoder.encode(call, sent)))[1]
+        assert_same_payload(received, sent)
+    assert len(encoder._handles) <= 4 and len(decoder._refs) <= 4
+
+
+def test_a_ref_that_cannot_be_framed_defines_nothing() -> None:
+    class Odd(ExpertRef):
+        pass
+
+    encoder, decoder = RunEncoder(), RunDecoder()
+    rows = np.zeros((1, 5), np.float32)
+    with pytest.raises(WireError, match="cannot be framed"):
+        encoder.encode(1, [(REFS[0], rows), (Odd("d" * 64, "/x", 1, 9), rows)])
+    # REFS[0] was not taken as defined: the next frame still carries it.
+    received = decoder.decode(*split(encoder.encode(2, [(REFS[0], rows)])))[1]
+    assert_same_payload(received, [(REFS[0], rows)])
 
 
 def test_a_reply_frame_carries_outcomes_errors_and_residency() -> None:
@@ -130,7 +185,9 @@ Damage = Callable[[bytes, bytes], tuple[bytes, bytes]]
         (lambda h, b: (h.replace(b'"kind":"expert"', b'"kind":"pickle"', 1), b), "ref kind"),
         (lambda h, b: (h.replace(b'"nbytes":1000', b'"nbytes":"1k"', 1), b), "not an integer"),
         (lambda h, b: (h.replace(b'"call":5', b'"call":5.5', 1), b), "not an integer"),
-        (lambda h, b: (h.replace(b"[1,5]", b"[1,-5]", 1), b), "negative"),
+        (lambda h, b: (h.replace(b"[0,1,5]", b"[0,1,-5]", 1), b), "negative"),
+        (lambda h, b: (h.replace(b"[0,1,5]", b"[7,1,5]", 1), b), "unknown ref"),
+        (lambda h, b: (h.replace(b"[0,1,5]", b"[0,1]", 1), b), "bad run header"),
         (lambda h, b: (h.replace(b'"groups"', b'"grupos"', 1), b), "bad run header"),
     ],
 )
@@ -140,12 +197,27 @@ def test_a_damaged_run_frame_is_refused_not_misread(damage: Damage, message: str
         decode_run(header, body)
 
 
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda h, b: (h.replace(b"[0,true,", b"[0,true,1,", 1), b), "fields"),
+        (lambda h, b: (h.replace(b"[0,true,", b'["0",true,', 1), b), "not an integer"),
+        (lambda h, b: (h.replace(b'["<f4",1,1]', b'["<f2",1,1]', 1), b), "unknown dtype"),
+        (lambda h, b: (h, b[:-1]), "shorter"),
+    ],
+)
+def test_a_damaged_reply_frame_is_refused_not_misread(damage: Damage, message: str) -> None:
+    header, body = damage(*split(encode_reply(9, reply_for(payload()))))
+    with pytest.raises(WireError, match=message):
+        decode_reply(header, body)
+
+
 def test_a_frame_without_the_magic_or_over_the_size_limits_is_refused() -> None:
     frame = encode_run(5, payload())
     with pytest.raises(WireError, match="magic"):
         parse_prefix(b"XXXX" + frame[4 : PREFIX.size])
     with pytest.raises(WireError, match="too large"):
-        parse_prefix(PREFIX.pack(b"MLW1", 1 << 30, 0))
+        parse_prefix(PREFIX.pack(frame[:4], 1 << 30, 0))
 
 
 def test_a_header_that_is_not_json_is_refused() -> None:
