@@ -121,26 +121,20 @@ class Batcher:
         return self._queued_rows
 
     async def submit(
-        self,
-        x: torch.Tensor | np.ndarray,
-        options: Hashable | None = None,
-        *,
-        finite: bool = False,
+        self, x: torch.Tensor | np.ndarray, options: Hashable | None = None
     ) -> BatchAnswer:
         """Route and run one request; outputs come back in the order of its rows.
 
         `options` are the kind's resolved options (`model.resolve(...)`; None: the store's
-        defaults). `finite=True` says the caller already made x a C-contiguous float32 tensor
-        of finite numbers (the HTTP floor's parse does, naming the bad cell in its 422): only
-        its shape is checked again. Raises `InvalidRequest` (shape, dimension, non-finite,
-        options), `PoolSaturated` when the queue is full, `ExpertUnavailable` when one of its
-        experts cannot be loaded, `PoolClosed` after `close()`.
+        defaults). Raises `InvalidRequest` (shape, dimension, non-finite, options), `PoolSaturated`
+        when the queue is full, `ExpertUnavailable` when one of its experts cannot be loaded,
+        `PoolClosed` after `close()`.
         """
         if self._closed:
             raise PoolClosed()
         if options is None:
             options = self._model.resolve(GateRequest(), self._settings)
-        x = self._validate(x, options, finite)
+        x = self._validate(x, options)
         rows = int(x.shape[0])
         limit = self._settings.max_queue_rows
         if self._queued_rows > 0 and self._queued_rows + rows > limit:
@@ -163,9 +157,7 @@ class Batcher:
             self._queued_rows -= rows
             self._waiting -= 1
 
-    def _validate(
-        self, x: torch.Tensor | np.ndarray, options: Hashable, finite: bool
-    ) -> torch.Tensor:
+    def _validate(self, x: torch.Tensor | np.ndarray, options: Hashable) -> torch.Tensor:
         tensor = torch.as_tensor(x)
         if tensor.dim() != 2 or tensor.shape[0] == 0:
             raise InvalidRequest("inputs must be a non-empty 2-D array", field="inputs")
@@ -177,11 +169,9 @@ class Batcher:
             )
         if not (tensor.is_floating_point() or tensor.dtype in (torch.int32, torch.int64)):
             raise InvalidRequest("inputs must be numbers", field="inputs")
-        vouched = finite and tensor.dtype is torch.float32 and tensor.is_contiguous()
-        if not vouched:
-            tensor = tensor.to(torch.float32).contiguous()
-            if not bool(torch.isfinite(tensor).all()):
-                raise InvalidRequest("inputs must be finite numbers", field="inputs")
+        tensor = tensor.to(torch.float32).contiguous()
+        if not bool(torch.isfinite(tensor).all()):
+            raise InvalidRequest("inputs must be finite numbers", field="inputs")
         if options not in self._checked_options:
             self._model.check(options)
             # Requests mostly share a few option values (the store's gate, a client's

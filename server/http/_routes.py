@@ -110,8 +110,6 @@ class _Inputs(NamedTuple):
     options: Hashable  # the kind's resolved options (for momlp a router.Gate)
     return_stats: bool
     return_routing: bool = False
-    # x is the body's rows as parsed: C-contiguous float32, every number checked finite.
-    finite: bool = False
 
 
 _NO_QUERY = GateQuery()
@@ -182,10 +180,10 @@ async def _inputs(
         return_routing=return_routing,
     )
     # The store's kind resolves the gate against its defaults and the server's caps, once.
-    options = version.resolve(parsed.gate, settings)
+    options = version.model.resolve(parsed.gate, settings)
     # A kind that takes conditions (hyper) gets them as extra columns of each row.
     x = attach_conditions(version.model, parsed.x, parsed.conditions, settings)
-    return _Inputs(x, options, parsed.return_stats, parsed.return_routing, x is parsed.x)
+    return _Inputs(x, options, parsed.return_stats, parsed.return_routing)
 
 
 def _hyper_summary(version: StoreVersion) -> dict[str, Any] | None:
@@ -220,19 +218,13 @@ def _ragged(rows: list[list[Any]], kept: list[int]) -> list[list[Any]]:
 
 
 async def submit_in_time(
-    version: StoreVersion,
-    x: torch.Tensor,
-    options: Hashable,
-    settings: Settings,
-    *,
-    finite: bool = False,
+    version: StoreVersion, x: torch.Tensor, options: Hashable, settings: Settings
 ) -> BatchAnswer:
-    """The version's batcher's answer, or `RequestTimeout` past `settings.request_timeout_s`.
-    `finite`: the body's parse already checked x (see `Batcher.submit`)."""
+    """The version's batcher's answer, or `RequestTimeout` past `settings.request_timeout_s`."""
     try:
         # `asyncio.timeout`, not `wait_for`: no second task per request.
         async with asyncio.timeout(settings.request_timeout_s):
-            return await version.batcher.submit(x, options, finite=finite)
+            return await version.batcher.submit(x, options)
     except TimeoutError:
         raise RequestTimeout(timeout_s=settings.request_timeout_s) from None
 
@@ -251,9 +243,7 @@ async def predict(request: Request) -> Response:
             query.return_stats, query.return_routing,
         )
         x = torch.from_numpy(parsed.x)
-        answer = await submit_in_time(
-            version, x, parsed.options, settings, finite=parsed.finite
-        )
+        answer = await submit_in_time(version, x, parsed.options, settings)
     metrics.observe_prediction(x.shape[0], [(s.cache, s.load_ms) for s in answer.stats])
     nodes, graph_stats = graph_fields(answer, parsed.return_stats)
     stats = None

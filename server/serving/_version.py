@@ -21,11 +21,8 @@ import torch
 from experts_store import Clock, ExpertRef, Manifest, Store
 from server._settings import Settings
 from server.batching import BatchAnswer, Batcher, OpenConnections, RouteRunner
-from server.kinds import GateRequest, ServedModel
+from server.kinds import ServedModel
 from server.pool import ExpertPool
-
-# Distinct request gates a store version remembers as resolved (a few hundred bytes each).
-_RESOLVED_GATES = 1024
 
 __all__ = [
     "BatcherFactory",
@@ -39,9 +36,7 @@ __all__ = [
 class BatcherLike(Protocol):
     """What the server needs of `server.batching.Batcher`."""
 
-    async def submit(
-        self, x: torch.Tensor, options: Hashable | None = None, *, finite: bool = False
-    ) -> BatchAnswer: ...
+    async def submit(self, x: torch.Tensor, options: Hashable | None = None) -> BatchAnswer: ...
     async def close(self) -> None: ...
 
 
@@ -75,20 +70,6 @@ class StoreVersion:
     route_runner: RouteRunner
     in_flight: int = 0
     drained: asyncio.Event = field(default_factory=asyncio.Event)
-    # The kind's resolved options per request gate: requests mostly repeat a few gates, and
-    # resolving one (defaults, caps, checks) cost ~4 µs of every request.
-    _resolved: dict[GateRequest, Hashable] = field(default_factory=dict, repr=False)
-
-    def resolve(self, gate: GateRequest, settings: Settings) -> Hashable:
-        """`model.resolve(gate, settings)`, remembered per gate (one server has one
-        `settings`); a gate that fails to resolve raises each time and is not kept."""
-        options = self._resolved.get(gate)
-        if options is None:
-            options = self.model.resolve(gate, settings)
-            if len(self._resolved) >= _RESOLVED_GATES:
-                self._resolved.clear()
-            self._resolved[gate] = options
-        return options
 
     @property
     def manifest(self) -> Manifest:

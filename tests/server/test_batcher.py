@@ -591,19 +591,3 @@ async def test_small_batches_are_routed_on_the_event_loop_with_the_same_answers(
         assert on_loop == ([False] * 3 if bound_ms == 0.0 else [False, True, True])
 
     torch.testing.assert_close(outputs[0.5], outputs[0.0], rtol=0, atol=0)
-
-
-async def test_inputs_vouched_finite_skip_only_the_finiteness_check(setup: Setup) -> None:
-    _, batcher, pool, router, clock = setup(max_batch_wait_ms=0.0)
-    x = inputs([0, 1], 3, seed=3)
-    vouched = await batcher.submit(x.numpy(), finite=True)
-    checked = await batcher.submit(x)
-    torch.testing.assert_close(vouched.outputs, checked.outputs, rtol=0, atol=0)
-    # What the flag cannot vouch for is still checked: float64 rows, a wrong width.
-    bad = np.array([[np.nan, 1.0, 2.0]])
-    with pytest.raises(InvalidRequest, match="finite"):
-        await batcher.submit(bad, finite=True)
-    with pytest.raises(InvalidRequest, match="columns"):
-        await batcher.submit(np.zeros((1, 4), np.float32), finite=True)
-    await batcher.close()
-    await pool.close()

@@ -275,7 +275,7 @@ async def test_unexpected_errors_are_a_logged_500_without_traceback(
     store: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     class Exploding:
-        async def submit(self, x: Any, options: Any = None, *, finite: bool = False) -> Any:
+        async def submit(self, x: Any, options: Any = None) -> Any:
             raise RuntimeError("secret internals")
 
         async def close(self) -> None:
