@@ -19,6 +19,7 @@ prefetched for itself: its own call loads what it misses, and its stats then say
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable
@@ -32,7 +33,7 @@ from experts_store import Clock, MonotonicClock
 from router import RouterInputError
 from server._exceptions import InvalidRequest, PoolClosed, PoolSaturated
 from server._settings import Settings
-from server.batching._assemble import Round, request_answers
+from server.batching._assemble import BatchAnswers, Round
 from server.batching._route import RouteRunner
 from server.batching._types import BatchAnswer
 from server.kinds import GateRequest, ServedModel
@@ -51,7 +52,8 @@ class _Pending:
     x: torch.Tensor
     options: Hashable
     submitted: float
-    future: asyncio.Future[BatchAnswer]
+    # The request's share of its finished batch, built in the request's own coroutine.
+    future: asyncio.Future[Callable[[], BatchAnswer]]
     rows: int = field(init=False)
     routing: Any = None  # set when the request was routed ahead of its batch (prefetch)
 
@@ -152,10 +154,11 @@ class Batcher:
         assert self._wakeup is not None
         self._wakeup.set()
         try:
-            return await item.future
+            build = await item.future
         finally:
             self._queued_rows -= rows
             self._waiting -= 1
+        return build()
 
     def _validate(self, x: torch.Tensor | np.ndarray, options: Hashable) -> torch.Tensor:
         tensor = torch.as_tensor(x)
@@ -354,12 +357,13 @@ class Batcher:
                 if not item.future.done():
                     item.future.set_exception(exc)
             return
-        for item, answer in zip(batch, answers, strict=True):
+        for r, item in enumerate(batch):
             if not item.future.done():
-                if isinstance(answer, BaseException):
-                    item.future.set_exception(answer)
+                failure = answers.failure(r)
+                if failure is not None:
+                    item.future.set_exception(failure)
                 else:
-                    item.future.set_result(answer)
+                    item.future.set_result(functools.partial(answers.answer, r))
         elapsed = self._clock.now() - started
         rows = sum(item.rows for item in batch)
         if elapsed > 0:
@@ -367,9 +371,7 @@ class Batcher:
             previous = self._rows_per_s
             self._rows_per_s = rate if previous is None else 0.8 * previous + 0.2 * rate
 
-    async def _run_batch(
-        self, batch: list[_Pending], started: float
-    ) -> list[BatchAnswer | BaseException]:
+    async def _run_batch(self, batch: list[_Pending], started: float) -> BatchAnswers:
         x = batch[0].x if len(batch) == 1 else torch.cat([item.x for item in batch])
         routing: Any
         if all(item.routing is not None for item in batch):
@@ -383,7 +385,7 @@ class Batcher:
             results = await self._pool.run(plan.pool_groups())
             run.combine(plan, results)
             rounds.append((plan, results))
-        return request_answers(
+        return BatchAnswers(
             [(item.rows, item.submitted) for item in batch], routing, run.outputs, rounds,
             route_ms, started, self._clock.now(),
         )
