@@ -107,6 +107,10 @@ class TensorSpec:
     end: int
 
 
+# (dtype, ((name, shape, strides, offset in elements), ...)): see ExpertHeader.uniform.
+_Uniform = tuple[torch.dtype, tuple[tuple[str, tuple[int, ...], tuple[int, ...], int], ...]]
+
+
 @dataclass(frozen=True)
 class ExpertHeader:
     """A parsed and validated header: the arch and where each tensor lies in the data."""
@@ -116,6 +120,10 @@ class ExpertHeader:
     tensors: dict[str, TensorSpec]
     data_offset: int
     data_bytes: int
+    # When every tensor has one dtype and starts on a multiple of its size: that dtype and
+    # each tensor's (name, shape, contiguous strides, offset in elements), so tensor_views
+    # makes each view with one as_strided (three or four ops per tensor otherwise).
+    uniform: _Uniform | None = None
 
 
 def expected_tensors(arch: ExpertArch) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -363,11 +371,39 @@ def _parse_header_bytes(header_bytes: bytes, total: int) -> ExpertHeader:
         tensors=tensors,
         data_offset=data_offset,
         data_bytes=data_bytes,
+        uniform=_uniform_layout(tensors, data_bytes),
     )
+
+
+def _uniform_layout(tensors: dict[str, TensorSpec], data_bytes: int) -> _Uniform | None:
+    dtypes = {spec.dtype for spec in tensors.values()}
+    if len(dtypes) != 1:
+        return None
+    dtype = _DTYPES[dtypes.pop()]
+    size = dtype.itemsize
+    if data_bytes % size or any(spec.start % size for spec in tensors.values()):
+        return None
+    layout = []
+    for name, spec in tensors.items():
+        strides = [1] * len(spec.shape)
+        for i in range(len(spec.shape) - 2, -1, -1):
+            strides[i] = strides[i + 1] * spec.shape[i + 1]
+        layout.append((name, spec.shape, tuple(strides), spec.start // size))
+    return dtype, tuple(layout)
 
 
 def tensor_views(data: Tensor, header: ExpertHeader) -> dict[str, Tensor]:
     """The header's tensors as views into data (no copy)."""
+    uniform = header.uniform
+    if uniform is not None and data.numel() == header.data_bytes:
+        dtype, layout = uniform
+        if data.storage_offset() % dtype.itemsize == 0:
+            flat = data.view(dtype)
+            base = flat.storage_offset()
+            return {
+                name: flat.as_strided(shape, strides, base + offset)
+                for name, shape, strides, offset in layout
+            }
     state: dict[str, Tensor] = {}
     for name, spec in header.tensors.items():
         dtype = _DTYPES[spec.dtype]

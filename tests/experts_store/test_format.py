@@ -15,6 +15,7 @@ from experts_store import (
     ExpertFormatError,
     ExpertLoadError,
     load_expert,
+    load_frozen_expert,
     save_expert,
 )
 
@@ -176,3 +177,22 @@ def test_cuda_round_trip_through_pinned_memory(tmp_path: Path, batchnorm: bool) 
         assert torch.equal(loaded.state_dict()[name].cpu(), tensor), name
     x = torch.randn(10, 5)
     torch.testing.assert_close(loaded(x.cuda()).cpu(), expert(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pad", [1, 2, 3])
+def test_a_file_whose_tensors_start_unaligned_loads_the_same_expert(
+    tmp_path: Path, pad: int
+) -> None:
+    # save_expert pads the header to 8 bytes; another writer need not. A header longer by
+    # 1-3 bytes moves every tensor off its 4-byte alignment (the loader copies those).
+    expert = make_expert((5, 32, 16, 3), seed=3)
+    path = tmp_path / "e.safetensors"
+    save_expert(expert, path)
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = raw[8 : 8 + length] + b" " * pad  # trailing blanks: still the same JSON
+    moved = tmp_path / "moved.safetensors"
+    moved.write_bytes(struct.pack("<Q", len(header)) + header + raw[8 + length :])
+    for loaded in (load_expert(moved), load_frozen_expert(moved)):
+        x = torch.randn(20, 5)
+        assert torch.equal(loaded(x), expert(x))
