@@ -407,23 +407,43 @@ def momlp_command(args: argparse.Namespace, store: Store, port: int) -> list[str
 MOMLP_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "OMP_NUM_THREADS": "1"}
 
 
-def run_momlp(args: argparse.Namespace, store: Store, work: list[Any], round_: int) -> Any:
+def run_momlp(
+    args: argparse.Namespace,
+    store: Store,
+    work: list[Any],
+    round_: int,
+    *,
+    code: Path | None = None,
+) -> Any:
+    """One round against `momlp serve`; `code`: a checkout whose momlp the server and its
+    actors run instead of this one (see `serve_ab.py --code`)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}/v1/predict"
     env = dict(os.environ, **MOMLP_ENV)
+    if code is not None:
+        # PYTHONPATH for the server; and Ray puts the server's working directory first on its
+        # workers' sys.path, so the actors import the checkout's code only when started there.
+        env["PYTHONPATH"] = os.fspath(code)
     command = momlp_command(args, store, port)
-    with served(command, env, url, {"inputs": work[0][1]}, "momlp-serve-") as pid:
+    with served(command, env, url, {"inputs": work[0][1]}, "momlp-serve-", cwd=code) as pid:
         return run_driver(url, work, args.warmup, args.concurrency, "momlp", pid, args.client)
 
 
 @contextmanager
 def served(
-    command: list[str], env: dict[str, str], url: str, probe: dict[str, Any], prefix: str
+    command: list[str],
+    env: dict[str, str],
+    url: str,
+    probe: dict[str, Any],
+    prefix: str,
+    cwd: Path | None = None,
 ) -> Iterator[int]:
     """A server process started from `command`, ready at `url`; yields its pid and stops it
     with SIGTERM. Its output goes to a temporary log, printed to stderr if anything fails."""
     with tempfile.NamedTemporaryFile("w+", prefix=prefix, suffix=".log") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd
+        )
         try:
             wait_ready(url, probe, 240.0)
             yield process.pid
