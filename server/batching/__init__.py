@@ -7,7 +7,7 @@ order and per-expert figures. How rows become groups and outputs is the kind's b
 
 from __future__ import annotations
 
-from server.batching._assemble import BatchAnswers, request_answers
+from server.batching._assemble import BatchAnswers
 from server.batching._batcher import Batcher
 from server.batching._route import RouteRunner
 from server.batching._senders import OpenConnections
@@ -20,5 +20,4 @@ __all__ = [
     "ExpertStat",
     "OpenConnections",
     "RouteRunner",
-    "request_answers",
 ]

@@ -17,7 +17,7 @@ from server.batching._types import BatchAnswer, ExpertStat
 from server.kinds import Plan, RowRouting
 from server.pool import GroupResult
 
-__all__ = ["BatchAnswers", "Round", "request_answers"]
+__all__ = ["BatchAnswers", "Round"]
 
 Round = tuple[Plan, Sequence[GroupResult]]
 
@@ -87,21 +87,6 @@ class BatchAnswers:
             total_ms=(self._finished - self._requests[r][1]) * 1000.0,
             routing=part,
         )
-
-
-def request_answers(
-    requests: list[tuple[int, float]],
-    routing: RowRouting,
-    outputs: torch.Tensor,
-    rounds: list[Round],
-    route_ms: float,
-    started: float,
-    finished: float,
-) -> list[BatchAnswer | BaseException]:
-    """Each request's (rows, submitted time) share of the batch: its answer, or the error of
-    the first group it needed that failed (`BatchAnswers`, all built at once)."""
-    batch = BatchAnswers(requests, routing, outputs, rounds, route_ms, started, finished)
-    return [batch.failure(r) or batch.answer(r) for r in range(len(batch))]
 
 
 _Use = tuple[GroupResult, int, int, str, int]
