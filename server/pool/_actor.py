@@ -12,10 +12,11 @@ one budget without counting anything twice.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import threading
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -201,7 +202,11 @@ class ActorCore:
         self._pin_lock = threading.Lock()
         self._compute_lock = threading.Lock()
         # Experts of run calls that arrived and have not finished: a prefetch never evicts them.
-        self._wanted: Counter[ExpertRef] = Counter()
+        # The groups of each run call that arrived and has not finished (one entry per call:
+        # a prefetch, which is rare, gathers their experts; a run only adds and removes its
+        # own entry instead of counting every expert in and out).
+        self._wanted: dict[int, Sequence[tuple[ExpertRef, np.ndarray]]] = {}
+        self._calls = itertools.count()
         self._wanted_lock = threading.Lock()
         if lookahead is None:
             lookahead = self.device.startswith("cuda")
@@ -251,16 +256,15 @@ class ActorCore:
 
     def run(self, groups: Sequence[tuple[ExpertRef, np.ndarray]]) -> ActorReply:
         """Forward each (expert, rows [m, n] float32) group; one outcome per group, in order."""
-        wanted = [ref for ref, _ in groups]
         with self._wanted_lock:
-            self._wanted.update(wanted)
+            token = next(self._calls)
+            self._wanted[token] = groups
         try:
             with self._compute_lock:
                 outcomes = self._run_locked(groups)
         finally:
             with self._wanted_lock:
-                self._wanted.subtract(wanted)
-                self._wanted += Counter()  # drops the zero counts
+                del self._wanted[token]
         return ActorReply(
             actor=self.name,
             results=outcomes,
@@ -378,7 +382,7 @@ class ActorCore:
         is skipped: the run will load it on demand.
         """
         with self._wanted_lock:
-            keep = set(experts) | set(self._wanted)
+            keep = set(experts) | {ref for run in self._wanted.values() for ref, _ in run}
         for ref in experts:
             try:
                 if isinstance(ref, GeneratedRef):
