@@ -55,9 +55,6 @@ class BatchAnswers:
         self._chosen = (routing.experts >= 0).sum(dim=1).tolist()
         self._starts = list(itertools.accumulate((rows for rows, _ in requests), initial=0))
 
-    def __len__(self) -> int:
-        return len(self._requests)
-
     def failure(self, r: int) -> ExpertUnavailable | None:
         """The error of the first group request `r` needed that failed, if one did."""
         failed = next((use for use in self._uses[r] if use[0].error is not None), None)

@@ -201,15 +201,14 @@ class ActorCore:
         self._pinned: OrderedDict[str, AbstractContextManager[Any]] = OrderedDict()
         self._pin_lock = threading.Lock()
         self._compute_lock = threading.Lock()
-        # Experts of run calls that arrived and have not finished: a prefetch never evicts them.
-        # The groups of each run call that arrived and has not finished (one entry per call:
-        # a prefetch, which is rare, gathers their experts; a run only adds and removes its
-        # own entry instead of counting every expert in and out).
+        # The groups of each run call that arrived and has not finished: a prefetch never evicts
+        # their experts. One entry per call (a prefetch, which is rare, gathers the experts; a
+        # run adds and removes its entry instead of counting every expert in and out).
         self._wanted: dict[int, Sequence[tuple[ExpertRef, np.ndarray]]] = {}
         self._calls = itertools.count()
         self._wanted_lock = threading.Lock()
         if lookahead is None:
-            lookahead = self.device.startswith("cuda")
+            lookahead = self._cuda
         self._lookahead = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-lease")
             if lookahead
