@@ -1,5 +1,4 @@
-"""Which actor runs which expert: residency first, then rendezvous hashing balanced over each
-call's loads, spilling hot experts.
+"""Which actor runs which expert: residency first, then rendezvous hashing, spilling hot experts.
 
 The dispatcher is pure bookkeeping (no Ray, no asyncio), so both pools share it and it is
 tested on its own. It keeps three things per actor: whether it is alive, the rows dispatched
@@ -16,14 +15,9 @@ import threading
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["LOAD_WORK", "Dispatcher", "rendezvous_rank"]
+__all__ = ["Dispatcher", "rendezvous_rank"]
 
 logger = logging.getLogger(__name__)
-
-# What a group that must load its expert weighs against one whose expert is resident when a
-# call's loads are balanced: on CPU, loading a small expert from the page cache (read and
-# checksum) costs about two of its forwards (benchmarks/RESULTS.md, "balanced loads").
-LOAD_WORK = 2
 
 
 # Every batch ranks each of its experts over the actors again (~90 blake2b per batch on the
@@ -46,16 +40,11 @@ def rendezvous_rank(key: Hashable, actors: Iterable[str]) -> list[str]:
 class Dispatcher:
     """Residency table, per-actor queue depth and the placement policy.
 
-    Placement of one call's groups (`place`), each one expert's rows:
-    1. an expert some actor holds (per its last reply) goes to its least queued holder;
-    2. an expert no actor holds must be loaded: it goes to its home actor by rendezvous
-       hashing over the live actors, or to its second rendezvous choice when that one has
-       less of this call's work (a held group counts 1, a load `LOAD_WORK`). A call's groups
-       run in parallel on their actors and the call ends with the slowest, so its loads, the
-       part that may go either way, even the actors out; an unheld expert still goes to one
-       of its first two choices, so the caches stay partitioned;
+    Placement of one expert's rows:
+    1. actors already holding the expert (per their last reply), least queued first;
+    2. otherwise the expert's home actor by rendezvous hashing over the live actors;
     3. if the chosen actor has more than `spill_queue_rows` rows queued, the expert spills to
-       its next rendezvous choice when that one is less loaded.
+       its second rendezvous choice when that one is less loaded.
     """
 
     def __init__(self, actors: Sequence[str], *, spill_queue_rows: int) -> None:
@@ -98,46 +87,31 @@ class Dispatcher:
     def place(
         self, expert_rows: Sequence[tuple[Hashable, int]], *, exclude: Iterable[str] = ()
     ) -> list[str | None]:
-        """Choose an actor for each (key, rows) of one call and count the rows as queued there.
+        """Choose an actor for each (key, rows) and count the rows as queued there.
 
         Returns one actor name per entry (None when no live actor is left). Callers must call
         `complete(actor, rows)` once the actor answered (or failed).
         """
         excluded = set(exclude)
-        chosen: list[str | None] = [None] * len(expert_rows)
+        chosen: list[str | None] = []
         with self._lock:
             live = [n for n in self._names if self._alive[n] and n not in excluded]
-            if not live:
-                return chosen
-            work = dict.fromkeys(live, 0)
-            loads: list[int] = []
-            for index, (key, rows) in enumerate(expert_rows):
-                holders = [n for n in live if key in self._resident[n]]
-                if not holders:
-                    loads.append(index)  # placed once the held groups' actors are known
-                    continue
-                ranked = rendezvous_rank(key, live)
-                holder = min(holders, key=lambda n: (self._queued[n], ranked.index(n)))
-                chosen[index] = self._settle(key, holder, ranked, rows, work, 1)
-            for index in loads:
-                key, rows = expert_rows[index]
-                ranked = rendezvous_rank(key, live)
-                actor = ranked[0]
-                if len(ranked) > 1 and work[ranked[1]] < work[actor]:
-                    actor = ranked[1]
-                chosen[index] = self._settle(key, actor, ranked, rows, work, LOAD_WORK)
+            for key, rows in expert_rows:
+                actor = self._choose_locked(key, live)
+                if actor is not None:
+                    self._queued[actor] += rows
+                chosen.append(actor)
         return chosen
 
-    def _settle(
-        self,
-        key: Hashable,
-        actor: str,
-        ranked: list[str],
-        rows: int,
-        work: dict[str, int],
-        weight: int,
-    ) -> str:
-        """`actor`, or the expert's next choice when `actor` is saturated; counts the group."""
+    def _choose_locked(self, key: Hashable, live: list[str]) -> str | None:
+        if not live:
+            return None
+        holders = [n for n in live if key in self._resident[n]]
+        ranked = rendezvous_rank(key, live)
+        if holders:
+            actor = min(holders, key=lambda n: (self._queued[n], ranked.index(n)))
+        else:
+            actor = ranked[0]
         if self._queued[actor] > self._spill_queue_rows:
             # The expert is hot and its actor saturated: a second copy on the next rendezvous
             # choice keeps spills of one expert on one other actor instead of all of them.
@@ -145,8 +119,6 @@ class Dispatcher:
             if others and self._queued[others[0]] < self._queued[actor]:
                 logger.debug("expert %s spills from %s to %s", key, actor, others[0])
                 actor = others[0]
-        self._queued[actor] += rows
-        work[actor] += weight
         return actor
 
     def complete(self, actor: str, rows: int) -> None:

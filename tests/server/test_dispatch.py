@@ -5,7 +5,6 @@ from collections import Counter
 import pytest
 
 from server.pool import Dispatcher, rendezvous_rank
-from server.pool._dispatch import LOAD_WORK
 
 pytestmark = pytest.mark.unit
 
@@ -52,45 +51,6 @@ def test_held_expert_goes_to_the_least_queued_holder() -> None:
     dispatcher.complete(busy, 5)
     # Equal queues: the holder ranked first for the expert wins, never the non-holder home.
     assert dispatcher.place([(3, 1)])[0] in (busy, idle)
-
-
-def _homed_at(actor: str, actors: list[str], count: int) -> list[int]:
-    return [e for e in range(1000) if rendezvous_rank(e, actors)[0] == actor][:count]
-
-
-def test_a_calls_loads_even_out_its_actors() -> None:
-    actors = ["actor-0", "actor-1"]
-    dispatcher = Dispatcher(actors, spill_queue_rows=100)
-    experts = _homed_at("actor-0", actors, 6)
-    placed = dispatcher.place([(e, 1) for e in experts])
-    # Nothing is held: six loads whose home is actor-0 alternate, home first on a tie.
-    assert placed == ["actor-0", "actor-1"] * 3
-    assert dispatcher.queued_rows("actor-0") == dispatcher.queued_rows("actor-1") == 3
-
-
-def test_held_groups_weigh_on_where_a_calls_loads_go() -> None:
-    actors = ["actor-0", "actor-1"]
-    dispatcher = Dispatcher(actors, spill_queue_rows=100)
-    homed = _homed_at("actor-1", actors, 2 * LOAD_WORK + 3)
-    held, loads = homed[:-2], homed[-2:]
-    dispatcher.update_residency("actor-0", dict.fromkeys(held, 8))
-    placed = dispatcher.place([(e, 1) for e in [*held, *loads]])
-    # Held experts stay with their holder, away from their home; actor-0 then has more work
-    # than two loads make, so both loads go to their home actor-1.
-    assert placed == ["actor-0"] * len(held) + ["actor-1", "actor-1"]
-    # The other way round: actor-1 is busy with held groups, so actor-1's loads move.
-    dispatcher.update_residency("actor-0", {})
-    dispatcher.update_residency("actor-1", dict.fromkeys(held, 8))
-    placed = dispatcher.place([(e, 1) for e in [*held, *loads]])
-    assert placed == ["actor-1"] * len(held) + ["actor-0", "actor-0"]
-
-
-def test_a_load_goes_no_further_than_its_second_choice() -> None:
-    dispatcher = Dispatcher(ACTORS, spill_queue_rows=100)
-    experts = _homed_at("actor-0", ACTORS, 30)
-    placed = dispatcher.place([(e, 1) for e in experts])
-    assert all(a in rendezvous_rank(e, ACTORS)[:2] for e, a in zip(experts, placed, strict=True))
-    assert "actor-0" in placed and set(placed) != {"actor-0"}
 
 
 def test_hot_expert_spills_to_its_second_choice_when_home_is_saturated() -> None:

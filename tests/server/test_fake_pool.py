@@ -13,7 +13,7 @@ from pool_support import IdGroup, IdPool
 from experts_store import ExpertRef, ExpertTooLarge, Store, load_expert
 from server._exceptions import PoolClosed
 from server._settings import Settings
-from server.pool import ActorDied, ActorReply, FakeExpertPool, rendezvous_rank
+from server.pool import ActorDied, ActorReply, FakeExpertPool
 
 pytestmark = pytest.mark.unit
 
@@ -51,11 +51,8 @@ async def test_results_come_back_in_group_order_and_fill_the_residency_table(
     assert [r.expert_id for r in results] == [7, 0, 11, 3, 5]
     for group, result in zip(groups, results, strict=True):
         torch.testing.assert_close(result.outputs, expected(store, group))
-    # Nothing was resident: each expert ran on its home or, to even out the call's loads,
-    # its second rendezvous choice.
-    names = ["actor-0", "actor-1", "actor-2"]
-    ranks = {e: rendezvous_rank(pool.key(e), names) for e in [7, 0, 11, 3, 5]}
-    assert all(r.actor in ranks[r.expert_id][:2] for r in results)
+        # Nothing was resident: each expert ran on its rendezvous home.
+        assert result.actor == pool.dispatcher.home(group.expert_id)
     residency = pool.residency()
     holders = {e: actors[0] for e, actors in residency.items()}
     assert holders == {r.expert_id: r.actor for r in results}
@@ -80,9 +77,10 @@ async def test_an_actor_dying_mid_call_is_retried_elsewhere_exactly_once(
         assert result.actor != "actor-1"
     # Every group but actor-1's ran once; actor-1's groups were sent twice (died, retried).
     sent = Counter(e for _, ids in pool.calls for e in ids)
-    doomed = {e for actor, ids in pool.calls if actor == "actor-1" for e in ids}
-    assert doomed
-    assert all(sent[e] == (2 if e in doomed else 1) for e in range(12))
+    pool.dispatcher.mark_alive("actor-1")
+    homes = {e: pool.dispatcher.home(e) for e in range(12)}
+    assert "actor-1" in homes.values()
+    assert all(sent[e] == (2 if homes[e] == "actor-1" else 1) for e in range(12))
     await pool.close()
 
 
