@@ -1,14 +1,12 @@
-"""One socket write per response: uvicorn's HTTP protocol over a transport that joins a
-response's headers with its body.
+"""One socket write per response: uvicorn's HTTP protocol over a transport that joins the
+writes of one event-loop turn.
 
 uvicorn writes a response's status line and headers when the app sends `http.response.start`
 and its body when the app sends `http.response.body`: two writes, so two loopback segments,
 two trips through the kernel's TCP stack in the server, and a client woken for the headers
-and again for the body. `JoinedWrites` holds a write until the next one (the body that
-follows the headers) and sends both at once; a write with nothing after it in the same turn
-of the event loop goes out at the end of that turn. Each response still leaves as soon as its
-body is written, not when the turn ends: the 16 answers of a batch go out one by one while the
-others are built. Nothing is reordered or dropped; a close first sends what is held.
+and again for the body. An app sends both in one turn of the loop (predict answers with one
+`Response`), so holding writes until the end of the turn sends the response in one write.
+Nothing is reordered or dropped: writes go out in order, and a close first sends what is held.
 """
 
 from __future__ import annotations
@@ -20,8 +18,7 @@ __all__ = ["JoinedWrites", "joined_writes_protocol"]
 
 
 class JoinedWrites:
-    """An asyncio transport that sends each write together with the one after it (or at the
-    end of the loop turn, if none follows), through `transport`.
+    """An asyncio transport whose writes within one loop turn reach `transport` as one write.
 
     Everything but `write`, `writelines` and `close` goes to `transport` as is (flow control,
     `get_extra_info`, `is_closing`, `abort`: an abort drops what is held, as it drops what the
@@ -33,16 +30,14 @@ class JoinedWrites:
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         self._transport = transport
         self._loop = loop
-        self._held: bytes | None = None
+        self._held: list[bytes] | None = None
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        held = self._held
-        if held is None:
-            self._held = bytes(data)
+        if self._held is None:
+            self._held = [bytes(data)]
             self._loop.call_soon(self.flush)
         else:
-            self._held = None
-            self._transport.write(held + data)
+            self._held.append(bytes(data))
 
     def writelines(self, chunks: Any) -> None:
         for chunk in chunks:
@@ -51,8 +46,8 @@ class JoinedWrites:
     def flush(self) -> None:
         """Send what is held now (the end of the loop turn does it otherwise)."""
         held, self._held = self._held, None
-        if held is not None and not self._transport.is_closing():
-            self._transport.write(held)
+        if held and not self._transport.is_closing():
+            self._transport.write(held[0] if len(held) == 1 else b"".join(held))
 
     def close(self) -> None:
         self.flush()
