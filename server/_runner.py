@@ -19,7 +19,6 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from server._settings import Settings
-from server._writes import joined_writes_protocol
 from server.batching import OpenConnections
 
 if TYPE_CHECKING:
@@ -67,8 +66,6 @@ def uvicorn_config(app: Any, settings: Settings) -> uvicorn.Config:
         port=settings.port,
         log_config=None,
         access_log=settings.access_log,
-        # One socket write per response, not two (server._writes).
-        http=joined_writes_protocol(),
         lifespan="on",
         # Requests end by request_timeout_s on their own; past it, nothing is worth waiting for.
         timeout_graceful_shutdown=max(1, math.ceil(settings.request_timeout_s)),
