@@ -15,12 +15,22 @@ _CHUNK_ELEMENTS = 1 << 22
 @dataclass(frozen=True)
 class WalkIndex:
     """The tree laid out for descent: leaves renumbered in breadth-first order, so the
-    children of a node are consecutive rows and each step's gather reads one block."""
+    children of a node are consecutive rows and each step's gather reads one block.
+
+    The step tables let `greedy_walk` take the same number of steps for every row, with no
+    per-step bookkeeping of which rows are still walking: an empty child slot points to a
+    sentinel node at +inf (so its distance is +inf, as a masked slot's would be), a leaf's
+    only child is itself, and each leaf's count of measured children is known in advance.
+    """
 
     nodes: torch.Tensor  # [num_internal + K, n] float32, internal points then leaves
     children: torch.Tensor  # [num_internal, branching] int64, -1 padded
     leaf_proto: torch.Tensor  # [K] int64, prototype index of leaf row num_internal + i
     num_internal: int
+    step_nodes: torch.Tensor  # [num_internal + K + 1, n] float32: nodes, then the sentinel
+    step_children: torch.Tensor  # [num_internal + K + 1, branching] int64, no -1
+    leaf_evals: torch.Tensor  # [K] int64, children measured on the way to leaf row m + i
+    steps: int  # the deepest leaf's depth
 
     @classmethod
     def from_tree(
@@ -28,13 +38,45 @@ class WalkIndex:
     ) -> WalkIndex:
         m = children.shape[0]
         if m == 0:
-            return cls(prototypes.contiguous(), children, torch.zeros(1, dtype=torch.long), 0)
+            nodes = prototypes.contiguous()
+            return cls(
+                nodes, children, torch.zeros(1, dtype=torch.long), 0,
+                nodes, children, torch.zeros(1, dtype=torch.long), 0,
+            )  # fmt: skip
         is_leaf = children >= m
         leaf_proto = children[is_leaf] - m
         remapped = children.clone()
         remapped[is_leaf] = m + torch.arange(leaf_proto.numel())
         nodes = torch.cat([points, prototypes[leaf_proto]]).contiguous()
-        return cls(nodes, remapped, leaf_proto, m)
+        total = nodes.shape[0]
+        sentinel = total
+        step_nodes = torch.cat([nodes, torch.full((1, nodes.shape[1]), float("inf"))])
+        step_children = torch.full((total + 1, children.shape[1]), sentinel, dtype=torch.long)
+        step_children[:m] = remapped.masked_fill(remapped < 0, sentinel)
+        step_children[m:total, 0] = torch.arange(m, total)
+        evals, steps = _evals_to_each_node(remapped, total)
+        return cls(
+            nodes, remapped, leaf_proto, m,
+            step_nodes.contiguous(), step_children, evals[m:].contiguous(), steps,
+        )  # fmt: skip
+
+
+def _evals_to_each_node(children: torch.Tensor, total: int) -> tuple[torch.Tensor, int]:
+    """Children measured on the way from the root to each node, and the tree's depth."""
+    m = children.shape[0]
+    measured = (children >= 0).sum(dim=1)
+    evals = torch.zeros(total, dtype=torch.long)
+    level = torch.zeros(1, dtype=torch.long)
+    depth = 0
+    while level.numel():
+        kids = children.index_select(0, level)
+        counts = evals.index_select(0, level) + measured.index_select(0, level)
+        valid = kids >= 0
+        evals[kids[valid]] = counts[:, None].expand_as(kids)[valid]
+        nxt = kids[valid]
+        level = nxt[nxt < m]
+        depth += 1
+    return evals, depth
 
 
 def greedy_walk(
@@ -46,55 +88,41 @@ def greedy_walk(
     evaluations [B]). Distances are direct differences in float32 and ties go to the
     lowest child slot, so the walk is a deterministic function of float32(x): the trainer
     and the server agree.
+
+    Every row takes `index.steps` steps: one that reached a leaf stays there (a leaf's only
+    child is itself; its distance, computed again the same way, is the same float). A step
+    is ten tensor calls whatever the rows' depths, which matters more than the few rows'
+    extra arithmetic: a batch of tens of rows is routed on the event loop, where each call
+    costs microseconds.
     """
     b, n = x.shape
     m = index.num_internal
-    leaf = torch.empty(b, dtype=torch.long)
-    sq = torch.empty(b, dtype=torch.float32)
-    evals = torch.zeros(b, dtype=torch.long)
     if m == 0:
         diff = x - index.nodes[0]
-        leaf.zero_()
-        sq.copy_((diff * diff).sum(dim=1))
-        return leaf, sq, evals
-    nu = index.children.shape[1]
+        return (
+            torch.zeros(b, dtype=torch.long),
+            (diff * diff).sum(dim=1),
+            torch.zeros(b, dtype=torch.long),
+        )
+    nu = index.step_children.shape[1]
     step = max(1, _CHUNK_ELEMENTS // max(1, nu * n))
+    leaf = torch.empty(b, dtype=torch.long)
+    sq = torch.empty(b, dtype=torch.float32)
     for lo in range(0, b, step):
         hi = min(b, lo + step)
-        xs = x[lo:hi]
-        cur = torch.zeros(hi - lo, dtype=torch.long)
-        ev = torch.zeros(hi - lo, dtype=torch.long)
-        best = torch.empty(hi - lo, dtype=torch.float32)
-        active: torch.Tensor | None = None  # None: every query of the chunk is still walking
-        while True:
-            node = cur if active is None else cur.index_select(0, active)
-            xa = xs if active is None else xs.index_select(0, active)
-            a = node.numel()
-            ch = index.children.index_select(0, node)
-            valid = ch >= 0
-            diff = index.nodes.index_select(0, ch.clamp(min=0).flatten()).view(a, nu, n)
-            diff -= xa[:, None, :]
+        rows = hi - lo
+        xs = x[lo:hi, None, :]
+        cur = torch.zeros(rows, dtype=torch.long)
+        best = torch.empty(rows, dtype=torch.float32)
+        for _ in range(index.steps):
+            ch = index.step_children.index_select(0, cur)
+            diff = index.step_nodes.index_select(0, ch.view(-1)).view(rows, nu, n)
+            diff -= xs
             diff.mul_(diff)
-            d = diff.sum(dim=2)
-            d.masked_fill_(~valid, float("inf"))
             # min returns the first minimum: ties go to the lowest child slot.
-            val, j = d.min(dim=1)
-            nxt = ch.gather(1, j[:, None]).squeeze(1)
-            if active is None:
-                ev += valid.sum(dim=1)
-                cur, best = nxt, val
-                walking = nxt < m
-                if bool(walking.all()):
-                    continue
-                active = torch.nonzero(walking).flatten()
-            else:
-                ev.index_add_(0, active, valid.sum(dim=1))
-                cur.index_copy_(0, active, nxt)
-                best.index_copy_(0, active, val)
-                active = active[nxt < m]
-            if active.numel() == 0:
-                break
-        leaf[lo:hi] = index.leaf_proto[cur - m]
+            best, j = diff.sum(dim=2).min(dim=1)
+            cur = ch.gather(1, j[:, None]).view(-1)
+        leaf[lo:hi] = cur
         sq[lo:hi] = best
-        evals[lo:hi] = ev
-    return leaf, sq, evals
+    leaf -= m
+    return index.leaf_proto[leaf], sq, index.leaf_evals[leaf]

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from router_testdata import make_prototypes
 
 from router import PrototypeTree
+from router._walk import greedy_walk
 
 pytestmark = pytest.mark.unit
 
@@ -55,3 +57,32 @@ def test_batched_walk_equals_the_definition(
     experts, costs = slow_walk(tree, x)
     assert r.experts[:, 0].tolist() == experts
     assert r.distance_evals.tolist() == costs
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    k=st.integers(1, 150),
+    n=st.sampled_from([1, 2, 3, 7, 16, 17, 33]),
+    nu=st.integers(2, 8),
+    seed=st.integers(0, 2**16),
+    duplicated=st.booleans(),
+)
+def test_walk_distance_is_the_float32_distance_to_its_leaf(
+    k: int, n: int, nu: int, seed: int, duplicated: bool
+) -> None:
+    """Every row takes the deepest leaf's number of steps (a leaf steps onto itself): the
+    distance it returns is still the one float32 sum of squared differences to its leaf."""
+    rng = np.random.default_rng(seed)
+    p = make_prototypes("clustered", k, n, rng).astype(np.float32)
+    if duplicated:
+        p = np.concatenate([p, p])
+    tree = PrototypeTree.build(p, branching=nu, seed=seed)
+    x = torch.from_numpy((rng.random((50, n)) * 3 - 1).astype(np.float32))
+    leaf, sq, evals = greedy_walk(x, tree._walk)
+    experts, costs = slow_walk(tree, x.numpy())
+    assert leaf.tolist() == experts
+    assert evals.tolist() == costs
+    prototypes = torch.from_numpy(p)
+    for row, expert, got in zip(x, experts, sq, strict=True):
+        diff = prototypes[expert] - row
+        assert torch.equal((diff * diff).sum(), got)
