@@ -44,15 +44,18 @@ class BatchAnswers:
     ) -> None:
         self._requests = requests
         self._routing = routing
-        self._outputs = outputs
+        # numpy views, sliced per request (see BatchAnswer).
+        self._outputs = outputs.numpy(force=True)
+        self._experts = routing.experts.numpy(force=True)
+        self._weights = routing.weights.numpy(force=True)
         self._route_ms = route_ms
         self._started = started
         self._finished = finished
         self._uses = _uses(requests, rounds)
-        self._evals = routing.distance_evals.to(torch.int64).reshape(-1)
+        self._evals = routing.distance_evals.to(torch.int64).reshape(-1).numpy(force=True)
         # Each row's count of chosen experts, once per batch (three tensor ops per request
         # added up to more than the rest of a request's share).
-        self._chosen = (routing.experts >= 0).sum(dim=1).tolist()
+        self._chosen = (self._experts >= 0).sum(axis=1).tolist()
         self._starts = list(itertools.accumulate((rows for rows, _ in requests), initial=0))
 
     def failure(self, r: int) -> ExpertUnavailable | None:
@@ -68,21 +71,21 @@ class BatchAnswers:
         """Request `r`'s answer (one whose `failure(r)` is None)."""
         mine = self._uses[r]
         start, stop = self._starts[r], self._starts[r + 1]
-        part = self._routing.slice(start, stop)
         width = max(1, *self._chosen[start:stop])
-        # Views into the batch's tensors, not copies (~2 µs each, five per request, on the
-        # event loop): nothing writes to an answer, and it is dropped once sent.
+        # Views into the batch's arrays, not copies: nothing writes to an answer, and it is
+        # dropped once sent.
         return BatchAnswer(
             outputs=self._outputs[start:stop],
-            experts=part.experts[:, :width],
-            weights=part.weights[:, :width],
+            experts=self._experts[start:stop, :width],
+            weights=self._weights[start:stop, :width],
             stats=[_stat(*use) for use in mine],
             device_bytes={use[0].actor: use[0].device_bytes for use in mine},
             distance_evals=self._evals[start:stop],
             route_ms=self._route_ms,
             queue_ms=(self._started - self._requests[r][1]) * 1000.0,
             total_ms=(self._finished - self._requests[r][1]) * 1000.0,
-            routing=part,
+            batch_routing=self._routing,
+            rows=(start, stop),
         )
 
 

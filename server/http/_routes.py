@@ -218,7 +218,10 @@ def _ragged(rows: list[list[Any]], kept: list[int]) -> list[list[Any]]:
 
 
 async def submit_in_time(
-    version: StoreVersion, x: torch.Tensor, options: Hashable, settings: Settings
+    version: StoreVersion,
+    x: torch.Tensor | np.ndarray,
+    options: Hashable,
+    settings: Settings,
 ) -> BatchAnswer:
     """The version's batcher's answer, or `RequestTimeout` past `settings.request_timeout_s`."""
     try:
@@ -242,9 +245,8 @@ async def predict(request: Request) -> Response:
             request, version, settings, PredictRequest, _query_gate(query),
             query.return_stats, query.return_routing,
         )
-        x = torch.from_numpy(parsed.x)
-        answer = await submit_in_time(version, x, parsed.options, settings)
-    metrics.observe_prediction(x.shape[0], [(s.cache, s.load_ms) for s in answer.stats])
+        answer = await submit_in_time(version, parsed.x, parsed.options, settings)
+    metrics.observe_prediction(parsed.x.shape[0], [(s.cache, s.load_ms) for s in answer.stats])
     nodes, graph_stats = graph_fields(answer, parsed.return_stats)
     stats = None
     if parsed.return_stats:

@@ -17,7 +17,6 @@ import importlib.metadata
 from typing import Any
 
 import numpy as np
-import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
@@ -163,15 +162,15 @@ async def infer(request: Request, name: str, version: str | None) -> Response:
         )
         parsed = await parse_sized(len(body), parse)
         options = current.model.resolve(_gate(parsed.request.parameters), settings)
-        answer = await submit_in_time(current, torch.from_numpy(parsed.x), options, settings)
+        answer = await submit_in_time(current, parsed.x, options, settings)
     request.app.state.metrics.observe_prediction(
         parsed.x.shape[0], [(s.cache, s.load_ms) for s in answer.stats]
     )
     outputs = [
-        OutputTensor("output", "FP32", answer.outputs.numpy().astype(np.float32)),
-        OutputTensor("experts", "INT64", answer.experts.numpy().astype(np.int64)),
+        OutputTensor("output", "FP32", answer.outputs.astype(np.float32)),
+        OutputTensor("experts", "INT64", answer.experts.astype(np.int64)),
         # Rows may keep fewer experts than others (min_weight, top_p): padded with -1 / 0.
-        OutputTensor("weights", "FP32", answer.weights.numpy().astype(np.float32)),
+        OutputTensor("weights", "FP32", answer.weights.astype(np.float32)),
     ]
     content, header_length = encode_response(
         parsed.request,

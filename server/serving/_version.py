@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from experts_store import Clock, ExpertRef, Manifest, Store
@@ -36,7 +37,9 @@ __all__ = [
 class BatcherLike(Protocol):
     """What the server needs of `server.batching.Batcher`."""
 
-    async def submit(self, x: torch.Tensor, options: Hashable | None = None) -> BatchAnswer: ...
+    async def submit(
+        self, x: torch.Tensor | np.ndarray, options: Hashable | None = None
+    ) -> BatchAnswer: ...
     async def close(self) -> None: ...
 
 

@@ -118,6 +118,7 @@ def reference(store: Store, experts: torch.Tensor, weights: torch.Tensor, x: tor
     torch.Tensor
 ):
     """Weighted sum over k of each row's experts, from files read independently."""
+    experts, weights = torch.as_tensor(experts), torch.as_tensor(weights)
     modules = {}
     for e in experts.unique().tolist():
         entry = store.expert_entry(e)
@@ -178,7 +179,7 @@ async def test_requests_within_the_window_share_one_router_and_pool_call(setup: 
     assert a.experts[:, 0].tolist() == [0, 1] and b.experts[:, 0].tolist() == [1, 2, 2]
     for x, answer in ((inputs([0, 1], 3, seed=1), a), (inputs([1, 2, 2], 3, seed=2), b)):
         expected = reference(store, answer.experts, answer.weights, x)
-        torch.testing.assert_close(answer.outputs, expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.from_numpy(answer.outputs), expected, rtol=1e-5, atol=1e-6)
     assert a.queue_ms == pytest.approx(2.5) and b.queue_ms == pytest.approx(1.5)
     third = asyncio.create_task(batcher.submit(inputs([3], 3)))
     await settle()
@@ -279,9 +280,10 @@ async def test_top_k_outputs_are_the_gate_weighted_sum(setup: Setup) -> None:
     x = inputs([0, 4, 5, 5], 3, seed=7)
     answer = await batcher.submit(x, Gate(top_k=3))
     assert answer.experts.tolist() == [[0, 1, 2], [4, 5, 0], [5, 0, 1], [5, 0, 1]]
-    torch.testing.assert_close(answer.weights.sum(1), torch.ones(4, dtype=torch.float64))
+    sums = torch.from_numpy(answer.weights.sum(1))
+    torch.testing.assert_close(sums, torch.ones(4, dtype=torch.float64))
     expected = reference(store, answer.experts, answer.weights, x)
-    torch.testing.assert_close(answer.outputs, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.from_numpy(answer.outputs), expected, rtol=1e-5, atol=1e-6)
     # (row, k) pairs are rows of their expert: expert 0 gets one pair from each row.
     stat0 = next(s for s in answer.stats if s.expert_id == 0)
     assert stat0.rows == 4
@@ -498,7 +500,7 @@ async def test_numpy_inputs_and_a_dead_actor_mid_stream(setup: Setup) -> None:
     for x, answer in zip(xs, answers, strict=True):
         xt = torch.from_numpy(x)
         expected = reference(store, answer.experts, answer.weights, xt)
-        torch.testing.assert_close(answer.outputs, expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.from_numpy(answer.outputs), expected, rtol=1e-5, atol=1e-6)
     await batcher.close()
     await pool.close()
 
@@ -519,8 +521,9 @@ async def test_a_request_the_router_refuses_does_not_fail_its_batch(
     assert isinstance(b, InvalidRequest)
     assert not isinstance(a, BaseException)
     routed = tree.route(good).experts
-    assert torch.equal(a.experts, routed)
-    torch.testing.assert_close(a.outputs, reference(store, routed, a.weights, good))
+    assert torch.equal(torch.from_numpy(a.experts), routed)
+    expected = reference(store, routed, a.weights, good)
+    torch.testing.assert_close(torch.from_numpy(a.outputs), expected)
     await batcher.close()
     await pool.close()
 
@@ -585,9 +588,43 @@ async def test_small_batches_are_routed_on_the_event_loop_with_the_same_answers(
         answers = [await batcher.submit(inputs([0, 1, 2, 5], 3, seed=s)) for s in range(3)]
         await batcher.close()
         await pool.close()
-        outputs[bound_ms] = torch.cat([answer.outputs for answer in answers])
+        outputs[bound_ms] = torch.cat([torch.from_numpy(answer.outputs) for answer in answers])
         on_loop = [thread == loop_thread for thread in router.threads]
         # The first batch is timed in a thread; a bound of 0 keeps every batch there.
         assert on_loop == ([False] * 3 if bound_ms == 0.0 else [False, True, True])
 
     torch.testing.assert_close(outputs[0.5], outputs[0.0], rtol=0, atol=0)
+
+
+async def test_numpy_and_torch_inputs_are_checked_alike(setup: Setup) -> None:
+    """Inputs are checked in numpy: numpy and torch inputs of any accepted dtype give the
+    float32 answer, and each refused one names what is wrong."""
+    _, batcher, pool, _router, _clock = setup(max_batch_wait_ms=0.0)
+    x = inputs([0, 1], 3, seed=3)
+    want = await batcher.submit(x)
+    read_only = x.numpy().copy()
+    read_only.flags.writeable = False
+    for same in (x.numpy(), x.double().numpy(), read_only, x.double(), x.to(torch.bfloat16)):
+        got = await batcher.submit(same)
+        expected = want
+        if isinstance(same, torch.Tensor) and same.dtype == torch.bfloat16:
+            expected = await batcher.submit(same.float())
+        assert np.array_equal(got.outputs, expected.outputs)
+    integers = await batcher.submit(np.array([[0, 1, 2], [1, 0, 0]], dtype=np.int64))
+    as_floats = await batcher.submit(np.array([[0, 1, 2], [1, 0, 0]], dtype=np.float32))
+    assert np.array_equal(integers.outputs, as_floats.outputs)
+    for bad, message in [
+        (np.zeros((1, 3), dtype=bool), "must be numbers"),
+        (np.zeros((1, 3), dtype=np.uint8), "must be numbers"),
+        (np.zeros((1, 3), dtype=np.complex64), "must be numbers"),
+        (torch.zeros(1, 3, dtype=torch.int16), "must be numbers"),
+        (np.array([[0.0, np.inf, 1.0]]), "finite"),
+        (np.array([[1e39, 0.0, 0.0]]), "finite"),  # beyond float32
+        (np.zeros((2, 4), dtype=np.float32), "4 columns, the store expects 3"),
+        (np.zeros((0, 3), dtype=np.float32), "non-empty 2-D"),
+    ]:
+        with pytest.raises(InvalidRequest, match=message) as info:
+            await batcher.submit(bad)
+        assert info.value.field == "inputs"
+    await batcher.close()
+    await pool.close()

@@ -132,10 +132,10 @@ async def test_each_row_is_the_same_alone_and_inside_merged_batches(graph_store)
         together = torch.empty(300, 1)
         experts = torch.empty(300, 7, dtype=torch.int64)
         for p, answer in zip(parts, answers, strict=True):
-            together[p] = answer.outputs
-            experts[p] = answer.experts
-        assert torch.equal(torch.cat([a.outputs for a in alone]), together)
-        assert torch.equal(torch.cat([a.experts for a in alone]), experts)
+            together[p] = torch.from_numpy(answer.outputs)
+            experts[p] = torch.from_numpy(answer.experts)
+        assert torch.equal(torch.cat([torch.from_numpy(a.outputs) for a in alone]), together)
+        assert torch.equal(torch.cat([torch.from_numpy(a.experts) for a in alone]), experts)
     finally:
         await batcher.close()
         await pool.close()

@@ -124,7 +124,8 @@ async def test_each_row_is_the_same_alone_and_inside_a_random_batch(store: Path)
             resolved = model.resolve(request, settings)
             assert isinstance(resolved, Gate)
             alone = torch.cat([
-                (await batcher.submit(x[i : i + 1], resolved)).outputs for i in range(1_000)
+                torch.from_numpy((await batcher.submit(x[i : i + 1], resolved)).outputs)
+                for i in range(1_000)
             ])
             order = torch.from_numpy(rng.permutation(1_000))
             cuts = np.sort(rng.choice(np.arange(1, 1_000), size=12, replace=False)).tolist()
@@ -133,7 +134,7 @@ async def test_each_row_is_the_same_alone_and_inside_a_random_batch(store: Path)
             answers = await asyncio.gather(*(batcher.submit(x[p], resolved) for p in parts))
             together = torch.empty_like(alone)
             for p, answer in zip(parts, answers, strict=True):
-                together[p] = answer.outputs
+                together[p] = torch.from_numpy(answer.outputs)
             assert torch.equal(alone, together), request
     finally:
         await batcher.close()
