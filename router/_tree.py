@@ -49,7 +49,8 @@ class PrototypeTree:
         self._arrays = arrays
         self._num_internal = int(arrays.children.shape[0])
         self._walk = WalkIndex.from_tree(arrays.points, prototypes, arrays.children)
-        self.depth = _depth(arrays.children, self._num_internal)
+        # Levels of internal nodes on the longest root-to-leaf path (0 for K = 1).
+        self.depth = self._walk.steps
         self._exact: ExactIndex | None = None
         self._search: BlockedSearch | None = None
 
@@ -233,19 +234,3 @@ class PrototypeTree:
             f"branching={self.branching}, depth={self.depth}, temperature={self.temperature}, "
             f"balanced={self.balanced})"
         )
-
-
-def _depth(children: torch.Tensor, num_internal: int) -> int:
-    """Levels of internal nodes on the longest root-to-leaf path (0 for K = 1)."""
-    if num_internal == 0:
-        return 0
-    valid = (children >= 0) & (children < num_internal)
-    parents = torch.arange(num_internal)[:, None].expand_as(children)[valid]
-    parent_of = torch.full((num_internal,), -1, dtype=torch.long)
-    parent_of[children[valid]] = parents
-    frontier = torch.tensor([0])
-    depth = 0
-    while frontier.numel() > 0:
-        depth += 1
-        frontier = torch.nonzero(torch.isin(parent_of, frontier)).flatten()
-    return depth

@@ -30,7 +30,7 @@ class WalkIndex:
     step_nodes: torch.Tensor  # [num_internal + K + 1, n] float32: nodes, then the sentinel
     step_children: torch.Tensor  # [num_internal + K + 1, branching] int64, no -1
     leaf_evals: torch.Tensor  # [K] int64, children measured on the way to leaf row m + i
-    steps: int  # the deepest leaf's depth
+    steps: int  # levels of internal nodes on the longest root-to-leaf path (0 for K = 1)
 
     @classmethod
     def from_tree(
@@ -91,7 +91,7 @@ def greedy_walk(
 
     Every row takes `index.steps` steps: one that reached a leaf stays there (a leaf's only
     child is itself; its distance, computed again the same way, is the same float). A step
-    is ten tensor calls whatever the rows' depths, which matters more than the few rows'
+    is eleven tensor calls whatever the rows' depths, which matters more than the few rows'
     extra arithmetic: a batch of tens of rows is routed on the event loop, where each call
     costs microseconds.
     """
