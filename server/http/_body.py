@@ -10,12 +10,12 @@ import asyncio
 import io
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import numpy as np
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from server.http._models import PredictRequest, RouteRequest
 from server.kinds import ConditionRequest, GateRequest, PatchInputs
@@ -37,6 +37,7 @@ JSON_TYPES = ("application/json",)
 NPY_TYPE = "application/x-npy"
 RAW_TYPE = "application/octet-stream"
 ROWS_HEADER = "x-momlp-rows"
+_ROWS_NAME = ROWS_HEADER.encode("latin-1")
 _NPY_DTYPES = ("<f4", "<f8", ">f4", ">f8")
 # Bodies above this are parsed in a worker thread so that the event loop keeps serving.
 _THREAD_PARSE_BYTES = 256 * 1024
@@ -79,19 +80,52 @@ def validation_detail(exc: ValidationError) -> list[dict[str, Any]]:
     ][:20]
 
 
+class _BodyHeaders(NamedTuple):
+    media: str  # Content-Type without parameters, lower case
+    length: str | None  # Content-Length as sent
+    rows: str | None  # X-Momlp-Rows as sent
+
+
+def _body_headers(request: Request) -> _BodyHeaders:
+    """The three headers a body's parse reads, in one pass over the raw headers (each
+    `request.headers.get` scans them all again). The first of a repeated header wins, as with
+    `request.headers.get`; ASGI servers give names in lower case."""
+    media = length = rows = None
+    for name, value in request.scope["headers"]:
+        if name == b"content-type":
+            media = value if media is None else media
+        elif name == b"content-length":
+            length = value if length is None else length
+        elif name == _ROWS_NAME:
+            rows = value if rows is None else rows
+    raw = "application/json" if media is None else media.decode("latin-1")
+    return _BodyHeaders(
+        raw.split(";", 1)[0].strip().lower(),
+        None if length is None else length.decode("latin-1"),
+        None if rows is None else rows.decode("latin-1"),
+    )
+
+
 async def read_body_limited(
-    request: Request, max_bytes: int, timeout_s: float | None = None
+    request: Request,
+    max_bytes: int,
+    timeout_s: float | None = None,
+    *,
+    declared: str | None | Literal[False] = False,
 ) -> bytes:
     """The whole body, refusing with 413 as soon as it is known to exceed `max_bytes`.
 
     A body not complete within `timeout_s` is refused with 408, so a client trickling its
     bytes cannot hold a connection (and its buffer) open for as long as it likes.
+    `declared`: the Content-Length header when the caller has read it already.
     """
+    if declared is False:
+        declared = request.headers.get("content-length")
     if timeout_s is None:
-        return await _read_body(request, max_bytes)
+        return await _read_body(request, max_bytes, declared)
     try:
         async with asyncio.timeout(timeout_s):
-            return await _read_body(request, max_bytes)
+            return await _read_body(request, max_bytes, declared)
     except TimeoutError:
         raise HttpError(
             408,
@@ -102,8 +136,7 @@ async def read_body_limited(
         ) from None
 
 
-async def _read_body(request: Request, max_bytes: int) -> bytes:
-    declared = request.headers.get("content-length")
+async def _read_body(request: Request, max_bytes: int, declared: str | None) -> bytes:
     if declared is not None:
         try:
             length = int(declared)
@@ -116,7 +149,13 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
             )
     chunks: list[bytes] = []
     received = 0
-    async for chunk in request.stream():
+    # The ASGI messages themselves, as `request.stream()` reads them, without its async
+    # generator (a body of a few rows is one message).
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk: bytes = message.get("body", b"")
         received += len(chunk)
         if received > max_bytes:
             raise _too_large(
@@ -124,7 +163,8 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
                 {"bytes": received, "max_bytes": max_bytes},
             )
         chunks.append(chunk)
-    return b"".join(chunks)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def check_rows(rows: int, cols: int, *, max_rows: int, input_dim: int) -> None:
@@ -235,11 +275,6 @@ class ParsedInputs:
     conditions: ConditionRequest | None = None  # kind hyper's conditions (JSON bodies)
 
 
-def _media_type(request: Request) -> str:
-    raw = request.headers.get("content-type", "application/json")
-    return raw.split(";", 1)[0].strip().lower()
-
-
 def _json_inputs(
     body: bytes, model: type[RouteRequest], *, max_rows: int, input_dim: int
 ) -> ParsedInputs:
@@ -297,7 +332,8 @@ async def parse_inputs(
 ) -> ParsedInputs:
     """Read and parse a predict/route body; query parameters (`gate`, `return_stats`) apply
     to the binary forms."""
-    media = _media_type(request)
+    headers = _body_headers(request)
+    media = headers.media
     if media not in (*JSON_TYPES, NPY_TYPE, RAW_TYPE):
         raise HttpError(
             415,
@@ -306,11 +342,11 @@ async def parse_inputs(
         )
     if media == RAW_TYPE:
         # The row count is known from the header, so a too-large batch is refused unread.
-        rows_header = request.headers.get(ROWS_HEADER)
+        rows_header = headers.rows
         if rows_header is not None and rows_header.strip().isdigit():
             check_rows(int(rows_header), input_dim, max_rows=max_rows, input_dim=input_dim)
-    body = await read_body_limited(request, max_bytes, body_timeout_s)
-    rows_header = request.headers.get(ROWS_HEADER)
+    body = await read_body_limited(request, max_bytes, body_timeout_s, declared=headers.length)
+    rows_header = headers.rows
 
     def parse() -> ParsedInputs:
         if media in JSON_TYPES:

@@ -49,9 +49,11 @@ def graph_fields(
     answer: BatchAnswer, return_stats: bool
 ) -> tuple[dict[str, list[int]] | None, GraphStatsModel | None]:
     """A graph prediction's `nodes` and `stats.graph`; (None, None) for other kinds."""
-    routing = answer.routing
-    if not isinstance(routing, GraphRouting):
+    # The batch's routing tells the kind; only a graph answer pays for its own slice.
+    if not isinstance(answer.batch_routing, GraphRouting):
         return None, None
+    routing = answer.routing
+    assert isinstance(routing, GraphRouting)
     per_node = routing.per_node()
     nodes = {name: experts for name, (experts, _) in per_node.items()}
     if not return_stats:

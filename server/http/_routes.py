@@ -248,9 +248,13 @@ async def predict(request: Request) -> Response:
         answer = await submit_in_time(version, parsed.x, parsed.options, settings)
     metrics.observe_prediction(parsed.x.shape[0], [(s.cache, s.load_ms) for s in answer.stats])
     nodes, graph_stats = graph_fields(answer, parsed.return_stats)
+    # This request's slice of a pMoE routing (its patches); other kinds' answers never look,
+    # and a slice is several tensor ops. The batch's routing has the slice's type.
+    patches = (
+        patch_routing(answer.routing) if patch_routing(answer.batch_routing) is not None else None
+    )
     stats = None
     if parsed.return_stats:
-        patches = patch_routing(answer.routing)
         stats = trusted(
             PredictStats,
             experts=[trusted(ExpertStatModel, **vars(s)) for s in answer.stats],
@@ -273,7 +277,7 @@ async def predict(request: Request) -> Response:
             weights=[weights for _, weights in kept],
             store_version=version.version,
             stats=stats,
-            patches=_patch_rows(answer.routing) if parsed.return_routing else None,
+            patches=_patch_rows(patches) if parsed.return_routing else None,
             nodes=nodes,
         )
     )

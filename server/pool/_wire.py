@@ -14,10 +14,11 @@ frame is a `WireError`, never a wrong answer.
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -209,29 +210,11 @@ def decode_reply(header: bytes, body: bytes) -> tuple[int, ActorReply | str]:
                 dtype = _DTYPES.get(shape[0])
                 if dtype is None:
                     raise WireError(f"unknown dtype {shape[0]!r}")
-                layouts.append((dtype, _shape(shape[1:], ndim=2)))
+                layouts.append((dtype, _shape2(shape)))
         # Writable memory (one copy of the body) so the pool wraps each output as a tensor
         # without copying it (torch refuses to share read-only memory quietly).
         arrays = iter(_split(bytearray(body), layouts))
-        outcomes = [
-            GroupOutcome(
-                expert_id=_int(expert_id),
-                outputs=None if shape is None else next(arrays),
-                hit=_bool(hit),
-                load_ms=_float(load_ms),
-                compute_ms=_float(compute_ms),
-                expert_bytes=_int(expert_bytes),
-                activation_bytes=_int(activation_bytes),
-                error=_opt_str(error),
-                error_kind=_opt_str(error_kind),
-                key=_opt_str(key),
-                generator_bytes=_int(generator_bytes),
-            )
-            for (
-                expert_id, hit, load_ms, compute_ms, expert_bytes, activation_bytes,
-                error, error_kind, key, generator_bytes, shape,
-            ) in entries
-        ]
+        outcomes = [_outcome(entry, arrays) for entry in entries]
         resident = fields["resident"]
         if not isinstance(resident, dict):
             raise WireError("resident is not an object")
@@ -245,6 +228,34 @@ def decode_reply(header: bytes, body: bytes) -> tuple[int, ActorReply | str]:
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise WireError(f"bad reply header: {exc!r}") from None
     return call, reply
+
+
+# The types each field of an outcome's list may have (the shape, last, was checked above).
+_FIELD_TYPES: tuple[tuple[type, ...], ...] = (
+    (int,), (bool,), (int, float), (int, float), (int,), (int,),
+    (str, type(None)), (str, type(None)), (str, type(None)), (int,), (list, type(None)),
+)
+# Every combination of them: one set lookup checks an outcome's types, instead of a call per
+# field (a reply has tens of outcomes, decoded on the event loop).
+_GOOD_TYPES = frozenset(itertools.product(*_FIELD_TYPES))
+
+
+def _outcome(entry: list[Any], arrays: Iterator[np.ndarray]) -> GroupOutcome:
+    (
+        expert_id, hit, load_ms, compute_ms, expert_bytes, activation_bytes,
+        error, error_kind, key, generator_bytes, shape,
+    ) = entry
+    if tuple(map(type, entry)) not in _GOOD_TYPES:
+        # A field of the wrong type: the per-field checks name it.
+        _int(expert_id), _bool(hit), _float(load_ms), _float(compute_ms)
+        _int(expert_bytes), _int(activation_bytes), _opt_str(error), _opt_str(error_kind)
+        _opt_str(key), _int(generator_bytes)
+        raise WireError(f"an outcome's shape {shape!r} is not a list")
+    return GroupOutcome(
+        expert_id, None if shape is None else next(arrays), hit, float(load_ms),
+        float(compute_ms), expert_bytes, activation_bytes, error, error_kind, key,
+        generator_bytes,
+    )
 
 
 def _frame(header: dict[str, Any], arrays: Sequence[np.ndarray]) -> bytes:
@@ -340,6 +351,17 @@ def _shape(value: Any, *, ndim: int) -> tuple[int, ...]:
     if min(sizes) < 0:
         raise WireError(f"negative size in shape {value!r}")
     return sizes
+
+
+def _shape2(value: list[Any]) -> tuple[int, int]:
+    """The [rows, cols] after a dtype in `value` (an output's shape: `_shape`, inlined for
+    the tens of outputs a reply carries)."""
+    if len(value) == 3:
+        rows, cols = value[1], value[2]
+        if type(rows) is int and type(cols) is int and rows >= 0 and cols >= 0:
+            return rows, cols
+    shape = _shape(value[1:], ndim=2)
+    return shape[0], shape[1]
 
 
 def _int(value: Any) -> int:

@@ -123,6 +123,36 @@ async def test_unsupported_media_type_is_415(store: Path) -> None:
     assert error_of(response)["code"] == "unsupported_media_type"
 
 
+async def test_the_body_headers_are_read_as_http_defines_them(store: Path) -> None:
+    """Media type case and parameters do not matter, no Content-Type means JSON, and of a
+    repeated header the first counts (the parse reads all three in one pass)."""
+    body = b'{"inputs": [[0.1, 0.2, 0.3, 0.4]]}'
+    raw = np.ones((2, 4), "<f4").tobytes()
+    async with running(fake_app(store)) as client:
+        upper = await client.post(
+            "/v1/predict", content=body,
+            headers={"Content-Type": "Application/JSON; charset=utf-8"},
+        )
+        missing = await client.post("/v1/predict", content=body)
+        bare = await client.post("/v1/predict", content=body, headers={"Content-Type": ""})
+        repeated = await client.post(
+            "/v1/predict", content=raw,
+            headers=[("Content-Type", "application/octet-stream"), ("X-Momlp-Rows", "2"),
+                     ("X-Momlp-Rows", "1")],
+        )
+        first_wrong = await client.post(
+            "/v1/predict", content=raw,
+            headers=[("Content-Type", "application/octet-stream"), ("X-Momlp-Rows", "1"),
+                     ("X-Momlp-Rows", "2")],
+        )
+    assert upper.status_code == 200, upper.text
+    assert missing.status_code == 200, missing.text
+    assert bare.status_code == 415, bare.text  # an empty media type is no media type
+    assert repeated.status_code == 200, repeated.text
+    assert len(repeated.json()["outputs"]) == 2
+    assert first_wrong.status_code == 422, first_wrong.text
+
+
 async def test_too_many_rows_is_413_in_every_body_form(store: Path) -> None:
     x = np.zeros((5, 4), dtype=np.float32)
     async with running(fake_app(store, max_rows=4)) as client:
