@@ -44,16 +44,29 @@ class Routing:
     distance_evals: torch.Tensor
 
 
-def to_inputs(x: torch.Tensor | np.ndarray, dim: int) -> torch.Tensor:
-    """Check a batch and return it as a contiguous float64 CPU tensor [B, dim]."""
+def to_inputs(
+    x: torch.Tensor | np.ndarray, dim: int, dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
+    """Check a batch and return it as a contiguous CPU tensor [B, dim] of `dtype` (float64,
+    or float32 for the tree walk, which computes in float32).
+
+    float32 inputs are checked as they are (their float64 copy would hold the same values, so
+    the checks see the same extremes); other dtypes are checked in float64, so a float64 value
+    beyond float32's range is still refused as out of range, not as infinite.
+    """
     if isinstance(x, np.ndarray):
         if x.dtype.kind not in "fiu":
             raise RouterInputError(f"inputs must be real numbers, got numpy dtype {x.dtype}")
-        t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64))
+        if x.dtype == np.float32:
+            # A copy: the caller's array may be read-only, which torch will not wrap.
+            t = torch.from_numpy(np.array(x, dtype=np.float32, order="C"))
+        else:
+            t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64))
     elif isinstance(x, torch.Tensor):
         if x.is_complex() or x.dtype == torch.bool:
             raise RouterInputError(f"inputs must be real numbers, got torch dtype {x.dtype}")
-        t = x.detach().to(device="cpu", dtype=torch.float64)
+        checked = torch.float32 if x.dtype == torch.float32 else torch.float64
+        t = x.detach().to(device="cpu", dtype=checked)
     else:
         raise RouterInputError(
             f"inputs must be a torch tensor or numpy array, got {type(x).__name__}"
@@ -72,7 +85,7 @@ def to_inputs(x: torch.Tensor | np.ndarray, dim: int) -> torch.Tensor:
         raise NonFiniteInput(rows=torch.nonzero(~finite).flatten().tolist())
     if max_abs > MAX_ABS_INPUT:
         raise InputOutOfRange(max_abs=max_abs, limit=MAX_ABS_INPUT)
-    return t.contiguous()
+    return t.to(dtype).contiguous()
 
 
 def check_mode(mode: object) -> Mode:

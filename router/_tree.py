@@ -111,9 +111,13 @@ class PrototypeTree:
         top_k > 1 is always the exact k nearest prototypes, whatever the mode. Raises a
         RouterInputError subclass for a bad batch, mode or top_k.
         """
-        mode = check_mode(mode)
-        k = check_top_k(top_k, self.num_prototypes)
-        xs = to_inputs(x, self.dim)
+        return self._route(x, check_mode(mode), check_top_k(top_k, self.num_prototypes))
+
+    def _route(self, x: torch.Tensor | np.ndarray, mode: Mode, k: int) -> Routing:
+        """`route` for a checked mode and k."""
+        # The walk computes in float32: its rows are made float32 once, not float64 and back.
+        walk = k == 1 and (mode == "tree" or self.num_internal_nodes == 0)
+        xs = to_inputs(x, self.dim, torch.float32 if walk else torch.float64)
         if k > 1:
             idx, d2 = self._blocked_search().knn(xs, k)
             evals = torch.full((xs.shape[0],), self.num_prototypes, dtype=torch.long)
@@ -137,7 +141,7 @@ class PrototypeTree:
             )
             dist = best.sqrt().to(torch.float32)
         else:
-            leaf, sq32, evals = greedy_walk(xs.to(torch.float32), self._walk)
+            leaf, sq32, evals = greedy_walk(xs, self._walk)
             dist = sq32.sqrt()
         b = xs.shape[0]
         return Routing(
@@ -155,27 +159,29 @@ class PrototypeTree:
         (BadGate for a bad setting).
         """
         gate = check_gate(gate, self.num_prototypes)
-        xs = to_inputs(x, self.dim)
-        b = xs.shape[0]
         beam = gate.beam
         if beam is None and gate.top_k > 1 and gate.mode == "tree" and gate.tree_top_k == "beam":
             beam = (gate.top_k,)
+        # Each branch checks the rows once, in the precision it computes in.
         if beam is not None:
             leaf, logw, sq, evals = beam_walk(
-                xs.to(torch.float32), self._walk, beam, gate.temperature, gate.score
+                to_inputs(x, self.dim, torch.float32), self._walk, beam, gate.temperature,
+                gate.score,
             )
             # Renormalised over the leaves that survived the beam (exactly 1 with none cut).
             weights = torch.softmax(logw, dim=1).masked_fill(leaf < 0, 0.0)
             distances = sq.sqrt()
             experts = leaf
         elif gate.top_k == 1:
-            r = self.route(xs, mode=gate.mode, top_k=1)
+            r = self._route(x, gate.mode, 1)
             # One real expert per row at weight 1: sparsify would keep it whatever min_weight
             # and top_p say (a row keeps its heaviest expert) and divide 1 by 1, so its ~15
             # tensor ops per batch are skipped.
-            weights = torch.ones((b, 1), dtype=torch.float64)
+            weights = torch.ones((r.experts.shape[0], 1), dtype=torch.float64)
             return GateRouting(r.experts, weights, r.distances, r.distance_evals)
         else:
+            xs = to_inputs(x, self.dim)
+            b = xs.shape[0]
             experts, d2 = self._blocked_search().knn(xs, gate.top_k)
             s = d2.sqrt() if gate.score == "dist" else d2
             weights = torch.softmax(-s / gate.temperature, dim=1)
