@@ -57,10 +57,11 @@ def to_inputs(
     if isinstance(x, np.ndarray):
         if x.dtype.kind not in "fiu":
             raise RouterInputError(f"inputs must be real numbers, got numpy dtype {x.dtype}")
-        if x.dtype == np.float32:
+        if x.dtype == np.float32 and dtype == torch.float32:
             # A copy: the caller's array may be read-only, which torch will not wrap.
             t = torch.from_numpy(np.array(x, dtype=np.float32, order="C"))
         else:
+            # One conversion; float32 values are checked alike in float64.
             t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64))
     elif isinstance(x, torch.Tensor):
         if x.is_complex() or x.dtype == torch.bool:

@@ -114,11 +114,11 @@ class PrototypeTree:
         return self._route(x, check_mode(mode), check_top_k(top_k, self.num_prototypes))
 
     def _route(self, x: torch.Tensor | np.ndarray, mode: Mode, k: int) -> Routing:
-        """`route` for a checked mode and k."""
-        # The walk computes in float32: its rows are made float32 once, not float64 and back.
-        walk = k == 1 and (mode == "tree" or self.num_internal_nodes == 0)
-        xs = to_inputs(x, self.dim, torch.float32 if walk else torch.float64)
+        """`route` for a checked mode and k. Each branch checks the rows once, in the
+        precision it computes in: float64 for the scans, float32 for the walk (not float64
+        and back)."""
         if k > 1:
+            xs = to_inputs(x, self.dim)
             idx, d2 = self._blocked_search().knn(xs, k)
             evals = torch.full((xs.shape[0],), self.num_prototypes, dtype=torch.long)
             return Routing(
@@ -127,20 +127,20 @@ class PrototypeTree:
                 distances=d2.sqrt().to(torch.float32),
                 distance_evals=evals,
             )
-        search = self.num_internal_nodes > 0 and search_pays(
-            self.num_prototypes, self.branching, self.depth
-        )
-        if mode == "exact" and self.num_internal_nodes > 0 and not search:
-            # Too few prototypes for the search to pay: scan them all, skipping the walk.
-            idx, d2 = self._blocked_search().knn(xs, 1)
-            leaf, dist = idx[:, 0], d2[:, 0].sqrt().to(torch.float32)
-            evals = torch.full((xs.shape[0],), self.num_prototypes, dtype=torch.long)
-        elif mode == "exact" and search:
-            leaf, best, evals = exact_nearest(
-                xs, self._seeder(xs), self._exact_index(), self._blocked_search()
-            )
-            dist = best.sqrt().to(torch.float32)
+        if mode == "exact" and self.num_internal_nodes > 0:
+            xs = to_inputs(x, self.dim)
+            if search_pays(self.num_prototypes, self.branching, self.depth):
+                leaf, best, evals = exact_nearest(
+                    xs, self._seeder(xs), self._exact_index(), self._blocked_search()
+                )
+                dist = best.sqrt().to(torch.float32)
+            else:
+                # Too few prototypes for the search to pay: scan them all, skipping the walk.
+                idx, d2 = self._blocked_search().knn(xs, 1)
+                leaf, dist = idx[:, 0], d2[:, 0].sqrt().to(torch.float32)
+                evals = torch.full((xs.shape[0],), self.num_prototypes, dtype=torch.long)
         else:
+            xs = to_inputs(x, self.dim, torch.float32)
             leaf, sq32, evals = greedy_walk(xs, self._walk)
             dist = sq32.sqrt()
         b = xs.shape[0]
