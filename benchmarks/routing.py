@@ -22,6 +22,7 @@ import importlib.util
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -68,12 +69,21 @@ def interleaved(
     """Median time of each function by `clock`, run in rounds (one call of each per round)
     so that load from other work on the machine hits every method alike. Fast methods get
     more rounds (until min_s of samples, at most 5x repeats); a method stops repeating
-    once it has used budget_s."""
+    once it has used budget_s.
+
+    Each round runs the methods in a new order (seeded): a method that always ran right
+    after another one using the same data (exact mode after the tree walk on the same tree)
+    found that data in the CPU caches, and a method after unrelated work did not.
+    """
     times: dict[str, list[float]] = {name: [] for name in fns}
     outs: dict[str, Any] = {}
+    order = random.Random(0)
+    names = list(fns)
     for round_no in range(5 * repeats):
         ran = False
-        for name, fn in fns.items():
+        order.shuffle(names)
+        for name in names:
+            fn = fns[name]
             spent = sum(times[name])
             if times[name] and (spent > budget_s or (round_no >= repeats and spent >= min_s)):
                 continue
