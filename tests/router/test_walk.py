@@ -19,8 +19,9 @@ def slow_walk(tree: PrototypeTree, x: np.ndarray) -> tuple[list[int], list[int]]
     """At each node, measure every child and go to the nearest, ties to the lowest slot.
 
     A distance is torch's float32 sum of squared differences, the walk's definition. numpy
-    sums 33 floats in another order: two children within an ulp of each other then swap
-    (k=127, n=33, ν=5, seed 7244, duplicated: 24.5867386 against 24.5867405).
+    sums 33 floats in another order, and two children one ulp apart can swap: for k=127,
+    n=33, ν=5, seed 7244, duplicated, numpy gives two of the root's grandchildren 24.5867386
+    and 24.5867405, torch the reverse.
     """
     children = tree._arrays.children.numpy()
     nodes = tree._node_points()
