@@ -27,6 +27,9 @@ WHEELS=(
   "importlib-metadata" "pydantic==2.14.3" "pydantic-core==2.50.4" "pydantic-settings==2.16.3"
   "python-dotenv" "annotated-types==0.8.0" "typing-inspection==0.4.5" "uvicorn==0.54.0"
   "jsonschema" "jsonschema-specifications" "referencing" "rpds-py"
+  # Not needed to run, but without it httpx's async requests (the load test's) each search
+  # sys.path for it (pyproject.toml).
+  "sniffio"
 )
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import random
@@ -241,3 +242,46 @@ def test_config_validation():
         LoadTestConfig(requests=None, duration_s=None)
     with pytest.raises(ValueError):
         LoadTestConfig(rate=0.0)
+
+
+async def test_each_request_in_flight_has_a_client_of_its_own(make_server, fake_clock):
+    server = make_server()
+    made: list[AsyncClient] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        # As over a socket, the other workers run while a request waits for its answer.
+        await asyncio.sleep(0)
+        return server.handler(request)
+
+    def make(config: LoadTestConfig) -> AsyncClient:
+        made.append(AsyncClient(transport=httpx.MockTransport(handler), max_retries=0))
+        return made[-1]
+
+    report = await arun_loadtest(
+        LoadTestConfig(requests=40, concurrency=4), client_factory=make, clock=fake_clock
+    )
+    assert report.ok == server.predict_requests == 40
+    # One for the set-up (the model, the workload), then one per request in flight.
+    assert len(made) == 1 + 4
+    assert all(client._http.is_closed for client in made)
+
+
+def test_progress_counts_every_error_and_shows_the_p50_of_the_latest_answers():
+    from client._loadtest import _Progress
+    from client._report import RequestRecord
+
+    stream = _Terminal()
+    progress = _Progress(stream, LoadTestConfig(requests=3000), interval_s=0.0, recent=1000)
+    records: list[RequestRecord] = []
+    for index in range(3000):
+        # 2,000 slow answers, then 1,000 fast ones; every 100th request failed.
+        latency = 0.5 if index < 2000 else 0.002
+        status = "503" if index % 100 == 0 else "200"
+        records.append(RequestRecord(index, 0.0, latency, 1, status))
+        if index % 250 == 0:
+            progress.update(records, float(index + 1))
+    progress.finish(records, 3000.0)
+    last = stream.getvalue().rstrip("\n").split("\r")[-1]
+    assert last.startswith("3000/3000")
+    assert "p50 2.0 ms (last 1000)" in last
+    assert "errors 30" in last
