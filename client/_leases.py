@@ -67,7 +67,7 @@ class ClientLeases:
         except builtins.TimeoutError:
             raise TimeoutError(
                 f"no connection free within {self._wait_s} s "
-                f"({self._limit} requests in flight)",
+                f"(all {self._limit} clients busy)",
                 url=self._url,
             ) from None
         try:

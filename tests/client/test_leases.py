@@ -87,7 +87,7 @@ async def test_a_wait_longer_than_wait_s_is_a_timeout_naming_the_url() -> None:
                 async with leases.lease():
                     pass
         assert raised.value.url == URL
-        assert "1 requests in flight" in str(raised.value)
+        assert "all 1 clients busy" in str(raised.value)
         # The slot came back: the next lease gets the one client there is.
         async with leases.lease():
             assert leases.made == 1
