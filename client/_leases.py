@@ -61,15 +61,20 @@ class ClientLeases:
 
     @asynccontextmanager
     async def lease(self) -> AsyncIterator[AsyncClient]:
-        try:
-            async with asyncio.timeout(self._wait_s):
-                await self._free.acquire()
-        except builtins.TimeoutError:
-            raise TimeoutError(
-                f"no connection free within {self._wait_s} s "
-                f"(all {self._limit} clients busy)",
-                url=self._url,
-            ) from None
+        if not self._free.locked():
+            # A slot is free, so acquire() returns at once: no timer to arm (one per request
+            # costs ~3.5 µs, more than the rest of a lease).
+            await self._free.acquire()
+        else:
+            try:
+                async with asyncio.timeout(self._wait_s):
+                    await self._free.acquire()
+            except builtins.TimeoutError:
+                raise TimeoutError(
+                    f"no connection free within {self._wait_s} s "
+                    f"(all {self._limit} clients busy)",
+                    url=self._url,
+                ) from None
         try:
             if self._idle:
                 client = self._idle.pop()
