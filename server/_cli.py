@@ -65,9 +65,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return handler(args)
+        code = handler(args)
+        # Output to a pipe is buffered: a reader that went away shows here, not at exit.
+        sys.stdout.flush()
+        return code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`momlp store info STORE | head`): not an error of ours. Point
+        # stdout at /dev/null so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports a process killed by it
     except ModuleNotFoundError as exc:
         # Commands register without their heavy imports, so a client-only install lists
         # `momlp build` too; running it there should say what is missing, not crash.

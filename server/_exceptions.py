@@ -3,6 +3,7 @@
     ServerError
      ├── PoolSaturated          queue full: 429 + Retry-After
      ├── ExpertUnavailable      an expert cannot be loaded (checksum, missing file): 503
+                                (+ Retry-After while the bad file is remembered)
      ├── NotReady               store or pool not up yet (or shutting down): 503
      ├── PoolClosed             the pool was closed while work was pending: 503
      ├── ActorFailed            an actor died and the retry failed too: 503
@@ -55,16 +56,25 @@ class PoolSaturated(ServerError):
 
 
 class ExpertUnavailable(ServerError):
-    def __init__(self, *, expert_id: int, reason: str, node: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        expert_id: int,
+        reason: str,
+        node: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         # `node`: the graph node the expert serves (graph stores), named in the message.
+        # `retry_after_s`: when the pool will read a remembered bad file again (Retry-After).
         where = "" if node is None else f"node {node!r} "
         super().__init__(
             f"{where}expert {expert_id} cannot be served: {reason}",
-            expert_id=expert_id, reason=reason, node=node,
+            expert_id=expert_id, reason=reason, node=node, retry_after_s=retry_after_s,
         )
         self.expert_id = expert_id
         self.reason = reason
         self.node = node
+        self.retry_after_s = retry_after_s
 
 
 class NotReady(ServerError):

@@ -64,7 +64,10 @@ class BatchAnswers:
         if failed is None:
             return None
         return ExpertUnavailable(
-            expert_id=failed[0].expert_id, reason=str(failed[0].error), node=failed[3] or None
+            expert_id=failed[0].expert_id,
+            reason=str(failed[0].error),
+            node=failed[3] or None,
+            retry_after_s=failed[0].retry_after_s,
         )
 
     def answer(self, r: int) -> BatchAnswer:

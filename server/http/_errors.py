@@ -86,13 +86,16 @@ def _server_error(exc: ServerError) -> JSONResponse:
             {"Retry-After": str(retry)},
         )
     if isinstance(exc, ExpertUnavailable):
-        return _json(
-            503,
-            "expert_unavailable",
-            exc.message,
-            {"expert_id": exc.expert_id, "reason": exc.reason}
-            | ({} if exc.node is None else {"node": exc.node}),
-        )
+        detail: dict[str, Any] = {"expert_id": exc.expert_id, "reason": exc.reason}
+        if exc.node is not None:
+            detail["node"] = exc.node
+        headers = None
+        if exc.retry_after_s is not None:
+            # The pool does not read a bad file again before this: a retry sooner gets the
+            # same 503 (a republished fix has another hash and is read at once).
+            detail["retry_after_s"] = exc.retry_after_s
+            headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
+        return _json(503, "expert_unavailable", exc.message, detail, headers)
     if isinstance(exc, NotReady | PoolClosed):
         return _json(503, "not_ready", exc.message, exc.fields or None)
     if isinstance(exc, ActorFailed):

@@ -139,7 +139,10 @@ class DispatchingPool(ABC):
         for index, group in enumerate(groups):
             remembered = self._failures.get(group.expert.sha256)
             if remembered is not None and remembered[1] > now:
-                results[index] = _failed(group.expert_id, remembered[0], ERROR_LOAD, actor="")
+                results[index] = _failed(
+                    group.expert_id, remembered[0], ERROR_LOAD, actor="",
+                    retry_after_s=remembered[1] - now,
+                )
             else:
                 todo.append(index)
         if todo:
@@ -222,9 +225,11 @@ class DispatchingPool(ABC):
         self._evictions[actor] = reply.evictions
         now = self._clock.now()
         for index, outcome in zip(indices, reply.results, strict=True):
+            retry_after_s = None
             if outcome.error_kind == ERROR_LOAD and outcome.error is not None:
                 key = groups[index].expert.sha256
                 self._failures[key] = (outcome.error, now + self._failure_ttl_s)
+                retry_after_s = self._failure_ttl_s
             results[index] = GroupResult(
                 expert_id=outcome.expert_id,
                 outputs=_to_tensor(outcome.outputs),
@@ -239,6 +244,7 @@ class DispatchingPool(ABC):
                 error_kind=outcome.error_kind,
                 key=outcome.key,
                 generator_bytes=outcome.generator_bytes,
+                retry_after_s=retry_after_s,
             )
 
     def _watch_revival(self, actor: str) -> None:
@@ -337,7 +343,9 @@ class DispatchingPool(ABC):
         """Release the actors."""
 
 
-def _failed(expert_id: int, reason: str, kind: str, *, actor: str) -> GroupResult:
+def _failed(
+    expert_id: int, reason: str, kind: str, *, actor: str, retry_after_s: float | None = None
+) -> GroupResult:
     return GroupResult(
         expert_id=expert_id,
         outputs=_EMPTY,
@@ -349,4 +357,5 @@ def _failed(expert_id: int, reason: str, kind: str, *, actor: str) -> GroupResul
         actor=actor,
         error=reason,
         error_kind=kind,
+        retry_after_s=retry_after_s,
     )

@@ -60,6 +60,8 @@ class GroupResult:
     error_kind: str | None = None
     key: str | None = None  # a generated θ's cache key (kind hyper); None for expert files
     generator_bytes: int = 0  # bytes of the pinned hypernetwork that generated it
+    # A file that failed to load is remembered: seconds until the pool reads it again.
+    retry_after_s: float | None = None
 
 
 @dataclass(frozen=True)

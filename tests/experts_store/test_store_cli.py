@@ -75,3 +75,20 @@ def test_console_script_verify(store_root: Path) -> None:
     )
     assert result.returncode != 0
     assert "FAIL expert 0" in result.stdout
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(store_root: Path) -> None:
+    """`momlp store info STORE | head -1`: SIGPIPE's exit status, and no traceback."""
+    script = Path(sys.executable).with_name("momlp")
+    command = [str(script)] if script.exists() else [shutil.which("momlp") or "momlp"]
+    with subprocess.Popen(
+        [*command, "store", "info", str(store_root)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as process:
+        assert process.stdout is not None and process.stderr is not None
+        process.stdout.close()  # before the command has imported anything, let alone printed
+        stderr = process.stderr.read().decode()
+        code = process.wait(timeout=120)
+    assert code == 141
+    assert "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr

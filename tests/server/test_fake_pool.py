@@ -142,10 +142,13 @@ async def test_a_failed_load_is_remembered_for_a_while(make_store: MakeStore) ->
     first = await pool.run(groups_for([1, 2], 3))
     assert first[0].error is None
     assert first[1].error is not None and first[1].error_kind == "load"
+    assert first[0].retry_after_s is None and first[1].retry_after_s == 5
     path.write_bytes(good_bytes)
     calls = len(pool.calls)
+    clock.t += 2
     again = await pool.run(groups_for([2], 3))
     assert again[0].error is not None and len(pool.calls) == calls
+    assert again[0].retry_after_s == 3  # what is left of the memory, for Retry-After
     clock.t += 6  # the memory expires: the fixed file is read again
     [fixed] = await pool.run(groups_for([2], 3))
     assert fixed.error is None

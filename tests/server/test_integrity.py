@@ -45,6 +45,10 @@ async def test_a_flipped_byte_in_tensor_data_is_503_naming_the_expert(
         assert error["code"] == "expert_unavailable"
         assert error["detail"]["expert_id"] == broken
         assert "checksum" in error["message"]
+        # The pool remembers the bad file for 30 s (the default): the answer says when a
+        # retry can succeed.
+        assert 0 < error["detail"]["retry_after_s"] <= 30
+        assert 1 <= int(bad.headers["Retry-After"]) <= 30
     assert good.status_code == 200
     assert good.json()["experts"] == [[healthy]]
     np.testing.assert_allclose(
