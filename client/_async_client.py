@@ -23,8 +23,10 @@ class AsyncClient(BaseClient):
     >>> async with AsyncClient("http://127.0.0.1:8000") as momlp:
     ...     prediction = await momlp.predict([[0.1, 0.2]], return_stats=True)
 
-    Connect errors, 429 (honouring Retry-After) and 503 are retried up to `max_retries` times
-    with exponential back-off and jitter; `sleep` is injectable so tests never wait.
+    Connect errors, 429 and 503 are retried up to `max_retries` times, after the answer's
+    Retry-After (at most `max_backoff`) or else exponential back-off with jitter; a 503
+    `ExpertUnavailable` whose Retry-After exceeds `max_backoff` is raised at once (the server
+    will not read that expert again sooner). `sleep` is injectable so tests never wait.
     """
 
     def __init__(

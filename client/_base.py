@@ -224,6 +224,10 @@ class BaseClient:
         retryable = isinstance(error, ConnectError | RateLimited | ServiceUnavailable)
         if not retryable:
             return None
+        if isinstance(error, ExpertUnavailable) and (error.retry_after or 0.0) > self.max_backoff:
+            # The server will not read that expert's file again before Retry-After: a retry
+            # within the wait this client allows gets the same answer.
+            return None
         if isinstance(error, HTTPStatusError) and error.retry_after is not None:
             return min(max(error.retry_after, 0.0), self.max_backoff)
         # Exponential back-off with "equal jitter": at least half the step, so retries of many

@@ -238,6 +238,23 @@ async def test_429_waits_retry_after_capped_by_max_backoff(under, fake_server, m
     assert one.sleeps == [1.5, 5.0]
 
 
+async def test_an_expert_the_server_will_not_reread_in_time_is_not_retried(
+    under, fake_server, make_error
+):
+    unavailable = {"expert_id": 3, "reason": "checksum mismatch"}
+    fake_server.fail_next = [
+        make_error(503, "expert_unavailable", "expert 3", unavailable, **{"Retry-After": "2"}),
+        make_error(503, "expert_unavailable", "expert 3", unavailable, **{"Retry-After": "30"}),
+    ]
+    one = under(max_retries=3, max_backoff=10.0)
+    with pytest.raises(client.ExpertUnavailable) as caught:
+        await one.call("predict", [[0, 0]])
+    # The first answer's 2 s fit in the client's patience and were waited out; the second
+    # answer's 30 s did not, so it is raised at once, not after 3 pointless retries.
+    assert caught.value.expert_id == 3 and caught.value.retry_after == 30.0
+    assert one.sleeps == [2.0] and fake_server.calls["/v1/predict"] == 2
+
+
 async def test_retries_are_bounded_then_the_last_error_is_raised(under, fake_server, make_error):
     fake_server.fail_next = [make_error(503, "not_ready")] * 5
     one = under(max_retries=2)
