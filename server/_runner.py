@@ -84,6 +84,7 @@ def count_connections(app: Any, server: uvicorn.Server) -> None:
 def run_server(settings: Settings, *, app_factory: Callable[[Settings], Any] | None = None) -> int:
     """Serve until SIGINT/SIGTERM; 0 after a clean shutdown, 1 if startup failed."""
     import uvicorn
+    from uvicorn.config import STARTUP_FAILURE
 
     from server.http import create_app
     from server.pool import ray_session
@@ -117,6 +118,11 @@ def run_server(settings: Settings, *, app_factory: Callable[[Settings], Any] | N
             previous = {s: signal.signal(s, remember) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             server.run()
+        except SystemExit as exc:
+            # uvicorn exits this way when the lifespan fails or the port cannot be bound; it
+            # has logged why. Ray still shuts down on the way out, and the caller gets 1.
+            if server.started or exc.code != STARTUP_FAILURE:
+                raise
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

@@ -25,6 +25,7 @@ from server.http._hyper import add_hyper_routes
 from server.http._metrics import Metrics, MetricsMiddleware, PoolSnapshot
 from server.http._openapi import install_openapi
 from server.http._routes import HOT_ROUTES, add_routes
+from server.http._startup import STARTUP_ERRORS, StartupFailure, StartupFailureMiddleware
 from server.http._v2 import add_v2_routes, hot_v2_routes, model_name
 from server.serving import BatcherFactory, PoolFactory, ServingState
 
@@ -77,9 +78,15 @@ def create_app(
         open_connections=connections,
     )
 
+    failure = StartupFailure()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await serving.start()
+        try:
+            await serving.start()
+        except STARTUP_ERRORS as exc:
+            failure.message = f"cannot serve {settings.store}: {exc}"
+            raise
         try:
             yield
         finally:
@@ -104,7 +111,7 @@ def create_app(
     install_openapi(app, serving, model_name(settings))
     # Starlette runs the last added middleware first: metrics see every answer, the catch-all
     # answers whatever escaped, the key check runs before any route or body is touched, and
-    # then the hot endpoints skip FastAPI's routing.
+    # then the hot endpoints skip FastAPI's routing. The outermost one sees only the lifespan.
     app.add_middleware(HotRoutes, routes={**HOT_ROUTES, **hot_v2_routes(settings)})
     app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(CatchAllMiddleware)
@@ -113,4 +120,5 @@ def create_app(
         metrics=metrics,
         known_paths=[getattr(r, "path", "") for r in app.routes],
     )
+    app.add_middleware(StartupFailureMiddleware, failure=failure)
     return app

@@ -158,3 +158,47 @@ def test_momlp_help_lists_every_command_without_importing_torch_numpy_or_ray() -
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["[]", "True"]
+
+
+def test_a_store_the_server_cannot_serve_is_one_line_at_startup(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A real uvicorn start whose lifespan refuses the store: the reason in one line, exit 1."""
+    from app_support import app_settings, fake_pool
+
+    from server.http import create_app
+
+    monkeypatch.setattr(server.pool, "ray_session", lambda **kwargs: contextlib.nullcontext(False))
+    store = build_small_store(tmp_path / "store")
+    settings = app_settings(store, cache_bytes=64, port=0)
+    with caplog.at_level("INFO"):
+        code = server._runner.run_server(
+            settings, app_factory=lambda s: create_app(s, pool_factory=fake_pool)
+        )
+    assert code == 1
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    reason = next(m for m in errors if m.startswith(f"cannot serve {store}: "))
+    assert "expert 0 needs" in reason and "more than the cache budget of 64 bytes" in reason
+    assert "\n" not in reason
+    assert not any("Traceback" in m for m in errors), errors
+
+
+def test_an_unexpected_startup_error_keeps_its_traceback(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from app_support import app_settings
+
+    from server.http import create_app
+
+    def broken_pool(settings: Any) -> Any:
+        raise ZeroDivisionError("a defect, not a user's mistake")
+
+    monkeypatch.setattr(server.pool, "ray_session", lambda **kwargs: contextlib.nullcontext(False))
+    settings = app_settings(build_small_store(tmp_path / "store"), port=0)
+    with caplog.at_level("INFO"):
+        code = server._runner.run_server(
+            settings, app_factory=lambda s: create_app(s, pool_factory=broken_pool)
+        )
+    assert code == 1
+    errors = "\n".join(r.getMessage() for r in caplog.records if r.levelname == "ERROR")
+    assert "Traceback" in errors and "ZeroDivisionError" in errors
