@@ -48,7 +48,11 @@ def _add_server_options(parser: argparse.ArgumentParser, *, store_help: str) -> 
     parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port to bind (default 8000; 0 picks one)")
     parser.add_argument("--actors", type=int, help="expert actors on CPU (one per GPU on CUDA)")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="default auto")
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        help="default auto: CUDA when the Ray cluster has a GPU, else CPU",
+    )
     parser.add_argument(
         "--cache-bytes", type=parse_bytes, help="expert cache budget per actor (e.g. 256MiB)"
     )

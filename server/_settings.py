@@ -41,10 +41,10 @@ class Settings(BaseSettings):
         default=None, ge=1, description="CPUs for an embedded Ray (None lets Ray decide)"
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
-        default="auto", description="auto picks CUDA when present, else CPU"
+        default="auto", description="auto picks CUDA when the Ray cluster has a GPU, else CPU"
     )
     actors: int = Field(
-        default=1, ge=1, description="actors on CPU; on CUDA one actor per visible GPU"
+        default=1, ge=1, description="actors on CPU; on CUDA one actor per GPU of the cluster"
     )
     cache_bytes: int = Field(
         default=256 * 1024 * 1024, ge=1, description="expert cache budget per actor, bytes"

@@ -37,7 +37,7 @@ from server.batching._assemble import BatchAnswers, Round
 from server.batching._route import RouteRunner
 from server.batching._types import BatchAnswer
 from server.kinds import GateRequest, ServedModel
-from server.pool import ExpertPool, resolve_device
+from server.pool import ExpertPool
 
 __all__ = ["Batcher"]
 
@@ -111,7 +111,7 @@ class Batcher:
         self._prefetch_on = (
             settings.prefetch
             if settings.prefetch is not None
-            else resolve_device(settings.device).startswith("cuda")
+            else pool.device.startswith("cuda")
         )
         self._closed = False
         self._checked_options: set[Hashable] = set()

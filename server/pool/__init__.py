@@ -17,7 +17,7 @@ from server.pool._channel import (
 )
 from server.pool._dispatch import Dispatcher, rendezvous_rank
 from server.pool._fake import FakeExpertPool
-from server.pool._ray import RayExpertPool
+from server.pool._ray import RayExpertPool, actor_device
 from server.pool._session import ray_session, start_ray, stop_ray
 from server.pool._types import (
     ActorInfo,
@@ -48,6 +48,7 @@ __all__ = [
     "GroupResult",
     "RayExpertPool",
     "activation_peak_bytes",
+    "actor_device",
     "check_budget",
     "ray_session",
     "rendezvous_rank",

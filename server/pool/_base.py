@@ -109,6 +109,10 @@ class DispatchingPool(ABC):
     def budget_bytes(self) -> int:
         return self._budget_bytes
 
+    @property
+    def device(self) -> str:
+        return self._device
+
     @abstractmethod
     async def _call_run(
         self, actor: str, payload: list[tuple[ExpertRef, np.ndarray]]

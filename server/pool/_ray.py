@@ -22,9 +22,37 @@ from server.pool._channel import Channel, ChannelCallFailed, ChannelClosed
 from server.pool._channel_dir import make_channel_folder, sweep_stale_folders
 from server.pool._types import ActorInfo, ActorReply
 
-__all__ = ["RayExpertPool"]
+__all__ = ["RayExpertPool", "actor_device"]
 
 logger = logging.getLogger(__name__)
+
+
+def actor_device(
+    requested: str, *, local_cuda: bool, cluster_gpus: float, local_gpus: float
+) -> str:
+    """The device the actors use: `auto` is CUDA when they can have a GPU.
+
+    That is when this process's torch sees one, or when the Ray cluster has GPUs on other
+    nodes: a head without a GPU (KubeRay, the launcher config in deploy/) still drives GPU
+    workers. GPUs on this node that this process's torch cannot use (a CPU build of torch)
+    do not count.
+    """
+    if requested != "auto":
+        return requested
+    if local_cuda:
+        return "cuda"
+    return "cuda" if cluster_gpus - local_gpus >= 1 else "cpu"
+
+
+def _local_node_gpus() -> float:
+    """GPUs Ray counts on this process's node."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():  # type: ignore[no-untyped-call]
+        if node.get("NodeID") == node_id:
+            return float(node.get("Resources", {}).get("GPU", 0))
+    return 0.0
 
 
 class RayExpertPool(DispatchingPool):
@@ -82,9 +110,14 @@ class RayExpertPool(DispatchingPool):
         import ray
         from ray.exceptions import GetTimeoutError
 
-        device = resolve_device(settings.device)
+        gpus = ray.cluster_resources().get("GPU", 0)  # type: ignore[no-untyped-call]
+        device = actor_device(
+            settings.device,
+            local_cuda=resolve_device("auto") == "cuda",
+            cluster_gpus=gpus,
+            local_gpus=_local_node_gpus(),
+        )
         if device.startswith("cuda"):
-            gpus = ray.cluster_resources().get("GPU", 0)  # type: ignore[no-untyped-call]
             count = max(1, int(gpus))
             resources: dict[str, Any] = {"num_gpus": 1, "num_cpus": num_cpus_per_actor}
         else:

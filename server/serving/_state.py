@@ -100,6 +100,10 @@ class ObservedPool:
     def budget_bytes(self) -> int:
         return self._pool.budget_bytes
 
+    @property
+    def device(self) -> str:
+        return self._pool.device
+
     async def run(self, groups: list[Group]) -> list[GroupResult]:
         self._on_batch(sum(int(group.rows.shape[0]) for group in groups))
         results = await self._pool.run(groups)

@@ -136,6 +136,11 @@ class GatedPool:
         budget: int = self.inner.budget_bytes
         return budget
 
+    @property
+    def device(self) -> str:
+        device: str = self.inner.device
+        return device
+
     async def prefetch(self, experts: Any) -> None:
         await self.inner.prefetch(experts)
 

@@ -124,6 +124,10 @@ class BlockingPool:
     def budget_bytes(self) -> int:
         return self.inner.budget_bytes
 
+    @property
+    def device(self) -> str:
+        return self.inner.device
+
     async def run(self, groups: list[Group]) -> list[GroupResult]:
         if self._blocked is None or self._blocked > 0:
             if self._blocked is not None:

@@ -75,8 +75,9 @@ class TableRouter:
 class GatedPool:
     """Wraps a pool; calls wait until `gate` is set, and every call is recorded."""
 
-    def __init__(self, inner: FakeExpertPool) -> None:
+    def __init__(self, inner: FakeExpertPool, *, device: str | None = None) -> None:
         self.inner = inner
+        self._device = device  # the actors' device, when not the inner pool's
         self.gate = asyncio.Event()
         self.gate.set()
         self.runs: list[list[Group]] = []
@@ -90,6 +91,10 @@ class GatedPool:
     @property
     def budget_bytes(self) -> int:
         return self.inner.budget_bytes
+
+    @property
+    def device(self) -> str:
+        return self.inner.device if self._device is None else self._device
 
     async def prefetch(self, experts: Sequence[ExpertRef]) -> None:
         self.prefetched.append([ref.expert_id for ref in experts])
@@ -393,10 +398,12 @@ async def test_unless_set_prefetch_is_on_for_cuda_actors_only(
     cpu = Settings(max_batch_wait_ms=0.0, cache_bytes=10**7, device="cpu")
     assert cpu.prefetch is None
     clock = FakeClock()
-    pool = GatedPool(FakeExpertPool(cpu, clock=clock))  # the actors' device is only read
+    # The actors' device is only read. It is the pool's, not this process's: a server on a
+    # head without a GPU (settings say "auto", so "cpu" here) may still drive CUDA actors.
+    pool = GatedPool(FakeExpertPool(cpu, clock=clock), device=device)
     model = MomlpModel(TableRouter(dim=3, num_prototypes=6), refs(store))
     batcher = Batcher(
-        model, pool, cpu.model_copy(update={"device": device}), clock, sleep=clock.sleep
+        model, pool, cpu.model_copy(update={"device": "auto"}), clock, sleep=clock.sleep
     )
     running, queued = await _busy_slots_and_a_queued_request(batcher, pool)
     if prefetched:

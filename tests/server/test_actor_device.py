@@ -1,0 +1,30 @@
+"""Which device the Ray pool's actors use (`server.pool.actor_device`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.pool import actor_device
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(
+    ("requested", "local_cuda", "cluster_gpus", "local_gpus", "device"),
+    [
+        ("auto", False, 0, 0, "cpu"),
+        ("auto", True, 1, 1, "cuda"),  # one machine with a GPU
+        ("auto", False, 2, 0, "cuda"),  # a head without a GPU, two GPU workers
+        ("auto", False, 1, 1, "cpu"),  # a GPU this process's torch cannot use (CPU build)
+        ("auto", False, 3, 1, "cuda"),  # ... but GPU workers beside it
+        ("cpu", True, 4, 4, "cpu"),
+        ("cuda", False, 0, 0, "cuda"),  # as asked; the actors then cannot be placed
+    ],
+)
+def test_auto_means_cuda_when_the_actors_can_have_a_gpu(
+    requested: str, local_cuda: bool, cluster_gpus: float, local_gpus: float, device: str
+) -> None:
+    chosen = actor_device(
+        requested, local_cuda=local_cuda, cluster_gpus=cluster_gpus, local_gpus=local_gpus
+    )
+    assert chosen == device
