@@ -42,6 +42,8 @@ R = TypeVar("R")
 
 # Closing the pool kills its actors; past this the server goes down without waiting further.
 _CLOSE_TIMEOUT_S = 3.0
+# The longest wait before the watcher tries a store version it refused again.
+_MAX_WATCH_BACKOFF_S = 300.0
 
 
 def in_daemon_thread(fn: Callable[..., R], *args: Any) -> asyncio.Future[R]:
@@ -287,12 +289,33 @@ class ServingState:
 
     async def _watch(self) -> None:
         interval = self.settings.watch_interval_s
+        root = Path(self.settings.store)
+        # The on-disk version the last reload refused, and when to try it again: a broken
+        # version is logged once and retried less and less often (a file may be fixed in
+        # place), while a newly published one is tried at the next poll.
+        refused: list[str | None] = []  # empty, or the one version refused (None: no manifest)
+        backoff = retry_at = 0.0
         while True:
             await self.sleep(interval)
             if self.version is None:
                 continue
+            on_disk: str | None = None
             try:
+                on_disk = await in_daemon_thread(read_store_version, root)
+                if refused == [on_disk] and self.clock.now() < retry_at:
+                    continue
                 await self.swap()
             except Exception as exc:
                 # A half-written or broken new store must not take the serving one down.
-                logger.error("reloading the store failed: %s", exc)
+                if refused != [on_disk]:
+                    logger.error(
+                        "reloading store version %s failed (version %s keeps serving): %s",
+                        on_disk, self.version.version if self.version else None, exc,
+                    )
+                    backoff = interval
+                else:
+                    logger.debug("reloading store version %s failed again: %s", on_disk, exc)
+                    backoff = min(2.0 * backoff, _MAX_WATCH_BACKOFF_S)
+                refused, retry_at = [on_disk], self.clock.now() + backoff
+            else:
+                refused = []

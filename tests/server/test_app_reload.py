@@ -117,3 +117,86 @@ async def test_the_store_watcher_reloads_when_the_manifest_changes(tmp_path: Pat
         await poll_once()
         ready = (await client.get("/readyz")).json()
     assert ready["store_version"] == new_version
+
+
+class _StepClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+
+async def test_a_refused_version_is_logged_once_and_retried_less_often(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import json
+    import os
+
+    import server.serving._state as state
+
+    store = build_small_store(tmp_path / "store")
+    clock = _StepClock()
+    settings = app_settings(store, watch_store=True, watch_interval_s=2.0)
+    app = create_app(settings, pool_factory=fake_pool, clock=clock)
+    serving: ServingState = app.state.serving
+    ticks: asyncio.Queue[asyncio.Future[None]] = asyncio.Queue()
+    opened: list[Path] = []
+    open_files = state._open_version_files
+
+    def counting_open(root: Path) -> Any:
+        opened.append(root)
+        return open_files(root)
+
+    async def controlled_sleep(seconds: float) -> None:
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        await ticks.put(done)
+        await done
+
+    async def poll_once() -> None:
+        (await ticks.get()).set_result(None)
+        await ticks.put(await ticks.get())
+
+    def publish_broken(version: str) -> None:
+        # A published manifest whose router file does not exist.
+        gone = "router-0123456789abcdef.safetensors"
+        data = manifest(store) | {"store_version": version, "router_file": gone}
+        (store / "manifest.tmp").write_text(json.dumps(data))
+        os.replace(store / "manifest.tmp", store / "manifest.json")
+
+    monkeypatch.setattr(state, "_open_version_files", counting_open)
+    serving.sleep = controlled_sleep
+    async with running(app) as client:
+        first = serving.version
+        assert first is not None
+        opened.clear()
+        publish_broken("20990101T000000000000Z-broken")
+        with caplog.at_level("DEBUG", logger="server.serving._state"):
+            for _ in range(3):
+                await poll_once()  # no time passes: one attempt, one error line
+            assert len(opened) == 1
+            clock.t += 2.5  # past the first wait (the poll interval): tried again, quietly
+            await poll_once()
+            await poll_once()
+            assert len(opened) == 2
+            clock.t += 2.5  # the wait has doubled to 4 s
+            await poll_once()
+            assert len(opened) == 2
+            clock.t += 2.0
+            await poll_once()
+            assert len(opened) == 3
+            # Another broken version is news: tried and logged at once.
+            publish_broken("20990101T000000000001Z-broken")
+            await poll_once()
+            assert len(opened) == 4
+        errors = [r for r in caplog.records if r.levelname == "ERROR"]
+        assert [("-broken" in r.getMessage(), first.version in r.getMessage()) for r in errors] == [
+            (True, True),
+            (True, True),
+        ]
+        assert serving.version is first
+        assert (await client.get("/readyz")).json()["store_version"] == first.version
+        # A good publication is tried at the next poll, whatever the wait on the broken one.
+        new_version = republish(store, seed=3)
+        await poll_once()
+        assert (await client.get("/readyz")).json()["store_version"] == new_version
