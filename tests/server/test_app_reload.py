@@ -91,24 +91,30 @@ async def test_a_broken_new_store_keeps_the_old_generation_serving(tmp_path: Pat
     assert ready["store_version"] == old_version
 
 
+class WatcherPolls:
+    """The store watcher's sleep, replaced: each poll waits until `once()` lets it through."""
+
+    def __init__(self) -> None:
+        self._ticks: asyncio.Queue[asyncio.Future[None]] = asyncio.Queue()
+
+    async def sleep(self, seconds: float) -> None:
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        await self._ticks.put(done)
+        await done
+
+    async def once(self) -> None:
+        (await self._ticks.get()).set_result(None)
+        # The poll has run when the watcher is back asking for its next sleep.
+        await self._ticks.put(await self._ticks.get())
+
+
 async def test_the_store_watcher_reloads_when_the_manifest_changes(tmp_path: Path) -> None:
     store = build_small_store(tmp_path / "store")
     app = create_app(app_settings(store, watch_store=True), pool_factory=fake_pool)
     serving: ServingState = app.state.serving
-    ticks: asyncio.Queue[asyncio.Future[None]] = asyncio.Queue()
-
-    async def controlled_sleep(seconds: float) -> None:
-        # Each watcher poll waits here until the test lets exactly one poll through.
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        await ticks.put(done)
-        await done
-
-    async def poll_once() -> None:
-        (await ticks.get()).set_result(None)
-        # The poll has run when the watcher is back asking for its next sleep.
-        await ticks.put(await ticks.get())
-
-    serving.sleep = controlled_sleep
+    polls = WatcherPolls()
+    poll_once = polls.once
+    serving.sleep = polls.sleep
     async with running(app) as client:
         first = serving.version
         await poll_once()
@@ -140,22 +146,14 @@ async def test_a_refused_version_is_logged_once_and_retried_less_often(
     settings = app_settings(store, watch_store=True, watch_interval_s=2.0)
     app = create_app(settings, pool_factory=fake_pool, clock=clock)
     serving: ServingState = app.state.serving
-    ticks: asyncio.Queue[asyncio.Future[None]] = asyncio.Queue()
+    polls = WatcherPolls()
+    poll_once = polls.once
     opened: list[Path] = []
     open_files = state._open_version_files
 
     def counting_open(root: Path) -> Any:
         opened.append(root)
         return open_files(root)
-
-    async def controlled_sleep(seconds: float) -> None:
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        await ticks.put(done)
-        await done
-
-    async def poll_once() -> None:
-        (await ticks.get()).set_result(None)
-        await ticks.put(await ticks.get())
 
     def publish_broken(version: str) -> None:
         # A published manifest whose router file does not exist.
@@ -165,7 +163,7 @@ async def test_a_refused_version_is_logged_once_and_retried_less_often(
         os.replace(store / "manifest.tmp", store / "manifest.json")
 
     monkeypatch.setattr(state, "_open_version_files", counting_open)
-    serving.sleep = controlled_sleep
+    serving.sleep = polls.sleep
     async with running(app) as client:
         first = serving.version
         assert first is not None
