@@ -35,8 +35,8 @@ def register(subparsers: Any) -> None:
     )
     source.add_argument(
         "--data", type=Path, nargs="+", metavar="FILE",
-        help=".npz (X, y), .csv or .parquet; --kind hyper: .npz with X, I, y; "
-        "--kind pmoe: two files X.npy y.npy",
+        help=".npz (X, y), .csv or .parquet (with the tables extra); "
+        "--kind hyper: .npz with X, I, y; --kind pmoe: two files X.npy y.npy",
     )
     p.add_argument("--target", metavar="COLUMN", help="target column of a .csv/.parquet table")
     p.add_argument("--task", choices=("auto", "regression", "classification"), default=None)

@@ -226,8 +226,14 @@ def load_data_file(
 def _read_table(
     path: Path, target: str | None, source: str
 ) -> tuple[npt.NDArray[np.generic], npt.NDArray[np.generic]]:
-    import pandas as pd
-
+    try:
+        import pandas as pd
+    except ImportError:
+        raise DataError(
+            "reading a .csv or .parquet table needs pandas (and pyarrow for parquet), which "
+            "momlp installs only with its tables extra: pip install 'momlp[tables]'",
+            source=source,
+        ) from None
     if target is None:
         raise DataError("a table needs --target COLUMN naming the target column", source=source)
     try:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -148,6 +149,16 @@ def test_csv_needs_a_target_column_and_numeric_inputs(tmp_path: Path) -> None:
     # Features and label stay paired through the split: odd a ⇔ cat.
     for row, label in zip(data.x_train, data.y_train, strict=True):
         assert (int(row[0]) % 2 == 1) == (label == 0)
+
+
+def test_a_table_without_pandas_names_the_extra_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = tmp_path / "t.csv"
+    table.write_text("a,y\n1,2\n3,4\n")
+    monkeypatch.setitem(sys.modules, "pandas", None)  # `import pandas` raises ImportError
+    with pytest.raises(DataError, match=r"momlp\[tables\]"):
+        load_data_file(table, target="y")
 
 
 def test_parquet_regression_table(tmp_path: Path) -> None:
