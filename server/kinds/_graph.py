@@ -53,20 +53,31 @@ class GraphOptions:
 
 class GraphRouting:
     """Per row and node (in manifest node order): the global expert id (-1: not routed yet,
-    or the row died upstream) and the distance evaluations its tree walk cost."""
+    or the row died upstream), the Euclidean distance from the node's input to that expert's
+    prototype (0 where not routed), and the distance evaluations its tree walk cost."""
 
     def __init__(
-        self, nodes: tuple[str, ...], experts: torch.Tensor, evals: torch.Tensor, mode: str
+        self,
+        nodes: tuple[str, ...],
+        experts: torch.Tensor,
+        evals: torch.Tensor,
+        mode: str,
+        distances: torch.Tensor,
     ) -> None:
         self.nodes = nodes
         self.node_experts = experts  # [B, V] int64
         self.node_evals = evals  # [B, V] int64
         self.mode = mode
+        self.node_distances = distances  # [B, V] float32
 
     @classmethod
     def empty(cls, nodes: tuple[str, ...], rows: int, mode: str) -> GraphRouting:
-        experts = torch.full((rows, len(nodes)), -1, dtype=torch.int64)
-        return cls(nodes, experts, torch.zeros((rows, len(nodes)), dtype=torch.int64), mode)
+        shape = (rows, len(nodes))
+        experts = torch.full(shape, -1, dtype=torch.int64)
+        return cls(
+            nodes, experts, torch.zeros(shape, dtype=torch.int64), mode,
+            torch.zeros(shape, dtype=torch.float32),
+        )
 
     @property
     def rows(self) -> int:
@@ -83,7 +94,7 @@ class GraphRouting:
 
     @property
     def distances(self) -> torch.Tensor:
-        return torch.zeros(self.node_experts.shape, dtype=torch.float32)
+        return self.node_distances
 
     @property
     def distance_evals(self) -> torch.Tensor:
@@ -91,7 +102,8 @@ class GraphRouting:
 
     def slice(self, start: int, stop: int) -> GraphRouting:
         return GraphRouting(
-            self.nodes, self.node_experts[start:stop], self.node_evals[start:stop], self.mode
+            self.nodes, self.node_experts[start:stop], self.node_evals[start:stop], self.mode,
+            self.node_distances[start:stop],
         )
 
     def per_node(self) -> dict[str, tuple[list[int], list[int]]]:
@@ -196,6 +208,7 @@ class GraphModel:
         result = node.tree.route(z, mode=mode)  # type: ignore[arg-type]
         routing.node_experts[rows, node.index] = node.experts[result.experts[:, 0]]
         routing.node_evals[rows, node.index] = result.distance_evals.to(torch.int64)
+        routing.node_distances[rows, node.index] = result.distances[:, 0].to(torch.float32)
 
     def route(self, x: torch.Tensor, options: Hashable) -> GraphRouting:
         """Wave 0 (nodes reading only x); the run routes the later waves."""
@@ -214,6 +227,7 @@ class GraphModel:
             torch.cat([p.node_experts for p in parts]),
             torch.cat([p.node_evals for p in parts]),
             parts[0].mode,
+            torch.cat([p.node_distances for p in parts]),
         )
 
     def start(self, x: torch.Tensor, routing: Any) -> _GraphRun:

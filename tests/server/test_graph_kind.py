@@ -113,6 +113,29 @@ async def test_predict_reports_each_nodes_expert_and_graph_stats(graph_store) ->
     assert refused.status_code == 422 and "top_k" in refused.text
 
 
+async def test_route_gives_the_first_waves_experts_and_their_real_distances(graph_store) -> None:
+    root, model = graph_store
+    x = inputs(20, seed=5)
+    hard = offline(model, x)
+    async with running(fake_app(root)) as client:
+        body = (await client.post("/v1/route", json={"inputs": x.tolist()})).json()
+    first_wave = list(model.waves[0])
+    ids = global_ids(model, hard)
+    names = [n.name for n in model.spec.nodes]
+    assert all(names.index(n) < len(first_wave) for n in first_wave)  # listed first
+    for row in range(x.shape[0]):
+        assert body["experts"][row] == [ids[n][row] for n in first_wave]
+        # Euclidean distance from the node's inputs to its chosen prototype, computed here.
+        expected = []
+        with torch.no_grad():
+            for name in first_wave:
+                z = model.node_inputs(name, x[row : row + 1], {})
+                prototype = model.node(name).prototypes[hard.experts[name][row]]
+                expected.append(float(torch.linalg.vector_norm(z[0] - prototype)))
+        np.testing.assert_allclose(body["distances"][row], expected, rtol=1e-4, atol=1e-6)
+        assert min(body["distances"][row]) > 0
+
+
 async def test_each_row_is_the_same_alone_and_inside_merged_batches(graph_store) -> None:
     """Batch invariance through the batcher: bitwise the same output (and node experts)
     alone as inside random requests merged into shared batches."""
