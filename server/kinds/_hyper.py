@@ -76,6 +76,9 @@ class HyperRouting:
     keys: tuple[str, ...]
     experts: torch.Tensor  # [B, 1] int64: the named condition's index, else -1
     conditions: torch.Tensor  # [B, m2] float32
+    # [B, 1] float32: Euclidean distance to the prototype a prototype-conditioned store chose;
+    # 0 where the request named its condition (nothing was measured).
+    distances: torch.Tensor
 
     @property
     def rows(self) -> int:
@@ -86,16 +89,13 @@ class HyperRouting:
         return (self.experts >= 0).to(torch.float64)
 
     @property
-    def distances(self) -> torch.Tensor:
-        return torch.zeros(self.experts.shape, dtype=torch.float32)
-
-    @property
     def distance_evals(self) -> torch.Tensor:
         return torch.zeros(self.rows, dtype=torch.int64)
 
     def slice(self, start: int, stop: int) -> HyperRouting:
         return HyperRouting(
-            self.keys[start:stop], self.experts[start:stop], self.conditions[start:stop]
+            self.keys[start:stop], self.experts[start:stop], self.conditions[start:stop],
+            self.distances[start:stop],
         )
 
     @staticmethod
@@ -104,6 +104,7 @@ class HyperRouting:
             tuple(k for p in parts for k in p.keys),
             torch.cat([p.experts for p in parts]),
             torch.cat([p.conditions for p in parts]),
+            torch.cat([p.distances for p in parts]),
         )
 
 
@@ -292,17 +293,20 @@ class HyperModel:
             tuple(keys[i] for i in inverse.tolist()),
             torch.tensor(ids, dtype=torch.int64)[inverse].reshape(-1, 1),
             conditions,
+            torch.zeros((int(x.shape[0]), 1), dtype=torch.float32),
         )
 
     def _route_to_prototypes(self, x: torch.Tensor) -> HyperRouting:
         assert self._table is not None
         # Exact: the nearest prototype, as the build assigned training rows.
-        experts = self.router.route(x, mode="exact").experts[:, :1]
+        routing = self.router.route(x, mode="exact")
+        experts = routing.experts[:, :1]
         if self._prototype_keys is None:
             self._prototype_keys = [condition_key(self.generator.sha256, p) for p in self._table]
         keys = self._prototype_keys
         return HyperRouting(
-            tuple(keys[k] for k in experts[:, 0].tolist()), experts, self._table[experts[:, 0]]
+            tuple(keys[k] for k in experts[:, 0].tolist()), experts, self._table[experts[:, 0]],
+            routing.distances[:, :1].to(torch.float32),
         )
 
     def concat(self, parts: list[Any]) -> HyperRouting:

@@ -263,15 +263,23 @@ def test_prototype_store_serves_what_its_materialized_store_serves(tmp_path: Pat
     assert plain.kind == "momlp" and plain.num_experts == 12 and plain.routing == "exact"
     x = np.random.default_rng(10).normal(size=(300, M1)).astype(np.float32)
 
-    async def serve(root: Path) -> dict[str, Any]:
+    async def serve(root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         async with running(fake_app(root)) as client:
-            return await predict(client, x, return_stats=True)
+            routed = (await client.post("/v1/route", json={"inputs": x.tolist()})).json()
+            return await predict(client, x, return_stats=True), routed
 
-    hyper_answer, plain_answer = asyncio.run(serve(source)), asyncio.run(serve(tmp_path / "plain"))
+    hyper_answer, hyper_route = asyncio.run(serve(source))
+    plain_answer, plain_route = asyncio.run(serve(tmp_path / "plain"))
     assert hyper_answer["outputs"] == plain_answer["outputs"]  # bit for bit
     assert hyper_answer["experts"] == plain_answer["experts"]
-    nearest = torch.cdist(torch.from_numpy(x).double(), prototypes.double()).argmin(dim=1)
+    distances = torch.cdist(torch.from_numpy(x).double(), prototypes.double())
+    nearest = distances.argmin(dim=1)
     assert [e[0] for e in hyper_answer["experts"]] == nearest.tolist()
+    # /v1/route measures the same distance to the chosen prototype in both stores.
+    assert hyper_route["distances"] == plain_route["distances"]
+    np.testing.assert_allclose(
+        [d[0] for d in hyper_route["distances"]], distances.min(dim=1).values.numpy(), rtol=1e-5
+    )
     expected = offline(f, x, prototypes[nearest].numpy())
     served = np.asarray(hyper_answer["outputs"], dtype=np.float32)
     assert np.abs(served - expected).max() <= 1e-6 * np.abs(expected).max()
