@@ -71,8 +71,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=Path,
         metavar="FILE.npz",
         default=None,
-        help="send the rows of FILE.npz (arrays x, y) instead of the workload and report "
-        "MSE (regression) or accuracy (classification) beside device memory per request",
+        help="send the rows of FILE.npz (arrays x or X, and y) instead of the workload and "
+        "report MSE (regression) or accuracy (classification) beside device memory per "
+        "request; each row once unless --requests or --duration says otherwise",
     )
     parser.add_argument(
         "--report",
@@ -101,14 +102,19 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
+    from ._eval import eval_requests
     from ._exceptions import MomlpError
     from ._loadtest import LoadTestConfig
 
     try:
         gates = [_parse_gate(text) for text in args.gate or [None]]
+        requests = args.requests
+        if requests is None and args.duration is None:
+            # An evaluation sends each of its rows once (a row sent twice would weigh twice).
+            requests = eval_requests(args.eval, args.batch) if args.eval is not None else 1000
         config = LoadTestConfig(
             url=args.url,
-            requests=args.requests if args.duration is not None or args.requests else 1000,
+            requests=requests,
             duration_s=args.duration,
             concurrency=args.concurrency,
             rate=args.rate,
@@ -148,14 +154,26 @@ def run(args: argparse.Namespace) -> int:
     if len(configs) > 1:
         from ._compare import gate_rows, write_comparison
 
-        print("\ngates compared (metric, experts per row, vram/request p50 bytes):")
+        scored = args.eval is not None
+        metric = "metric, " if scored else ""
+        print(f"\ngates compared ({metric}experts per row, vram/request p50 bytes):")
         for row in gate_rows(gates, reports):
-            print(f"  {row['run']} {json.dumps(row['gate'])}: {row['metric']} {row['value']}, "
-                  f"{row['experts_per_row']}, {row['vram_bytes_p50']:.0f}")
+            value = ""
+            if scored:
+                score = row["value"]
+                value = "unscored, " if score is None else f"{row['metric']} {score:.6g}, "
+            print(f"  {row['run']} {json.dumps(row['gate'])}: {value}"
+                  f"{_number(row['experts_per_row'], '.3g')}, "
+                  f"{_number(row['vram_bytes_p50'], '.0f')}")
         if args.report is not None:
             for path in write_comparison(gates, reports, args.report, plot=not args.no_plots):
                 print(f"comparison: {path}")
     return 0 if all(report.ok > 0 for report in reports) else 1
+
+
+def _number(value: float | None, spec: str) -> str:
+    """`value` formatted by `spec`; "-" when a run has none (e.g. no answered request)."""
+    return "-" if value is None else format(value, spec)
 
 
 def _one(config: LoadTestConfig, args: argparse.Namespace) -> LoadTestReport:

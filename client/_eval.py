@@ -3,6 +3,8 @@
 The load test sends the file's rows in order (request i carries rows i·batch … i·batch +
 batch − 1, wrapping around) and scores every answered row: squared error per output value
 for a regression model, argmax == label for a classifier (the task comes from /v1/model).
+Unless told how many requests to send or for how long, it sends each row once
+(`eval_requests`). The inputs are array `x`, or `X` as `momlp build --data` reads them.
 numpy is needed (imported only here, only when --eval is given).
 """
 
@@ -15,7 +17,7 @@ from typing import Any
 from ._encoding import numpy_or_none
 from ._exceptions import InputError
 
-__all__ = ["EvalSet", "load_eval_set"]
+__all__ = ["EvalSet", "eval_requests", "load_eval_set"]
 
 
 @dataclass(frozen=True)
@@ -53,18 +55,31 @@ class EvalSet:
         return float(((got - target) ** 2).sum()), int(target.size)
 
 
-def load_eval_set(path: Path, *, task: str, input_dim: int, output_dim: int) -> EvalSet:
-    """Read `x` and `y` from an .npz (no pickles) and check them against the served model."""
+def _read(path: Path) -> tuple[Any, Any]:
     np = numpy_or_none()
     if np is None:
         raise InputError("--eval needs numpy (pip install numpy)")
     try:
         with np.load(path, allow_pickle=False) as data:
-            x, y = np.asarray(data["x"], dtype=np.float64), np.asarray(data["y"])
+            name = "x" if "x" in data.files else "X"
+            return np.asarray(data[name], dtype=np.float64), np.asarray(data["y"])
     except KeyError as exc:
-        raise InputError(f"{path}: an --eval file needs arrays 'x' and 'y'") from exc
+        raise InputError(f"{path}: an --eval file needs arrays 'x' (or 'X') and 'y'") from exc
     except (OSError, ValueError) as exc:
         raise InputError(f"{path}: cannot read an .npz: {exc}") from exc
+
+
+def eval_requests(path: Path, batch: int) -> int:
+    """Requests of `batch` rows that send each of the file's rows once (the last one wraps)."""
+    x, _ = _read(path)
+    return max(1, -(-len(x) // batch))
+
+
+def load_eval_set(path: Path, *, task: str, input_dim: int, output_dim: int) -> EvalSet:
+    """Read `x` and `y` from an .npz (no pickles) and check them against the served model."""
+    x, y = _read(path)
+    np = numpy_or_none()
+    assert np is not None  # _read checked it
     if x.ndim != 2 or x.shape[1] != input_dim or len(x) == 0:
         raise InputError(
             f"{path}: x must be [rows, {input_dim}] (the model's input_dim), got {list(x.shape)}"

@@ -196,3 +196,41 @@ def test_cli_several_gates_are_compared(make_server, tmp_path, monkeypatch, caps
         assert row["vram_bytes_p50"] == run["vram_bytes"]["p50"]
     assert (tmp_path / "r" / "gates.png").stat().st_size > 0
     assert "gates compared" in capsys.readouterr().out
+
+
+def test_cli_eval_sends_each_row_once_and_reads_a_build_file(
+    make_server, tmp_path, monkeypatch, capsys
+):
+    # An .npz as `momlp build --data` reads it: arrays X and y. 7 rows in requests of 3.
+    rng = np.random.default_rng(4)
+    x, y = rng.uniform(0, 3, size=(7, 2)), rng.normal(size=(7, 1))
+    path = tmp_path / "rows.npz"
+    np.savez(path, X=x, y=y)
+    recorder = Recorder(make_server(clock=None).handler)
+    monkeypatch.setattr(_loadtest, "default_client_factory", factory(recorder))
+    args = parser().parse_args([
+        "loadtest", "--batch", "3", "--concurrency", "1", "--eval", str(path),
+        "--report", str(tmp_path / "r"), "--no-plots", "--quiet",
+    ])
+    assert args.handler(args) == 0
+    sent = [row for body in recorder.bodies for row in body["inputs"]]
+    # Three requests: every row once, the last request topped up from the start.
+    assert len(recorder.bodies) == 3
+    assert sorted(map(tuple, sent[:7])) == sorted(map(tuple, x.tolist()))
+    data = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert data["config"]["requests"] == 3
+
+
+def test_cli_gates_compared_without_eval_print_no_metric(
+    make_server, tmp_path, monkeypatch, capsys
+):
+    recorder = Recorder(make_server(clock=None).handler)
+    monkeypatch.setattr(_loadtest, "default_client_factory", factory(recorder))
+    args = parser().parse_args([
+        "loadtest", "--requests", "2", "--gate", '{"temperature": 0.5}',
+        "--gate", '{"top_p": 0.9}', "--no-plots", "--quiet",
+    ])
+    assert args.handler(args) == 0
+    out = capsys.readouterr().out
+    assert "gates compared (experts per row, vram/request p50 bytes):" in out
+    assert "None" not in out
