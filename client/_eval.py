@@ -1,9 +1,10 @@
 """`momlp loadtest --eval FILE.npz`: rows with targets, and the accuracy of the answers.
 
-The load test sends the file's rows in order (request i carries rows i·batch … i·batch +
-batch − 1, wrapping around) and scores every answered row: squared error per output value
-for a regression model, argmax == label for a classifier (the task comes from /v1/model).
-Unless told how many requests to send or for how long, it sends each row once
+The load test sends the file's rows in order, in passes: each pass is ⌈N/batch⌉ requests
+of `batch` rows, the last one shorter, so that each pass sends every row once and no row
+weighs more than another in the score. It scores every answered row: squared error per
+output value for a regression model, argmax == label for a classifier (the task comes from
+/v1/model). Unless told how many requests to send or for how long, it sends one pass
 (`eval_requests`). The inputs are array `x`, or `X` as `momlp build --data` reads them.
 numpy is needed (imported only here, only when --eval is given).
 """
@@ -37,8 +38,10 @@ class EvalSet:
         return int(self.x.shape[0])
 
     def positions(self, index: int, batch: int) -> list[int]:
-        """The file rows request `index` carries."""
-        return [(index * batch + j) % len(self) for j in range(batch)]
+        """The file rows request `index` carries: batch rows, fewer at the end of a pass."""
+        per_pass = -(-len(self) // batch)
+        start = (index % per_pass) * batch
+        return list(range(start, min(start + batch, len(self))))
 
     def rows(self, positions: list[int]) -> list[list[float]]:
         return [[float(v) for v in self.x[p]] for p in positions]
@@ -70,7 +73,7 @@ def _read(path: Path) -> tuple[Any, Any]:
 
 
 def eval_requests(path: Path, batch: int) -> int:
-    """Requests of `batch` rows that send each of the file's rows once (the last one wraps)."""
+    """Requests of `batch` rows (the last one shorter) that send each of the file's rows once."""
     x, _ = _read(path)
     return max(1, -(-len(x) // batch))
 

@@ -87,7 +87,7 @@ def test_unknown_gate_field_is_refused_before_the_run():
 async def test_eval_mse_equals_the_answers_mse(make_server, fake_clock, tmp_path):
     path, x, y = eval_file(tmp_path, rows=10)
     recorder = Recorder(make_server().handler)
-    # 7 requests × 3 rows = 21 rows: the file wraps twice.
+    # Passes of 3 + 3 + 3 + 1 rows: 7 requests send 19 rows, the file once and 9 rows again.
     config = LoadTestConfig(requests=7, concurrency=2, batch=3, eval_data=path,
                             report_dir=tmp_path / "report", plots=False)
     report = await arun_loadtest(config, client_factory=factory(recorder), clock=fake_clock,
@@ -97,10 +97,10 @@ async def test_eval_mse_equals_the_answers_mse(make_server, fake_clock, tmp_path
         for body, answer in zip(recorder.bodies, recorder.answers, strict=True)
         for row, output in zip(body["inputs"], answer["outputs"], strict=True)
     ]
-    assert len(errors) == 21
+    assert len(errors) == 19
     assert report.accuracy is not None and report.accuracy["metric"] == "mse"
     assert report.accuracy["value"] == pytest.approx(np.mean(errors), rel=1e-12)
-    assert report.accuracy["rows"] == 21
+    assert report.accuracy["rows"] == 19
     sent = [tuple(row) for body in recorder.bodies for row in body["inputs"]]
     assert set(sent) == {tuple(row) for row in x}, "every file row was sent"
     data = json.loads((tmp_path / "report" / "report.json").read_text())
@@ -214,11 +214,11 @@ def test_cli_eval_sends_each_row_once_and_reads_a_build_file(
     ])
     assert args.handler(args) == 0
     sent = [row for body in recorder.bodies for row in body["inputs"]]
-    # Three requests: every row once, the last request topped up from the start.
-    assert len(recorder.bodies) == 3
-    assert sorted(map(tuple, sent[:7])) == sorted(map(tuple, x.tolist()))
+    # Three requests of 3, 3 and 1 rows: every row once.
+    assert [len(body["inputs"]) for body in recorder.bodies] == [3, 3, 1]
+    assert sorted(map(tuple, sent)) == sorted(map(tuple, x.tolist()))
     data = json.loads((tmp_path / "r" / "report.json").read_text())
-    assert data["config"]["requests"] == 3
+    assert data["config"]["requests"] == 3 and data["accuracy"]["rows"] == 7
 
 
 def test_cli_gates_compared_without_eval_print_no_metric(
