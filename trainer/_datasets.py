@@ -171,7 +171,8 @@ def load_data_file(
     seed: int = 0,
     test_fraction: float = 0.2,
 ) -> Dataset:
-    """A user's .npz (arrays X, y) or .csv/.parquet (all columns but `target` are inputs)."""
+    """A user's .npz (arrays X, or x as `momlp loadtest --eval` writes it, and y) or
+    .csv/.parquet (all columns but `target` are inputs)."""
     source = str(path)
     if not path.is_file():
         raise DataError("no such file", source=source)
@@ -179,12 +180,13 @@ def load_data_file(
     if suffix == ".npz":
         try:
             with np.load(path, allow_pickle=False) as archive:
-                missing = {"X", "y"} - set(archive.files)
+                inputs = "X" if "X" in archive.files else "x"
+                missing = {inputs, "y"} - set(archive.files)
                 if missing:
                     raise DataError(
                         f"the archive lacks {sorted(missing)} (has {archive.files})", source=source
                     )
-                x_raw, y_raw = archive["X"], archive["y"]
+                x_raw, y_raw = archive[inputs], archive["y"]
         except (ValueError, OSError) as exc:
             raise DataError(f"cannot read the archive: {exc}", source=source) from exc
     elif suffix in (".csv", ".parquet"):

@@ -101,6 +101,11 @@ def test_npz_file_loads_and_bad_files_are_refused(tmp_path: Path) -> None:
     np.savez(good, X=rng.normal(size=(50, 3)), y=rng.normal(size=50))
     data = load_data_file(good)
     assert data.task == "regression" and data.input_dim == 3 and len(data.x_train) == 40
+    # The same rows as `momlp loadtest --eval` reads them (x, y) give the same split.
+    lower = tmp_path / "lower.npz"
+    with np.load(good) as arrays:
+        np.savez(lower, x=arrays["X"], y=arrays["y"])
+    assert np.array_equal(load_data_file(lower).x_train, data.x_train)
 
     labels = tmp_path / "labels.npz"
     np.savez(labels, X=rng.normal(size=(30, 2)), y=np.array([3, 7] * 15))
