@@ -78,9 +78,19 @@ MAX_PINNED = 2
 
 
 def resolve_device(device: str) -> str:
-    """`auto` means CUDA when this process sees a GPU, else CPU."""
+    """`auto` means CUDA when this process sees a GPU, else CPU; CUDA asked for where torch
+    cannot use it is refused, naming why (an actor placed on a GPU node whose torch is a CPU
+    build, say)."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        cuda = torch.version.cuda
+        build = "a CPU build" if cuda is None else f"built for CUDA {cuda}"
+        raise RuntimeError(
+            f"device {device!r} asked for, but torch {torch.__version__} on this node ({build}) "
+            "sees no usable GPU; serve with --device cpu, or give the GPU nodes a CUDA build "
+            "of torch"
+        )
     return device
 
 

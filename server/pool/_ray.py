@@ -44,6 +44,12 @@ def actor_device(
     return "cuda" if cluster_gpus - local_gpus >= 1 else "cpu"
 
 
+def _last_line(text: str) -> str:
+    """The last non-blank line of a remote traceback: the exception and its message."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else text
+
+
 def _local_node_gpus() -> float:
     """GPUs Ray counts on this process's node."""
     import ray
@@ -108,7 +114,7 @@ class RayExpertPool(DispatchingPool):
         lacks the CPUs, GPUs or custom resources they ask for); none is left behind then.
         """
         import ray
-        from ray.exceptions import GetTimeoutError
+        from ray.exceptions import GetTimeoutError, RayActorError
 
         gpus = ray.cluster_resources().get("GPU", 0)  # type: ignore[no-untyped-call]
         device = actor_device(
@@ -156,6 +162,12 @@ class RayExpertPool(DispatchingPool):
             raise PoolStartFailed(
                 reason=f"{count} actor(s) asking {resources} each were not all placed within "
                 f"{settings.actor_start_timeout_s:g} s; the cluster has {available} free",
+            ) from None
+        except RayActorError as exc:
+            for handle in handles.values():
+                ray.kill(handle, no_restart=True)
+            raise PoolStartFailed(
+                reason=f"a {device} actor failed to start: {_last_line(str(exc))}"
             ) from None
         logger.info(
             "started %s %s actor(s) of %s bytes (%s cache)",

@@ -28,3 +28,16 @@ def test_auto_means_cuda_when_the_actors_can_have_a_gpu(
         requested, local_cuda=local_cuda, cluster_gpus=cluster_gpus, local_gpus=local_gpus
     )
     assert chosen == device
+
+
+def test_cuda_where_torch_has_none_is_refused_naming_why() -> None:
+    import torch
+
+    from server.pool import resolve_device
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine's torch can use CUDA")
+    assert resolve_device("auto") == "cpu"
+    with pytest.raises(RuntimeError, match=r"--device cpu") as info:
+        resolve_device("cuda")
+    assert "sees no usable GPU" in str(info.value)

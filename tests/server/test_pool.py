@@ -205,3 +205,15 @@ async def test_actors_the_cluster_cannot_place_fail_the_start_naming_what_they_a
         await asyncio.to_thread(RayExpertPool.create, settings)
     message = str(info.value)
     assert "momlp-no-such-node" in message and "within 2 s" in message
+
+
+async def test_an_actor_that_fails_to_start_fails_the_start_with_its_reason() -> None:
+    # torch refuses 0 threads inside the actor's __init__: the start fails at once (not after
+    # the 60 s start timeout), naming the actor's own error in one line.
+    settings = Settings(actor_start_timeout_s=60.0)
+    with pytest.raises(PoolStartFailed) as info:
+        await asyncio.to_thread(RayExpertPool.create, settings, torch_threads=0)
+    message = str(info.value)
+    assert "a cpu actor failed to start" in message
+    assert message.rstrip().endswith("set_num_threads expects a positive integer")
+    assert "\n" not in message
