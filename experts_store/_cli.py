@@ -250,6 +250,7 @@ def _materialize(args: argparse.Namespace) -> int:
 
 def _calibrate(args: argparse.Namespace) -> int:
     from experts_store import StoreError
+    from router import RouterError
 
     try:
         top_ks = [int(k) for k in args.top_k.split(",")]
@@ -260,7 +261,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     try:
         manifest = calibrate_store(args.dir, args.data, top_ks=top_ks)
-    except (StoreError, TrainerError) as exc:
+    except (StoreError, TrainerError, RouterError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     gate = manifest.gate_spec

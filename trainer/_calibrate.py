@@ -201,6 +201,11 @@ def calibrate_store(
 
     store = Store.open(root)
     m = store.manifest
+    if m.kind != "momlp":
+        # Graph nodes run one expert each, pMoE routes patches by its gate, a hyper store's
+        # experts are generated per condition: none has a top-k softmax over prototypes.
+        raise DataError(f"calibrate fits the top-k gate's τ of a momlp store; this store is "
+                        f"of kind {m.kind!r}, which has none", source=str(root))
     if m.gate_spec.lift is not None:
         # Its τ is the one the router was trained with (Thm 3: set, never fitted after).
         raise DataError("a learned-linear store serves the τ its router was trained with; "

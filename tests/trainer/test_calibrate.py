@@ -63,3 +63,19 @@ def test_store_calibrate_republishes_with_the_same_experts(
     assert main(["store", "info", str(built), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["gate"]["temperature_source"] == "calibrated"
+
+
+def test_store_calibrate_refuses_a_store_without_a_top_k_gate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from graph_support import D, tiny_graph_store
+
+    root = tmp_path / "graph"
+    tiny_graph_store(root)
+    before = Store.open(root).manifest.store_version
+    rng = np.random.default_rng(6)
+    np.savez(tmp_path / "fit.npz", X=rng.uniform(-1, 1, size=(50, D)), y=rng.normal(size=50))
+    assert main(["store", "calibrate", str(root), "--data", str(tmp_path / "fit.npz")]) == 1
+    err = capsys.readouterr().err
+    assert "kind 'graph'" in err and "Traceback" not in err
+    assert Store.open(root).manifest.store_version == before  # nothing republished
