@@ -288,7 +288,7 @@ def verify_hyper_files(root: Path, spec: HyperSpec) -> list[str]:
         if net.widths != f.widths:
             problems.append(f"hypernetwork {f.file}: widths {net.widths}, manifest {f.widths}")
     except (ExpertFileMissing, ExpertChecksumError, ExpertFormatError) as exc:
-        problems.append(f"hypernetwork {f.file}: {exc}")
+        problems.append(f"hypernetwork {f.file}: {_without_generator_id(exc)}")
     table = spec.conditions
     if table is not None:
         try:
@@ -296,5 +296,13 @@ def verify_hyper_files(root: Path, spec: HyperSpec) -> list[str]:
             if list(values.shape) != [table.count, spec.condition_dim]:
                 problems.append(f"conditions {table.file}: shape {list(values.shape)}")
         except (ExpertFileMissing, ExpertChecksumError, ExpertFormatError) as exc:
-            problems.append(f"conditions {table.file}: {exc}")
+            problems.append(f"conditions {table.file}: {_without_generator_id(exc)}")
     return problems
+
+
+def _without_generator_id(exc: Exception) -> str:
+    """The error's message without the "expert -1: " its loader's stand-in id put in front:
+    these files are the store's own, not experts."""
+    message = str(exc)
+    prefix = f"expert {GENERATOR_ID}: "
+    return message[len(prefix):] if message.startswith(prefix) else message

@@ -48,6 +48,16 @@ def test_build_hyper_from_data_then_info_and_verify(
     assert main(["store", "info", str(out)]) == 0
     text = capsys.readouterr().out
     assert "hypernetwork and its conditions verified" in text and "primary g  3-10-1" in text
+    # A flipped byte in f: named as the hypernetwork's file, not as a router or "expert -1".
+    f_path = out / spec.hypernetwork.file
+    raw = bytearray(f_path.read_bytes())
+    raw[-5] ^= 0xFF
+    f_path.write_bytes(bytes(raw))
+    assert main(["store", "verify", str(out)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"FAIL hypernetwork {spec.hypernetwork.file}: checksum mismatch")
+    assert "expert -1" not in lines[0] and "router" not in lines[0]
+    assert lines[-1] == "no expert fails; the store's own files above do"
 
 
 def test_build_hyper_refuses_momlp_options_and_bad_data(
