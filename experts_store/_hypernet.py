@@ -41,6 +41,7 @@ __all__ = [
     "condition_bytes",
     "condition_key",
     "load_conditions",
+    "own_file_problem",
     "save_conditions",
     "save_hypernetwork",
     "theta_expert",
@@ -288,7 +289,7 @@ def verify_hyper_files(root: Path, spec: HyperSpec) -> list[str]:
         if net.widths != f.widths:
             problems.append(f"hypernetwork {f.file}: widths {net.widths}, manifest {f.widths}")
     except (ExpertFileMissing, ExpertChecksumError, ExpertFormatError) as exc:
-        problems.append(f"hypernetwork {f.file}: {_without_generator_id(exc)}")
+        problems.append(own_file_problem(f"hypernetwork {f.file}", exc))
     table = spec.conditions
     if table is not None:
         try:
@@ -296,13 +297,14 @@ def verify_hyper_files(root: Path, spec: HyperSpec) -> list[str]:
             if list(values.shape) != [table.count, spec.condition_dim]:
                 problems.append(f"conditions {table.file}: shape {list(values.shape)}")
         except (ExpertFileMissing, ExpertChecksumError, ExpertFormatError) as exc:
-            problems.append(f"conditions {table.file}: {_without_generator_id(exc)}")
+            problems.append(own_file_problem(f"conditions {table.file}", exc))
     return problems
 
 
-def _without_generator_id(exc: Exception) -> str:
-    """The error's message without the "expert -1: " its loader's stand-in id put in front:
-    these files are the store's own, not experts."""
+def own_file_problem(label: str, exc: Exception) -> str:
+    """`label: <what went wrong>` for an error reading a hyper store's own file (f, the
+    conditions table), without the "expert -1: " that its loader's stand-in id put in front:
+    these files are not experts."""
     message = str(exc)
     prefix = f"expert {GENERATOR_ID}: "
-    return message[len(prefix):] if message.startswith(prefix) else message
+    return f"{label}: {message[len(prefix):] if message.startswith(prefix) else message}"

@@ -42,6 +42,7 @@ from experts_store import (
     GeneratorRef,
     MonotonicClock,
     StoreError,
+    own_file_problem,
 )
 from server.pool._channel import ChannelServer
 from server.pool._types import ActorInfo, ActorReply, GroupOutcome
@@ -170,6 +171,14 @@ class _DeviceLoader:
         # loader thread waits while the default stream keeps computing.
         with torch.cuda.stream(self._copy_stream):
             return self._files.load(ref)
+
+
+def _load_error(ref: ExpertRef, exc: ExpertLoadError) -> str:
+    """What a failed load tells the client: f's own failure named as the hypernetwork file
+    (its loader stands in expert id -1), anything else as the error says."""
+    if isinstance(ref, GeneratedRef) and exc.expert_id == ref.generator.expert_id:
+        return own_file_problem(f"hypernetwork {os.path.basename(ref.generator.path)}", exc)
+    return str(exc)
 
 
 class ActorCore:
@@ -320,7 +329,7 @@ class ActorCore:
             lease = manager.__enter__()
         except ExpertLoadError as exc:
             logger.warning("actor %s cannot load expert %s: %s", self.name, ref.expert_id, exc)
-            return _Leased(None, None, ERROR_LOAD, str(exc))
+            return _Leased(None, None, ERROR_LOAD, _load_error(ref, exc))
         except CacheBusy as exc:
             return _Leased(None, None, ERROR_BUSY, str(exc))
         except (CacheError, StoreError) as exc:

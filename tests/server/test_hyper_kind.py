@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -323,3 +324,27 @@ def test_v2_infer_takes_x_and_condition_rows(hyper: tuple[Path, HyperNetwork]) -
     out = next(o for o in v2["outputs"] if o["name"] == "output")
     assert np.array_equal(np.asarray(out["data"], dtype=np.float32).reshape(8, OUT),
                           np.asarray(v1["outputs"], dtype=np.float32))
+
+
+def test_a_corrupt_hypernetwork_is_503_naming_its_file(tmp_path: Path) -> None:
+    torch.manual_seed(3)
+    f = HyperNetwork(M2, PrimarySpec(M1, (8,), OUT), depth=1, width=32)
+    root = tmp_path / "store"
+    publish_hypernetwork(root, f, conditions=torch.randn(2, M2), condition_ids=["a", "b"])
+    f_file = Store.open(root).manifest.hyper.hypernetwork.file  # type: ignore[union-attr]
+    raw = bytearray((root / f_file).read_bytes())
+    raw[-3] ^= 0xFF
+    (root / f_file).write_bytes(bytes(raw))
+    x = np.zeros((1, M1), dtype=np.float32)
+
+    async def call() -> httpx.Response:
+        async with running(fake_app(root)) as client:
+            return await client.post(
+                "/v1/predict", json={"inputs": x.tolist(), "condition_ids": ["a"]}
+            )
+
+    answer = asyncio.run(call())
+    assert answer.status_code == 503
+    message = answer.json()["error"]["message"]
+    assert f"hypernetwork {f_file}: checksum mismatch" in message
+    assert "expert -1" not in message
