@@ -165,6 +165,8 @@ class ServingState:
         self._watcher: asyncio.Task[None] | None = None
         self._swapping: asyncio.Task[StoreVersion | None] | None = None
         self._retiring: set[asyncio.Task[None]] = set()
+        # The on-disk version the last swap read (the one a failed swap was opening).
+        self._tried: str | None = None
         # Replaceable so that tests drive the store watcher without waiting.
         self.sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
 
@@ -264,6 +266,7 @@ class ServingState:
         if old is None or self.stopping:
             return None
         on_disk = await in_daemon_thread(read_store_version, Path(self.settings.store))
+        self._tried = on_disk
         if on_disk == old.version:
             return None
         new = await self._open_version()
@@ -299,14 +302,16 @@ class ServingState:
             await self.sleep(interval)
             if self.version is None:
                 continue
-            on_disk: str | None = None
             try:
-                on_disk = await in_daemon_thread(read_store_version, root)
-                if refused == [on_disk] and self.clock.now() < retry_at:
-                    continue
+                if refused:
+                    # Only while a version is refused: a healthy poll reads the manifest once.
+                    on_disk = await in_daemon_thread(read_store_version, root)
+                    if refused == [on_disk] and self.clock.now() < retry_at:
+                        continue
                 await self.swap()
             except Exception as exc:
                 # A half-written or broken new store must not take the serving one down.
+                on_disk = self._tried
                 if refused != [on_disk]:
                     logger.error(
                         "reloading store version %s failed (version %s keeps serving): %s",
