@@ -24,7 +24,13 @@ from server.batching import OpenConnections
 if TYPE_CHECKING:
     import uvicorn
 
-__all__ = ["count_connections", "freeze_heap", "run_server", "uvicorn_config"]
+__all__ = [
+    "count_connections",
+    "freeze_heap",
+    "open_without_key",
+    "run_server",
+    "uvicorn_config",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +49,15 @@ def freeze_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+def open_without_key(settings: Settings) -> bool:
+    """True when the server will answer beyond this machine with no API key asked for."""
+    if settings.api_key:
+        return False
+    from server.http import is_loopback
+
+    return not (settings.host == "localhost" or is_loopback(settings.host))
 
 
 def _bound_url(server: Any, settings: Settings) -> str:
@@ -89,6 +104,13 @@ def run_server(settings: Settings, *, app_factory: Callable[[Settings], Any] | N
     from server.http import create_app
     from server.pool import ray_session
 
+    if open_without_key(settings):
+        logger.warning(
+            "serving on %s with no API key: anyone who can reach this port can call the "
+            "model (only reloads stay limited to this machine); set MOMLP_API_KEY or pass "
+            "--api-key-env VAR",
+            settings.host,
+        )
     with ray_session(address=settings.ray_address, num_cpus=settings.ray_num_cpus):
         app = (app_factory or create_app)(settings)
 

@@ -202,3 +202,37 @@ def test_an_unexpected_startup_error_keeps_its_traceback(
     assert code == 1
     errors = "\n".join(r.getMessage() for r in caplog.records if r.levelname == "ERROR")
     assert "Traceback" in errors and "ZeroDivisionError" in errors
+
+
+@pytest.mark.parametrize(
+    ("host", "api_key", "warned"),
+    [("127.0.0.1", None, False), ("localhost", None, False), ("::1", None, False),
+     ("127.0.0.2", None, False), ("0.0.0.0", None, True), ("10.1.2.3", None, True),
+     ("0.0.0.0", "sekrit", False)],
+)
+def test_a_server_open_beyond_this_machine_without_a_key_is_warned_about(
+    host: str, api_key: str | None, warned: bool
+) -> None:
+    from app_support import app_settings
+
+    settings = app_settings(Path("store"), host=host, api_key=api_key)
+    assert server._runner.open_without_key(settings) is warned
+
+
+def test_the_warning_is_logged_before_anything_starts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The lifespan refuses the store (budget too small), so nothing is ever bound.
+    from app_support import app_settings, fake_pool
+
+    from server.http import create_app
+
+    monkeypatch.setattr(server.pool, "ray_session", lambda **kwargs: contextlib.nullcontext(False))
+    settings = app_settings(build_small_store(tmp_path / "store"), cache_bytes=64,
+                            host="0.0.0.0", port=0)
+    with caplog.at_level("INFO"):
+        server._runner.run_server(
+            settings, app_factory=lambda s: create_app(s, pool_factory=fake_pool)
+        )
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("0.0.0.0 with no API key" in w and "MOMLP_API_KEY" in w for w in warnings)
