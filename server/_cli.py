@@ -26,6 +26,16 @@ _REGISTRARS = (
 Handler = Callable[[argparse.Namespace], int]
 
 
+def _version() -> str:
+    """The installed distribution's version ("unknown" when run from a bare checkout)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("momlp")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="momlp",
@@ -34,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING, ...)"
     )
+    parser.add_argument("--version", action="version", version=f"momlp {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _REGISTRARS:
         try:

@@ -236,3 +236,12 @@ def test_the_warning_is_logged_before_anything_starts(
         )
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any("0.0.0.0 with no API key" in w and "MOMLP_API_KEY" in w for w in warnings)
+
+
+def test_the_root_command_says_its_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"momlp {version('momlp')}"
