@@ -102,16 +102,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    from ._eval import eval_requests
     from ._exceptions import MomlpError
     from ._loadtest import LoadTestConfig
 
     try:
         gates = [_parse_gate(text) for text in args.gate or [None]]
         requests = args.requests
-        if requests is None and args.duration is None:
-            # An evaluation sends each of its rows once (a row sent twice would weigh twice).
-            requests = eval_requests(args.eval, args.batch) if args.eval is not None else 1000
+        if requests is None and args.duration is None and args.eval is None:
+            requests = 1000  # with --eval and neither, the load test sends one pass
         config = LoadTestConfig(
             url=args.url,
             requests=requests,

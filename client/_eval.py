@@ -5,7 +5,7 @@ of `batch` rows, the last one shorter, so that each pass sends every row once an
 weighs more than another in the score. It scores every answered row: squared error per
 output value for a regression model, argmax == label for a classifier (the task comes from
 /v1/model). Unless told how many requests to send or for how long, it sends one pass
-(`eval_requests`). The inputs are array `x`, or `X` as `momlp build --data` reads them.
+(`EvalSet.requests_per_pass`). The inputs are array `x`, or `X` as `momlp build --data` reads them.
 numpy is needed (imported only here, only when --eval is given).
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 from ._encoding import numpy_or_none
 from ._exceptions import InputError
 
-__all__ = ["EvalSet", "eval_requests", "load_eval_set"]
+__all__ = ["EvalSet", "load_eval_set"]
 
 
 @dataclass(frozen=True)
@@ -37,10 +37,13 @@ class EvalSet:
     def __len__(self) -> int:
         return int(self.x.shape[0])
 
+    def requests_per_pass(self, batch: int) -> int:
+        """Requests of `batch` rows (the last one shorter) that send every row once."""
+        return -(-len(self) // batch)
+
     def positions(self, index: int, batch: int) -> list[int]:
         """The file rows request `index` carries: batch rows, fewer at the end of a pass."""
-        per_pass = -(-len(self) // batch)
-        start = (index % per_pass) * batch
+        start = (index % self.requests_per_pass(batch)) * batch
         return list(range(start, min(start + batch, len(self))))
 
     def rows(self, positions: list[int]) -> list[list[float]]:
@@ -70,12 +73,6 @@ def _read(path: Path) -> tuple[Any, Any]:
         raise InputError(f"{path}: an --eval file needs arrays 'x' (or 'X') and 'y'") from exc
     except (OSError, ValueError) as exc:
         raise InputError(f"{path}: cannot read an .npz: {exc}") from exc
-
-
-def eval_requests(path: Path, batch: int) -> int:
-    """Requests of `batch` rows (the last one shorter) that send each of the file's rows once."""
-    x, _ = _read(path)
-    return max(1, -(-len(x) // batch))
 
 
 def load_eval_set(path: Path, *, task: str, input_dim: int, output_dim: int) -> EvalSet:

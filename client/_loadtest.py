@@ -10,6 +10,7 @@ injected so that tests drive it in-process against a fake server.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import random
@@ -76,7 +77,8 @@ class MonotonicClock:
 @dataclass(frozen=True)
 class LoadTestConfig:
     """One load test. Stops after `requests` or `duration_s`, whichever comes first (one is
-    required); `rate` (requests/s, Poisson arrivals) switches from closed to open loop."""
+    required, except with `eval_data`: then both None is one pass over its rows); `rate`
+    (requests/s, Poisson arrivals) switches from closed to open loop."""
 
     url: str = "http://127.0.0.1:8000"
     requests: int | None = 1000
@@ -111,7 +113,8 @@ class LoadTestConfig:
         Distribution.parse(self.condition_distribution)
         if self.conditions is not None and self.conditions < 1:
             raise ValueError("conditions must be >= 1")
-        if self.requests is None and self.duration_s is None:
+        if self.requests is None and self.duration_s is None and self.eval_data is None:
+            # With eval_data and neither, the run is one pass over its rows.
             raise ValueError("give requests or duration_s")
         if self.requests is not None and self.requests < 1:
             raise ValueError("requests must be >= 1")
@@ -197,6 +200,11 @@ async def arun_loadtest(
                 config.eval_data, task=model.task, input_dim=model.input_dim,
                 output_dim=model.output_dim,
             )
+            if config.requests is None and config.duration_s is None:
+                # One pass: a row sent again would weigh twice in the score.
+                config = dataclasses.replace(
+                    config, requests=evaluation.requests_per_pass(config.batch)
+                )
         else:
             workload = await build_workload(
                 client,
