@@ -25,7 +25,7 @@ from server.http._hyper import add_hyper_routes
 from server.http._metrics import Metrics, MetricsMiddleware, PoolSnapshot
 from server.http._openapi import install_openapi
 from server.http._routes import HOT_ROUTES, add_routes
-from server.http._startup import STARTUP_ERRORS, StartupFailure, StartupFailureMiddleware
+from server.http._startup import STARTUP_ERRORS, StartupFailure
 from server.http._v2 import add_v2_routes, hot_v2_routes, model_name
 from server.serving import BatcherFactory, PoolFactory, ServingState
 
@@ -111,14 +111,14 @@ def create_app(
     install_openapi(app, serving, model_name(settings))
     # Starlette runs the last added middleware first: metrics see every answer, the catch-all
     # answers whatever escaped, the key check runs before any route or body is touched, and
-    # then the hot endpoints skip FastAPI's routing. The outermost one sees only the lifespan.
+    # then the hot endpoints skip FastAPI's routing. The catch-all also puts a known reason
+    # the lifespan could not start in place of its traceback.
     app.add_middleware(HotRoutes, routes={**HOT_ROUTES, **hot_v2_routes(settings)})
     app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
-    app.add_middleware(CatchAllMiddleware)
+    app.add_middleware(CatchAllMiddleware, startup=failure)
     app.add_middleware(
         MetricsMiddleware,
         metrics=metrics,
         known_paths=[getattr(r, "path", "") for r in app.routes],
     )
-    app.add_middleware(StartupFailureMiddleware, failure=failure)
     return app

@@ -32,6 +32,7 @@ from server._exceptions import (
     ServerError,
 )
 from server.http._body import HttpError
+from server.http._startup import StartupFailure, reporting_send
 
 __all__ = ["V2_PREFIX", "CatchAllMiddleware", "error_response", "install_error_handlers"]
 
@@ -174,14 +175,18 @@ class CatchAllMiddleware:
     """Turns anything that escaped the handlers into a logged 500 with the error JSON.
 
     Starlette's own `Exception` handler re-raises after answering, which would put a traceback
-    on the server's console and into test clients; this one answers and stops there.
+    on the server's console and into test clients; this one answers and stops there. With
+    `startup`, a known reason the lifespan could not start replaces its traceback too.
     """
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, *, startup: StartupFailure | None = None) -> None:
         self.app = app
+        self._startup = startup
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
+            if scope["type"] == "lifespan" and self._startup is not None:
+                send = reporting_send(send, self._startup)
             await self.app(scope, receive, send)
             return
         started = False
