@@ -195,6 +195,18 @@ class ExpertCache(Generic[T]):
             self._cond.notify_all()
             return True
 
+    def forget_popularity(self) -> None:
+        """Count popularity afresh, keeping every expert resident (tinylfu; lru has none).
+
+        For a new store version: the experts it dropped are never asked for again, but their
+        old counts would let them win every admission contest against its new experts until
+        aging wore them down (thousands of requests). Without counts they are the first to go;
+        the unchanged experts that are still asked for earn theirs back at once.
+        """
+        with self._cond:
+            if self._admission is not None:
+                self._admission.frequency.clear()
+
     def clear(self) -> None:
         """Drop every expert not in use."""
         with self._cond:

@@ -44,6 +44,11 @@ class FrequencyCounter:
     def estimate(self, key: Hashable) -> int:
         return self._counts.get(key, 0)
 
+    def clear(self) -> None:
+        """Forget every count: popularity starts again from the next access."""
+        self._counts = {}
+        self._seen = 0
+
     def _halve(self) -> None:
         # Odd counts round down, which drops the ones and keeps the dict small.
         self._counts = {k: v >> 1 for k, v in self._counts.items() if v > 1}

@@ -62,8 +62,10 @@ ERROR_INTERNAL = "internal"
 # CPU, with input and hidden widths multiples of ROW_ALIGN and aligned rows, a row's bits are
 # the same in every GEMM whose row count is a multiple of 4, and differ for 1-3 rows (and other
 # counts; benchmarks/gemm_alignment.py, part 1b). So a group of 1-3 rows, the common case under
-# Zipf traffic, costs a 4-row forward, not a 16-row one. CUDA keeps 16: unmeasured there.
-ROW_BLOCK = {"cpu": 4, "cuda": 16}
+# Zipf traffic, costs a 4-row forward, not a 16-row one. On CUDA (an H100, cuBLAS of torch
+# 2.11) a row's bits differed between a 16-row and a 64-row GEMM, so there every block is its
+# own GEMM of exactly ROW_BLOCK rows; 64 rows cost a GPU what 16 do, and most groups fit one.
+ROW_BLOCK = {"cpu": 4, "cuda": 64}
 
 
 def row_block(device: str) -> int:
@@ -384,7 +386,10 @@ class ActorCore:
         if self._cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
-            y = module(x.to(self.device, non_blocking=True))
+            xd = x.to(self.device, non_blocking=True)
+            y = module(xd) if x.shape[0] == block else torch.cat(
+                [module(xd[i : i + block]) for i in range(0, x.shape[0], block)]
+            )
             activation = int(torch.cuda.max_memory_allocated(self.device) - base)
             return y[:m].to("cpu").numpy(), activation
         y = module(x)
@@ -410,6 +415,10 @@ class ActorCore:
                 # The failure is reported by the run that needs the expert.
                 logger.info("actor %s: prefetch of %s failed: %s", self.name, ref.expert_id, exc)
         return self.resident()
+
+    def forget_popularity(self) -> None:
+        """A new store version went live (`ExpertCache.forget_popularity`)."""
+        self._cache.forget_popularity()
 
     def info(self) -> ActorInfo:
         resident = self.resident()
@@ -513,6 +522,9 @@ class ExpertActor:
 
     def prefetch(self, experts: list[ExpertRef]) -> dict[str, int]:
         return self._core.prefetch(experts)
+
+    def forget_popularity(self) -> None:
+        self._core.forget_popularity()
 
     def info(self) -> ActorInfo:
         return self._core.info()

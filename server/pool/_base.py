@@ -124,6 +124,10 @@ class DispatchingPool(ABC):
         """Warm `actor`'s cache; returns its resident experts."""
 
     @abstractmethod
+    async def _call_forget_popularity(self, actor: str) -> None:
+        """Have `actor`'s cache count popularity afresh; raise `ActorDied` if it died."""
+
+    @abstractmethod
     async def _call_info(self, actor: str) -> ActorInfo:
         """Ask `actor` about itself (waits for a restarting actor to come back)."""
 
@@ -306,6 +310,18 @@ class DispatchingPool(ABC):
         except ActorDied:
             return  # the next run on that actor notices and retries
         self._dispatcher.update_residency(actor, resident)
+
+    async def forget_popularity(self) -> None:
+        """Every live actor's cache counts popularity afresh; a dead one starts afresh anyway."""
+        if self._closed:
+            return
+        alive = [name for name in self._dispatcher.names if self._dispatcher.alive(name)]
+        results = await asyncio.gather(
+            *(self._call_forget_popularity(name) for name in alive), return_exceptions=True
+        )
+        for name, result in zip(alive, results, strict=True):
+            if isinstance(result, BaseException) and not isinstance(result, ActorDied):
+                logger.warning("actor %s kept its popularity counts: %r", name, result)
 
     def residency(self) -> dict[str, list[str]]:
         """Content hash -> actors holding that expert, as of their latest replies."""

@@ -88,6 +88,9 @@ class FakeExpertPool(DispatchingPool):
     async def _call_prefetch(self, actor: str, experts: list[ExpertRef]) -> dict[str, int]:
         return await asyncio.to_thread(self._cores[actor].prefetch, experts)
 
+    async def _call_forget_popularity(self, actor: str) -> None:
+        self._cores[actor].forget_popularity()
+
     async def _call_info(self, actor: str) -> ActorInfo:
         return self._cores[actor].info()
 

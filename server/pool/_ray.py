@@ -268,6 +268,14 @@ class RayExpertPool(DispatchingPool):
             raise ActorDied(actor) from exc
         return resident
 
+    async def _call_forget_popularity(self, actor: str) -> None:
+        from ray.exceptions import RayActorError
+
+        try:
+            await self._handles[actor].forget_popularity.remote()
+        except RayActorError as exc:
+            raise ActorDied(actor) from exc
+
     async def _call_info(self, actor: str) -> ActorInfo:
         from ray.exceptions import RayActorError
 

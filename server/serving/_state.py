@@ -120,6 +120,9 @@ class ObservedPool:
     async def prefetch(self, experts: Sequence[ExpertRef]) -> None:
         await self._pool.prefetch(experts)
 
+    async def forget_popularity(self) -> None:
+        await self._pool.forget_popularity()
+
     def residency(self) -> dict[str, list[str]]:
         return self._pool.residency()
 
@@ -275,6 +278,8 @@ class ServingState:
             return None
         self.version = new
         logger.info("store version %s replaces %s", new.version, old.version)
+        if self.pool is not None:
+            await self.pool.forget_popularity()
         task = asyncio.create_task(self._retire(old), name="momlp-retire")
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)

@@ -230,3 +230,34 @@ def test_a_prefetched_expert_whose_request_never_comes_is_not_kept_for_ever() ->
     # and with no count it loses to the next newcomer.
     _lease_all(cache, [1, 2, 70, 71])
     assert 5 not in cache.resident() and {1, 2} <= set(cache.resident())
+
+
+@pytest.mark.parametrize("forget", [False, True])
+def test_after_forget_popularity_new_experts_displace_ones_no_longer_asked_for(
+    forget: bool,
+) -> None:
+    # A store swap: experts 0-2 were popular under the old version and are never asked for
+    # again; 10 and 11 are the new version's, asked for in turn.
+    loader = FakeLoader({i: 10 for i in range(20)})
+    cache: ExpertCache[str] = ExpertCache(40, loader, policy="tinylfu")
+    _lease_all(cache, [0, 1, 2] * 20)
+    if forget:
+        cache.forget_popularity()
+    hits = _lease_all(cache, [10, 11] * 10)
+    if forget:
+        assert hits[2:] == [True] * 18
+        assert {10, 11} <= set(cache.resident())
+    else:
+        # Each newcomer loses its contest to an old expert with twenty accesses to its name.
+        assert hits.count(True) <= 2
+        assert {0, 1, 2} <= set(cache.resident())
+
+
+def test_forget_popularity_keeps_every_expert_resident() -> None:
+    loader = FakeLoader({i: 10 for i in range(5)})
+    cache: ExpertCache[str] = ExpertCache(40, loader, policy="tinylfu")
+    _lease_all(cache, [0, 1, 2, 3] * 3)
+    before = set(cache.resident())
+    cache.forget_popularity()
+    assert set(cache.resident()) == before
+    assert _lease_all(cache, sorted(before)) == [True] * len(before)

@@ -144,6 +144,9 @@ class GatedPool:
     async def prefetch(self, experts: Any) -> None:
         await self.inner.prefetch(experts)
 
+    async def forget_popularity(self) -> None:
+        await self.inner.forget_popularity()
+
     def residency(self) -> Any:
         return self.inner.residency()
 

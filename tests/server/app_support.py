@@ -139,6 +139,9 @@ class BlockingPool:
     async def prefetch(self, experts: Sequence[ExpertRef]) -> None:
         await self.inner.prefetch(experts)
 
+    async def forget_popularity(self) -> None:
+        await self.inner.forget_popularity()
+
     def residency(self) -> dict[str, list[str]]:
         return self.inner.residency()
 

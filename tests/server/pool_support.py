@@ -60,6 +60,9 @@ class IdPool:
     async def prefetch(self, expert_ids: list[int]) -> None:
         await self.inner.prefetch([self.refs[e] for e in expert_ids])
 
+    async def forget_popularity(self) -> None:
+        await self.inner.forget_popularity()
+
     def residency(self) -> dict[int, list[str]]:
         return {self.ids[key]: actors for key, actors in self.inner.residency().items()}
 

@@ -198,3 +198,31 @@ async def test_a_refused_version_is_logged_once_and_retried_less_often(
         new_version = republish(store, seed=3)
         await poll_once()
         assert (await client.get("/readyz")).json()["store_version"] == new_version
+
+
+async def test_a_swap_and_only_a_swap_has_the_pool_count_popularity_afresh(
+    tmp_path: Path,
+) -> None:
+    store = build_small_store(tmp_path / "store")
+
+    class Recording(BlockingPool):
+        forgotten = 0
+
+        async def forget_popularity(self) -> None:
+            self.forgotten += 1
+            await super().forget_popularity()
+
+    pools: list[Recording] = []
+
+    def factory(settings: Settings) -> ExpertPool:
+        pools.append(Recording(fake_pool(settings), blocked=0))
+        return pools[-1]
+
+    app = create_app(app_settings(store), pool_factory=factory)
+    async with running(app):
+        serving: ServingState = app.state.serving
+        assert not await serving.reload()
+        assert pools[0].forgotten == 0
+        republish(store, seed=42)
+        assert await serving.reload()
+        assert pools[0].forgotten == 1

@@ -99,6 +99,9 @@ class GatedPool:
     async def prefetch(self, experts: Sequence[ExpertRef]) -> None:
         self.prefetched.append([ref.expert_id for ref in experts])
 
+    async def forget_popularity(self) -> None:
+        await self.inner.forget_popularity()
+
     def residency(self) -> dict[str, list[str]]:
         return self.inner.residency()
 

@@ -127,6 +127,24 @@ async def test_the_cache_policy_decides_whether_hot_experts_outlast_one_off_requ
         await pool.close()
 
 
+async def test_after_a_swap_the_new_experts_displace_the_old_popular_ones(
+    make_store: MakeStore,
+) -> None:
+    # What the server does when a new store version goes live; without it, the old
+    # version's popular experts (never asked for again) win every admission contest.
+    store = Store.open(make_store(K=24, n=3, width=8, out=2))
+    pool = await start(store, actors=1, cache_bytes=4 * store.expert_nbytes(0))
+    rows = torch.ones(1, 3)
+    try:
+        for _ in range(20):
+            await pool.run([IdGroup(e, rows) for e in (0, 1, 2)])
+        await pool.forget_popularity()
+        hits = [(await pool.run([IdGroup(e, rows)]))[0].hit for e in [10, 11] * 5]
+        assert hits[2:] == [True] * 8
+    finally:
+        await pool.close()
+
+
 @pytest.mark.parametrize("channel", ["socket", "ray"])
 async def test_killing_an_actor_mid_stream_loses_and_duplicates_nothing(
     make_store: MakeStore, channel: str
