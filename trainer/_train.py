@@ -98,7 +98,10 @@ def train_network(
     mean_loss = float("nan")
     for epoch in range(epochs):
         order = torch.randperm(rows, generator=generator).to(x.device)
-        total, seen = 0.0, 0
+        # Summed on the device and read once per epoch: reading each step's loss would wait
+        # for the step to finish, so a GPU could never run ahead of the Python loop.
+        total = torch.zeros((), dtype=torch.float64, device=x.device)
+        seen = 0
         for begin in range(0, rows, batch_size):
             idx = order[begin : begin + batch_size]
             # BatchNorm cannot normalise a batch of one row in training mode.
@@ -109,9 +112,9 @@ def train_network(
             batch_loss.backward()  # type: ignore[no-untyped-call]
             opt.step()
             steps += 1
-            total += float(batch_loss.detach()) * idx.numel()
+            total += batch_loss.detach().double() * idx.numel()
             seen += idx.numel()
-        mean_loss = total / max(seen, 1)
+        mean_loss = float(total) / max(seen, 1)
         if on_epoch is not None:
             on_epoch(epoch, mean_loss)
     model.eval()
