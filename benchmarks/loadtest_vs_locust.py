@@ -41,6 +41,11 @@ from client import AsyncClient, Distribution, build_workload
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+# The installed `momlp` script, or the same CLI by module where the project is only on
+# PYTHONPATH (benchmarks/gpu_session.sh on a bare GPU machine).
+MOMLP = (
+    [str(BIN / "momlp")] if (BIN / "momlp").exists() else [sys.executable, "-m", "server._cli"]
+)
 LOCUSTFILE = REPO / "benchmarks" / "locustfile.py"
 
 
@@ -67,7 +72,7 @@ def main() -> int:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         server = subprocess.Popen(
-            [str(BIN / "momlp"), "serve", "--store", str(store), "--port", str(port),
+            [*MOMLP, "serve", "--store", str(store), "--port", str(port),
              "--actors", str(args.actors), "--ray-num-cpus", str(args.actors)],
             env=env, stdout=subprocess.DEVNULL, stderr=(work / "serve.log").open("w"),
         )  # fmt: skip
@@ -142,7 +147,7 @@ def client_cpu(
 
 def build_store(out: Path, env: dict[str, str]) -> Path:
     subprocess.run(
-        [str(BIN / "momlp"), "build", "--dataset", "ackley2d", "--experts", "16", "--branching",
+        [*MOMLP, "build", "--dataset", "ackley2d", "--experts", "16", "--branching",
          "4", "--quick", "--executor", "local", "--no-baseline", "--no-progress",
          "--torch-threads", "1", "--out", str(out)],
         env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -200,7 +205,7 @@ def run_loadtest(
     url: str, out: Path, requests: int, args: argparse.Namespace, env: dict[str, str]
 ) -> dict[str, Any]:
     subprocess.run(
-        [str(BIN / "momlp"), "--log-level", "WARNING", "loadtest", "--url", url,
+        [*MOMLP, "--log-level", "WARNING", "loadtest", "--url", url,
          "--requests", str(requests), "--concurrency", str(args.concurrency),
          "--batch", str(args.batch), "--distribution", args.distribution,
          "--seed", str(args.seed), "--quiet", "--no-plots", "--report", str(out)],

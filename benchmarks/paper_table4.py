@@ -70,14 +70,26 @@ SCALES = {
 
 
 def run_task(
-    task: str, scale: Scale, scale_name: str, root: Path, executor: str = "ray"
+    task: str, scale: Scale, scale_name: str, root: Path, executor: str = "ray",
+    time_budget_s: float | None = None,
+    first_seed: int = 0,
 ) -> dict[str, Any]:
+    """Mean and sd over seeds; with a time budget, a seed starts only if it should end in it.
+
+    "Should" is judged by the mean time of the seeds so far; the first seed always runs.
+    """
     from trainer import BuildConfig, build_store
 
     classification = task == "digits"
-    mixture, baseline = [], []
+    mixture: list[float] = []
+    baseline: list[float] = []
     start = time.perf_counter()
-    for seed in range(scale.seeds):
+    for done, seed in enumerate(range(first_seed, first_seed + scale.seeds)):
+        elapsed = time.perf_counter() - start
+        if done > 0 and time_budget_s is not None and elapsed * (done + 1) / done > time_budget_s:
+            print(f"{task}: time budget reached after {done} of {scale.seeds} seeds",
+                  file=sys.stderr, flush=True)
+            break
         config = BuildConfig(
             out=root / f"{task}-{seed}",
             dataset=task,
@@ -113,7 +125,7 @@ def run_task(
             "bench": "paper_table4",
             "task": task,
             "scale": scale_name,
-            "seeds": scale.seeds,
+            "seeds": len(mixture),
             "experts": 4,
             "width": scale.width,
             "baseline_width": 2 * scale.width,
@@ -131,7 +143,9 @@ def run_task(
         "bench": "paper_table4",
         "task": task,
         "scale": scale_name,
-        "seeds": scale.seeds,
+        "seeds": len(mixture),
+        "seeds_planned": scale.seeds,
+        "first_seed": first_seed,
         "experts": 4,
         "width": scale.width,
         "baseline_width": 2 * scale.width,
@@ -161,6 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seeds", type=int, default=None, help="override the scale's seeds")
     parser.add_argument(
+        "--first-seed", type=int, default=0,
+        help="seeds first..first+seeds-1 (to spread one task's seeds over processes)",
+    )
+    parser.add_argument(
+        "--time-budget-s", type=float, default=None,
+        help="per task: start no seed that would end after this (the JSON says how many ran)",
+    )
+    parser.add_argument(
         "--paper-grids", action="store_true",
         help="use the paper's grids (10,000 / 150^2 / 30^3 points) at this scale's widths",
     )
@@ -183,7 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.executor == "local":
         with tempfile.TemporaryDirectory(prefix="table4-") as tmp:
             for task in args.tasks:
-                print(json.dumps(run_task(task, scale, name, Path(tmp), "local")), flush=True)
+                record = run_task(
+                    task, scale, name, Path(tmp), "local", args.time_budget_s, args.first_seed
+                )
+                print(json.dumps(record), flush=True)
         return 0
     import ray
 
@@ -192,7 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="table4-") as tmp:
             for task in args.tasks:
-                print(json.dumps(run_task(task, scale, name, Path(tmp))), flush=True)
+                record = run_task(
+                    task, scale, name, Path(tmp), "ray", args.time_budget_s, args.first_seed
+                )
+                print(json.dumps(record), flush=True)
     finally:
         ray.shutdown()
     return 0

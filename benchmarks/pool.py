@@ -62,7 +62,7 @@ from server.pool import (  # noqa: E402
     rendezvous_rank,
 )
 
-MACHINE = "2-core x86-64 VM, no GPU, shared with other work"
+MACHINE = os.environ.get("MOMLP_BENCH_MACHINE", "2-core x86-64 VM, no GPU, shared with other work")
 
 
 def emit(record: dict[str, Any]) -> None:
@@ -458,23 +458,54 @@ def _miss_record(
 
 
 def _cuda(args: argparse.Namespace, workdir: Path) -> None:
+    """A Zipf(1.0) run through one CUDA actor core whose cache holds 8 of 64 experts.
+
+    The device's peak (the allocator's max_memory_allocated over the whole run, above what was
+    allocated before it) against the goal budget + one expert, and VRAM per request (each
+    group's activation peak, from the same counters, as the server reports it).
+    """
     if not torch.cuda.is_available():
         emit({"bench": "pool.cuda", "skipped": True, "reason": "no CUDA device: unmeasured"})
         return
-    root, _ = build_store(workdir / "cuda", K=4, n=64, width=1024, hidden=4, out=8)
+    experts, resident, requests = 64, 8, (400 if args.quick else 2000)
+    root, _ = build_store(workdir / "cuda", K=experts, n=64, width=1024, hidden=4, out=8)
     store = Store.open(root)
-    core = ActorCore(name="cuda", device="cuda", budget_bytes=store.expert_nbytes(0))
-    misses = []
-    for r in range(4):
-        for e in range(4):
-            rows = np.random.default_rng(r).standard_normal((256, 64)).astype(np.float32)
-            reply = core.run([(store.expert_ref(e), rows)])
-            misses.append(reply.results[0])
+    expert_bytes = store.expert_nbytes(0)
+    budget = resident * expert_bytes
+    core = ActorCore(name="cuda", device="cuda", budget_bytes=budget)
+    rng = np.random.default_rng(0)
+    trace = zipf_trace(experts, requests, 1.0, seed=0)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    outcomes = []
+    start = time.perf_counter()
+    for expert_id in trace:
+        rows = rng.standard_normal((int(rng.integers(1, 9)), 64)).astype(np.float32)
+        outcome = core.run([(store.expert_ref(expert_id), rows)]).results[0]
+        if outcome.error is not None:
+            raise RuntimeError(outcome.error)
+        outcomes.append(outcome)
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() - base
+    misses = [o for o in outcomes if not o.hit]
+    hits = [o for o in outcomes if o.hit]
+    vram = sorted(o.activation_bytes for o in outcomes)
     emit({
         "bench": "pool.cuda", "device": torch.cuda.get_device_name(),
-        "load_ms": statistics.median(m.load_ms for m in misses),
-        "compute_ms": statistics.median(m.compute_ms for m in misses),
-        "activation_bytes": statistics.median(m.activation_bytes for m in misses),
+        "experts": experts, "resident": resident, "requests": requests,
+        "trace": "zipf(1.0), 1-8 rows a request",
+        "expert_bytes": expert_bytes, "budget_bytes": budget,
+        "peak_device_bytes": peak, "goal_bytes": budget + expert_bytes,
+        "peak_within_goal": peak <= budget + expert_bytes,
+        "peak_over_budget_bytes": peak - budget,
+        "hit_rate": round(len(hits) / len(outcomes), 4),
+        "miss_load_ms": round(statistics.median(o.load_ms for o in misses), 3),
+        "compute_ms": round(statistics.median(o.compute_ms for o in outcomes), 3),
+        "vram_per_request_bytes": {
+            "p50": vram[len(vram) // 2], "p99": vram[int(len(vram) * 0.99)], "max": vram[-1],
+        },
+        "requests_per_s": round(requests / seconds, 1),
     })
     core.close()
 

@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from loadtest_vs_locust import BIN, free_port, run_loadtest, stop, wait_ready
+from loadtest_vs_locust import MOMLP, free_port, run_loadtest, stop, wait_ready
 from vs_ray_serve import open_or_build
 
 MACHINE = os.environ.get("MOMLP_BENCH_MACHINE", "2-core x86-64 VM, no GPU")
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         url = f"http://127.0.0.1:{port}"
         log = work / "serve.log"
         server = subprocess.Popen(
-            [str(BIN / "momlp"), "serve", "--store", str(store.root), "--port", str(port),
+            [*MOMLP, "serve", "--store", str(store.root), "--port", str(port),
              "--device", args.device, "--actors", str(args.actors),
              "--ray-num-cpus", str(args.actors), "--cache-bytes", str(budget),
              "--no-watch-store"],

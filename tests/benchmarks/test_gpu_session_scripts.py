@@ -1,0 +1,38 @@
+"""Scripts the GPU session runs (benchmarks/gpu_session.sh) still run here, on CPU.
+
+Device time is scarce: a script that fails on its first line there wastes a machine's start.
+These check what the scripts print and decide, not how fast anything was.
+"""
+
+from __future__ import annotations
+
+import pytest
+from script_support import run_benchmark
+
+pytestmark = pytest.mark.unit
+
+
+def test_pipelined_load_reports_every_thread_count_and_delivers_the_bytes() -> None:
+    # The script itself fails if the buffer it filled differs from the file.
+    (line,) = run_benchmark(
+        "pipelined_load.py", "--quick", "--device", "cpu", "--threads", "1,2"
+    )
+    assert line["device"] == "cpu" and line["file_mib"] == 16
+    for figure in ("read_ms", "pipelined_ms", "ratio"):
+        assert set(line[figure]) == {"1", "2"} and all(v > 0 for v in line[figure].values())
+    assert line["copy_ms"] > 0
+
+
+def test_table4_stops_starting_seeds_once_its_time_budget_would_be_passed() -> None:
+    (line,) = run_benchmark(
+        "paper_table4.py", "--quick", "--executor", "local", "--tasks", "holder1d",
+        "--seeds", "3", "--time-budget-s", "0.001",
+    )  # fmt: skip
+    assert (line["seeds"], line["seeds_planned"]) == (1, 3)
+    (later,) = run_benchmark(
+        "paper_table4.py", "--quick", "--executor", "local", "--tasks", "holder1d",
+        "--seeds", "1", "--first-seed", "2",
+    )  # fmt: skip
+    assert (later["seeds"], later["first_seed"]) == (1, 2)
+    # Another seed, another split and initialisation: not the first run's figure.
+    assert later["mixture_mse_mean"] != line["mixture_mse_mean"]
