@@ -48,9 +48,11 @@ def publish(root: Path, prototypes: torch.Tensor, seeds: list[int]) -> dict[int,
     return {e.id: e.sha256 for e in manifest.experts}
 
 
-def traffic(prototypes: torch.Tensor, count: int, rng: np.random.Generator) -> np.ndarray:
-    """`count` one-row requests whose experts follow Zipf(1.0) over a random ranking."""
-    ranking = rng.permutation(K)
+def traffic(
+    prototypes: torch.Tensor, ranking: np.ndarray, count: int, rng: np.random.Generator
+) -> np.ndarray:
+    """`count` one-row requests whose experts follow Zipf(1.0) over `ranking` (most asked
+    for first). One ranking for the whole run: only the store changes at the swap."""
     weights = 1.0 / np.arange(1, K + 1)
     picks = ranking[rng.choice(K, size=count, p=weights / weights.sum())]
     noise = 0.01 * rng.standard_normal((count, N))
@@ -82,6 +84,7 @@ async def hit_rate(client: httpx.AsyncClient, rows: np.ndarray, concurrency: int
 
 async def one_swap(fraction: float, args: argparse.Namespace, workdir: Path) -> dict[str, object]:
     rng = np.random.default_rng(0)
+    ranking = rng.permutation(K)
     generator = torch.Generator().manual_seed(0)
     prototypes = torch.randn(K, N, generator=generator)
     root = workdir / f"store-{fraction}"
@@ -96,15 +99,15 @@ async def one_swap(fraction: float, args: argparse.Namespace, workdir: Path) -> 
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://bench") as client:
-            await hit_rate(client, traffic(prototypes, warm, rng))
-            before = await hit_rate(client, traffic(prototypes, measured, rng))
+            await hit_rate(client, traffic(prototypes, ranking, warm, rng))
+            before = await hit_rate(client, traffic(prototypes, ranking, measured, rng))
             changed = rng.choice(K, size=round(fraction * K), replace=False)
             for expert_id in changed:
                 seeds[int(expert_id)] += 10_000
             after_keys = publish(root, prototypes, seeds)
             reload = await client.post("/v1/admin/reload")
             assert reload.json()["reloaded"], reload.text
-            rows = traffic(prototypes, measured, rng)
+            rows = traffic(prototypes, ranking, measured, rng)
             first = await hit_rate(client, rows[:100])
             rest = await hit_rate(client, rows[100:])
             after = (100 * first + (measured - 100) * rest) / measured
