@@ -44,6 +44,9 @@ R = TypeVar("R")
 _CLOSE_TIMEOUT_S = 3.0
 # The longest wait before the watcher tries a store version it refused again.
 _MAX_WATCH_BACKOFF_S = 300.0
+# How long a swap waits for the actors to reset their popularity counts: a busy or stuck actor
+# must not keep a new version from going live (it only admits the new experts more slowly).
+_FORGET_TIMEOUT_S = 2.0
 
 
 def in_daemon_thread(fn: Callable[..., R], *args: Any) -> asyncio.Future[R]:
@@ -279,7 +282,13 @@ class ServingState:
         self.version = new
         logger.info("store version %s replaces %s", new.version, old.version)
         if self.pool is not None:
-            await self.pool.forget_popularity()
+            try:
+                await asyncio.wait_for(self.pool.forget_popularity(), _FORGET_TIMEOUT_S)
+            except TimeoutError:
+                logger.warning(
+                    "actors did not reset their popularity counts within %s s; the new "
+                    "version's experts may be admitted more slowly", _FORGET_TIMEOUT_S,
+                )
         task = asyncio.create_task(self._retire(old), name="momlp-retire")
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)

@@ -226,3 +226,26 @@ async def test_a_swap_and_only_a_swap_has_the_pool_count_popularity_afresh(
         republish(store, seed=42)
         assert await serving.reload()
         assert pools[0].forgotten == 1
+
+
+async def test_a_pool_slow_to_reset_its_counts_does_not_hold_back_the_new_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = build_small_store(tmp_path / "store")
+    monkeypatch.setattr("server.serving._state._FORGET_TIMEOUT_S", 0.05)
+
+    class Stuck(BlockingPool):
+        async def forget_popularity(self) -> None:
+            await asyncio.Event().wait()  # an actor whose every thread is busy
+
+    def factory(settings: Settings) -> ExpertPool:
+        return Stuck(fake_pool(settings), blocked=0)
+
+    app = create_app(app_settings(store), pool_factory=factory)
+    async with running(app) as client:
+        serving: ServingState = app.state.serving
+        new_version = republish(store, seed=42)
+        assert await asyncio.wait_for(serving.reload(), 5.0)
+        answer = (await client.post("/v1/predict", json={"inputs": [[0.1] * 4]})).json()
+    assert answer["store_version"] == new_version
+    assert "did not reset their popularity counts" in caplog.text
