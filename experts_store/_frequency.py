@@ -60,7 +60,10 @@ class Admission:
     """The tinylfu policy's state: recent popularity, and the window's size."""
 
     def __init__(self, budget_bytes: int, *, window_fraction: float) -> None:
-        self.frequency = FrequencyCounter(per_entry=20)
+        # 20 accesses per cached expert between halvings, down to small caches: a floor of
+        # 1,000 kept a 20-expert cache's counts for 50 accesses each, so it followed a shift
+        # in popularity later than LRU (benchmarks/RESULTS.md, "The first GPU session").
+        self.frequency = FrequencyCounter(per_entry=20, minimum=100)
         self.climber = WindowClimber(budget_bytes, initial_fraction=window_fraction)
 
     def record(self, key: Hashable, *, hits: int, misses: int, entries: int) -> None:

@@ -261,3 +261,13 @@ def test_forget_popularity_keeps_every_expert_resident() -> None:
     cache.forget_popularity()
     assert set(cache.resident()) == before
     assert _lease_all(cache, sorted(before)) == [True] * len(before)
+
+
+def test_a_small_cache_follows_a_shift_in_popularity_within_a_few_dozen_requests() -> None:
+    # Counts age with the cache's size (20 accesses per cached expert between halvings): a
+    # four-expert cache forgets an old hot set after ~100 requests, not after 1,000.
+    loader = FakeLoader({i: 10 for i in range(20)})
+    cache: ExpertCache[str] = ExpertCache(40, loader, policy="tinylfu")
+    _lease_all(cache, [0, 1, 2] * 100)
+    hits = _lease_all(cache, [10, 11, 12] * 40)
+    assert sum(hits[-30:]) >= 27
