@@ -64,7 +64,8 @@ ERROR_INTERNAL = "internal"
 # counts; benchmarks/gemm_alignment.py, part 1b). So a group of 1-3 rows, the common case under
 # Zipf traffic, costs a 4-row forward, not a 16-row one. On CUDA (an H100, cuBLAS of torch
 # 2.11) a row's bits differed between a 16-row and a 64-row GEMM, so there every block is its
-# own GEMM of exactly ROW_BLOCK rows; 64 rows cost a GPU what 16 do, and most groups fit one.
+# own GEMM of exactly ROW_BLOCK rows, and 64 makes nearly every group one block (the cost of a
+# 64- against a 16-row block was not measured apart; see RESULTS, "The first GPU session").
 ROW_BLOCK = {"cpu": 4, "cuda": 64}
 
 
