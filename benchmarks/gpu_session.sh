@@ -87,7 +87,7 @@ step() {  # NAME CMD...: run with a time limit, log to $OUT/NAME.log, keep its J
   grep -h '^{' "$OUT/$name.log" >> "$OUT/figures.jsonl" || true
 }
 
-run() {  # one part (core, table4 or swap); each step logs and goes on if one fails
+run() {  # one part (core, table4, swap or suite); each step logs and goes on if one fails
   local part=$1
   mkdir -p "$OUT"
   export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
@@ -172,7 +172,7 @@ dry_run() {  # the install (for the device's Python) and every part on this CPU 
   done
 }
 
-[ $# -gt 0 ] || { sed -n '2,22p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,21p' "$0"; exit 2; }
 while [ $# -gt 0 ]; do
   case $1 in
     prepare) prepare ;;
