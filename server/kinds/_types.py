@@ -6,6 +6,11 @@ a cache key the pool leases (an `ExpertRef` today; any content-addressed key lat
 batch rows it serves, each row's gate weight, and the inputs the expert computes on (the
 rows themselves, a node's upstream outputs, or a sample's patches). Prefetch, spill, stats and
 VRAM accounting all work on groups, so a new kind gets them without touching the batcher.
+
+Records built per group or per request (`PlannedGroup`) are plain dataclasses, not frozen: a
+frozen dataclass sets each field through `object.__setattr__`, about a microsecond more per
+record, and a 16-request batch builds ~200 of them (6 % of the server's own path, measured by
+`benchmarks/server_path.py`). Nothing changes one after it is built.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ class GateRequest:
     score: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass  # not frozen: built per group or per request (module docstring)
 class PlannedGroup:
     """The rows of one batch that one cache key serves in one round."""
 
