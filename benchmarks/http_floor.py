@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 from vs_ray_serve import (
     HERE,
+    ISSUE_WORKLOAD,
     MACHINE,
     MOMLP_ENV,
     CpuMeter,
@@ -91,11 +92,7 @@ def serve(system: str, args: argparse.Namespace, store: Any, work: list[Any], ro
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    # The issue-19 workload by default: 200 experts of 0.55 MB, 20 per actor, 4-row requests.
-    add_workload_args(
-        parser, store="momlp-http-floor", experts=200, widths="16,256,512,8",
-        experts_per_actor=20, rows_per_request=4,
-    )  # fmt: skip
+    add_workload_args(parser, store="momlp-http-floor", **ISSUE_WORKLOAD)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="1 round of 600 requests")
     args = parser.parse_args(argv)

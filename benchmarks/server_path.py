@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from serve_ab import code_trees
-from vs_ray_serve import MACHINE, add_workload_args, prepare
+from vs_ray_serve import ISSUE_WORKLOAD, MACHINE, add_workload_args, prepare
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -53,10 +53,7 @@ Asgi = Callable[
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_workload_args(
-        parser, store="momlp-vs-issue", experts=200, widths="16,256,512,8",
-        experts_per_actor=20, rows_per_request=4,
-    )  # fmt: skip
+    add_workload_args(parser, store="momlp-vs-issue", **ISSUE_WORKLOAD)
     parser.set_defaults(requests=6000, warmup=600)
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--code", help="two comma-separated git commits to compare")

@@ -65,6 +65,11 @@ from router import PrototypeTree
 
 HERE = Path(__file__).resolve().parent
 MACHINE = os.environ.get("MOMLP_BENCH_MACHINE", "2-core x86-64 VM, no GPU, shared with other work")
+# The issue-19 workload (its independent run): 200 experts of 0.55 MB, 20 per actor, 4-row
+# requests; `add_workload_args(parser, store=..., **ISSUE_WORKLOAD)` makes it the default.
+ISSUE_WORKLOAD: dict[str, Any] = {
+    "experts": 200, "widths": "16,256,512,8", "experts_per_actor": 20, "rows_per_request": 4,
+}  # fmt: skip
 
 
 def build_store(root: Path, *, experts: int, widths: tuple[int, ...], seed: int) -> Path:
