@@ -76,14 +76,18 @@ def test_stats_report_hits_misses_and_the_experts_size(live_server: LiveServer) 
     assert again.cache == "hit" and again.load_ms == 0.0
     params = local.manifest["experts"][expert_id]["params"]
     assert stat.expert_bytes == again.expert_bytes == 4 * params
-    # 3 rows through widths 3 -> 24 -> 24 -> 2: the widest layer holds 24 + 24 float32 values.
-    assert stat.activation_bytes == 3 * 4 * 48
+    actor = next(a for a in experts.actors if a.name == stat.actor)
+    if actor.device == "cpu":
+        # 3 rows through widths 3 -> 24 -> 24 -> 2: the widest layer holds 24 + 24 float32 values.
+        assert stat.activation_bytes == 3 * 4 * 48
+    else:
+        # A CUDA actor reports its allocator's peak for the whole padded row block instead.
+        assert stat.activation_bytes >= 3 * 4 * 48
     assert stat.vram_bytes == stat.expert_bytes + stat.activation_bytes
     assert first.stats.vram_bytes == stat.vram_bytes
     assert first.stats.device_bytes[stat.actor] >= stat.expert_bytes
     holders = experts.experts[expert_id].actors
     assert stat.actor in holders
-    actor = next(a for a in experts.actors if a.name == stat.actor)
     assert expert_id in actor.resident and actor.alive
     assert actor.resident_bytes <= actor.budget_bytes == 1 << 20
 
