@@ -34,8 +34,7 @@ import numpy as np
 import torch
 
 from experts_store import ExpertArch, ExpertMLP, ExpertRef, save_expert
-from server.pool import ActorCore
-from server.pool._actor import row_block
+from server.pool import ActorCore, row_block
 
 SIZES = (1, 3, 16, 40, 64)
 

@@ -27,8 +27,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from experts_store import ROW_ALIGN, ExpertArch, ExpertMLP, FrozenExpert
-from server.pool import ActorCore, activation_peak_bytes
-from server.pool._actor import ROW_BLOCK
+from server.pool import ROW_BLOCK, ActorCore, activation_peak_bytes
 
 # The actor's row block before it was measured down to 4 (part 1b): 16 rows.
 OLD_ROW_BLOCK = 16

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from experts_store import ExpertArch, ExpertMLP, FrozenExpert
-from server.pool._actor import row_block
+from server.pool import row_block
 
 MACHINE = os.environ.get("MOMLP_BENCH_MACHINE", "2-core x86-64 VM, no GPU")
 Weights = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]

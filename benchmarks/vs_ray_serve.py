@@ -65,6 +65,31 @@ from router import PrototypeTree
 
 HERE = Path(__file__).resolve().parent
 MACHINE = os.environ.get("MOMLP_BENCH_MACHINE", "2-core x86-64 VM, no GPU, shared with other work")
+
+
+def cpu_facts() -> str:
+    """The host's CPU model and cache sizes, as this VM reports them.
+
+    The development VM has run on more than one kind of host, and the ratios moved with it
+    (RESULTS.md, thirty-fourth session), so every record says which host it ran on.
+    """
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        model = next(line.split(":", 1)[1].strip() for line in info.splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"
+    caches = []
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            level = (index / "level").read_text().strip()
+            kind = (index / "type").read_text().strip()
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        if kind != "Instruction":
+            caches.append(f"L{level} {size}")
+    return ", ".join([model, *caches])
 # The issue-19 workload (its independent run): 200 experts of 0.55 MB, 20 per actor, 4-row
 # requests; `add_workload_args(parser, store=..., **ISSUE_WORKLOAD)` makes it the default.
 ISSUE_WORKLOAD: dict[str, Any] = {
@@ -640,6 +665,7 @@ def main(argv: list[str] | None = None) -> int:
         "distribution": "zipf:1.0",
         "rayserve_config": args.rayserve_config,
         "machine": MACHINE,
+        "cpu": cpu_facts(),
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
     runners = {"momlp": run_momlp, "ray_serve": run_rayserve, "in_process": run_inprocess}

@@ -6,7 +6,14 @@ of rows, each named by an `ExpertRef`, and gets outputs back in the same order.
 
 from __future__ import annotations
 
-from server.pool._actor import ActorCore, ExpertActor, activation_peak_bytes, resolve_device
+from server.pool._actor import (
+    ROW_BLOCK,
+    ActorCore,
+    ExpertActor,
+    activation_peak_bytes,
+    resolve_device,
+    row_block,
+)
 from server.pool._base import ActorDied, DispatchingPool, check_budget
 from server.pool._channel import (
     Channel,
@@ -29,6 +36,7 @@ from server.pool._types import (
 )
 
 __all__ = [
+    "ROW_BLOCK",
     "ActorCore",
     "ActorDied",
     "ActorInfo",
@@ -53,6 +61,7 @@ __all__ = [
     "ray_session",
     "rendezvous_rank",
     "resolve_device",
+    "row_block",
     "start_ray",
     "stop_ray",
 ]

@@ -59,14 +59,11 @@ ERROR_BUSY = "busy"
 ERROR_INTERNAL = "internal"
 
 
-# Rows of a group are computed in whole blocks of this many (zero rows pad the last one). On
-# CPU, with input and hidden widths multiples of ROW_ALIGN and aligned rows, a row's bits are
-# the same in every GEMM whose row count is a multiple of 4, and differ for 1-3 rows (and other
-# counts; benchmarks/gemm_alignment.py, part 1b). So a group of 1-3 rows, the common case under
-# Zipf traffic, costs a 4-row forward, not a 16-row one. On CUDA (an H100, cuBLAS of torch
-# 2.11) a row's bits differed between a 16-row and a 64-row GEMM, so there every block is its
-# own GEMM of exactly ROW_BLOCK rows, and 64 makes nearly every group one block (the cost of a
-# 64- against a 16-row block was not measured apart; see RESULTS, "The first GPU session").
+# Rows of a group are computed in whole blocks of this many (zero rows pad the last one), each
+# block its own GEMMs (`_by_blocks`), so a row's bits never depend on its group's size. On CPU
+# a group of 1-3 rows, the common case under Zipf traffic, then costs one 4-row forward. On
+# CUDA 64 makes nearly every group one block (the cost of a 64- against a 16-row block was not
+# measured apart; see RESULTS, "The first GPU session").
 ROW_BLOCK = {"cpu": 4, "cuda": 64}
 
 
@@ -411,13 +408,10 @@ class ActorCore:
                 self._threads.warm = True
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
-            xd = x.to(self.device, non_blocking=True)
-            y = module(xd) if x.shape[0] == block else torch.cat(
-                [module(xd[i : i + block]) for i in range(0, x.shape[0], block)]
-            )
+            y = _by_blocks(module, x.to(self.device, non_blocking=True), block)
             activation = int(torch.cuda.max_memory_allocated(self.device) - base)
             return y[:m].to("cpu").numpy(), activation
-        y = module(x)
+        y = _by_blocks(module, x, block)
         # The layers' tensor sizes (no forward hooks: they cost more than a small expert's
         # whole forward).
         return y[:m].numpy(), activation_peak_bytes(module.arch.widths, m, y.element_size())
@@ -456,6 +450,20 @@ class ActorCore:
             alive=True,
             evictions=self._cache.stats.evictions,
         )
+
+
+def _by_blocks(module: FrozenExpert, x: torch.Tensor, block: int) -> torch.Tensor:
+    """`module` on `x` ([k·block, width]), each block of rows its own GEMMs.
+
+    Batch invariance by construction: a row's bits then depend only on the block's fixed row
+    count, never on how many rows share its group. Whether a larger GEMM gives a row the same
+    bits is a property of the host's BLAS, not of torch: one CPU build of torch gave a row the
+    same bits in every GEMM of a multiple of 4 rows on an AMD EPYC and not on an Intel Xeon
+    (RESULTS.md, thirty-fourth session); cuBLAS on an H100 did not either.
+    """
+    if x.shape[0] == block:
+        return module(x)
+    return torch.cat([module(x[i : i + block]) for i in range(0, x.shape[0], block)])
 
 
 def _aligned_input(rows: np.ndarray, height: int, width: int) -> torch.Tensor:
