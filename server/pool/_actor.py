@@ -470,9 +470,10 @@ def _aligned_input(rows: np.ndarray, height: int, width: int) -> torch.Tensor:
     """`rows` zero-padded to [height, width] in a buffer whose every row starts aligned.
 
     Batch invariance (CPU): GEMMs pick kernels by the row count, so a row's bits could
-    depend on how many rows share its group; padded to whole ROW_BLOCKs they do not. And
-    this build's matmul sums a row in an order that depends on the row's alignment; the
-    aligned expert's widths and an aligned buffer make that the same for every row.
+    depend on how many rows share its group; padded to whole ROW_BLOCKs, each its own GEMMs
+    (`_by_blocks`), they do not. And on some hosts this build's matmul sums a row in an order
+    that depends on the row's alignment; the aligned expert's widths and an aligned buffer
+    make that the same for every row.
     """
     if (
         rows.shape == (height, width)
