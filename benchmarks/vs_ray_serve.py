@@ -90,6 +90,8 @@ def cpu_facts() -> str:
         if kind != "Instruction":
             caches.append(f"L{level} {size}")
     return ", ".join([model, *caches])
+
+
 # The issue-19 workload (its independent run): 200 experts of 0.55 MB, 20 per actor, 4-row
 # requests; `add_workload_args(parser, store=..., **ISSUE_WORKLOAD)` makes it the default.
 ISSUE_WORKLOAD: dict[str, Any] = {

@@ -456,10 +456,10 @@ def _by_blocks(module: FrozenExpert, x: torch.Tensor, block: int) -> torch.Tenso
     """`module` on `x` ([k·block, width]), each block of rows its own GEMMs.
 
     Batch invariance by construction: a row's bits then depend only on the block's fixed row
-    count, never on how many rows share its group. Whether a larger GEMM gives a row the same
-    bits is a property of the host's BLAS, not of torch: one CPU build of torch gave a row the
-    same bits in every GEMM of a multiple of 4 rows on an AMD EPYC and not on an Intel Xeon
-    (RESULTS.md, thirty-fourth session); cuBLAS on an H100 did not either.
+    count, never on how many rows share its group. Whether a larger GEMM would give a row the
+    same bits is up to the kernel the BLAS picks on the host: the same CPU build of torch did
+    for every multiple of 4 rows on an AMD EPYC and did not on an Intel Xeon (RESULTS.md,
+    thirty-fourth session), and cuBLAS on an H100 did not either.
     """
     if x.shape[0] == block:
         return module(x)
