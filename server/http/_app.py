@@ -18,6 +18,7 @@ from server._settings import Settings
 from server.batching import OpenConnections
 from server.http._admin import add_admin_routes
 from server.http._auth import ApiKeyMiddleware
+from server.http._deadline import Deadlines
 from server.http._errors import CatchAllMiddleware, install_error_handlers
 from server.http._graph import add_graph_routes
 from server.http._hot import HotRoutes
@@ -101,6 +102,7 @@ def create_app(
     app.state.serving = serving
     app.state.metrics = metrics
     app.state.connections = connections
+    app.state.deadlines = Deadlines.of(settings)
     metrics.set_snapshot(lambda: pool_snapshot(serving))
     install_error_handlers(app)
     add_routes(app)

@@ -6,7 +6,6 @@ that lies about (or omits) the length is cut off at the limit instead of filling
 
 from __future__ import annotations
 
-import asyncio
 import io
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 
+from server.http._deadline import Deadline
 from server.http._models import PredictRequest, RouteRequest
 from server.kinds import ConditionRequest, GateRequest, PatchInputs
 
@@ -109,29 +109,29 @@ def _body_headers(request: Request) -> _BodyHeaders:
 async def read_body_limited(
     request: Request,
     max_bytes: int,
-    timeout_s: float | None = None,
+    deadline: Deadline | None = None,
     *,
     declared: str | None | Literal[False] = False,
 ) -> bytes:
     """The whole body, refusing with 413 as soon as it is known to exceed `max_bytes`.
 
-    A body not complete within `timeout_s` is refused with 408, so a client trickling its
+    A body not complete within `deadline` is refused with 408, so a client trickling its
     bytes cannot hold a connection (and its buffer) open for as long as it likes.
     `declared`: the Content-Length header when the caller has read it already.
     """
     if declared is False:
         declared = request.headers.get("content-length")
-    if timeout_s is None:
+    if deadline is None:
         return await _read_body(request, max_bytes, declared)
     try:
-        async with asyncio.timeout(timeout_s):
+        async with deadline.scope():
             return await _read_body(request, max_bytes, declared)
     except TimeoutError:
         raise HttpError(
             408,
             "request_timeout",
-            f"the request body did not arrive within {timeout_s:g} s",
-            detail={"timeout_s": timeout_s},
+            f"the request body did not arrive within {deadline.timeout_s:g} s",
+            detail={"timeout_s": deadline.timeout_s},
             headers={"Connection": "close"},
         ) from None
 
@@ -331,7 +331,7 @@ async def parse_inputs(
     gate: GateRequest,
     return_stats: bool,
     model: type[RouteRequest] = PredictRequest,
-    body_timeout_s: float | None = None,
+    body_deadline: Deadline | None = None,
     image: PatchInputs | None = None,
     return_routing: bool = False,
 ) -> ParsedInputs:
@@ -350,7 +350,7 @@ async def parse_inputs(
         rows_header = headers.rows
         if rows_header is not None and rows_header.strip().isdigit():
             check_rows(int(rows_header), input_dim, max_rows=max_rows, input_dim=input_dim)
-    body = await read_body_limited(request, max_bytes, body_timeout_s, declared=headers.length)
+    body = await read_body_limited(request, max_bytes, body_deadline, declared=headers.length)
     rows_header = headers.rows
 
     def parse() -> ParsedInputs:

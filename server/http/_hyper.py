@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from server._exceptions import InvalidRequest
 from server.http._body import HttpError, read_body_limited, validation_detail
+from server.http._deadline import Deadlines
 from server.http._metrics import Metrics
 from server.http._models import ConditionId, FiniteNumber, _Strict
 from server.http._routes import ERROR_RESPONSES
@@ -50,7 +51,8 @@ def add_hyper_routes(app: FastAPI) -> None:
         serving: ServingState = request.app.state.serving
         metrics: Metrics = request.app.state.metrics
         settings = serving.settings
-        body = await read_body_limited(request, settings.max_body_bytes, settings.body_timeout_s)
+        deadlines: Deadlines = request.app.state.deadlines
+        body = await read_body_limited(request, settings.max_body_bytes, deadlines.body)
         try:
             parsed = GenerateRequest.model_validate_json(body)
         except ValidationError as exc:

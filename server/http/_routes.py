@@ -7,7 +7,6 @@ documents, serialised by pydantic's own JSON encoder.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Hashable
 from typing import Annotated, Any, NamedTuple
@@ -24,6 +23,7 @@ from server._settings import Settings
 from server.batching import BatchAnswer
 from server.http._body import parse_inputs
 from server.http._construct import trusted
+from server.http._deadline import Deadline, Deadlines
 from server.http._graph import graph_fields
 from server.http._hot import HotRoute
 from server.http._metrics import CONTENT_TYPE, Metrics
@@ -157,6 +157,11 @@ def _query_doc(*, returns: bool) -> list[dict[str, Any]]:
     ]
 
 
+def _deadlines(request: Request) -> Deadlines:
+    deadlines: Deadlines = request.app.state.deadlines
+    return deadlines
+
+
 async def _inputs(
     request: Request,
     version: StoreVersion,
@@ -175,7 +180,7 @@ async def _inputs(
         gate=gate,
         return_stats=return_stats,
         model=model,
-        body_timeout_s=settings.body_timeout_s,
+        body_deadline=_deadlines(request).body,
         image=patch_model,
         return_routing=return_routing,
     )
@@ -221,15 +226,15 @@ async def submit_in_time(
     version: StoreVersion,
     x: torch.Tensor | np.ndarray,
     options: Hashable,
-    settings: Settings,
+    deadline: Deadline,
 ) -> BatchAnswer:
-    """The version's batcher's answer, or `RequestTimeout` past `settings.request_timeout_s`."""
+    """The version's batcher's answer, or `RequestTimeout` past `deadline`."""
     try:
-        # `asyncio.timeout`, not `wait_for`: no second task per request.
-        async with asyncio.timeout(settings.request_timeout_s):
+        # A shared `Deadline`, not `asyncio.timeout`: no timer armed per request.
+        async with deadline.scope():
             return await version.batcher.submit(x, options)
     except TimeoutError:
-        raise RequestTimeout(timeout_s=settings.request_timeout_s) from None
+        raise RequestTimeout(timeout_s=deadline.timeout_s) from None
 
 
 async def predict(request: Request) -> Response:
@@ -245,7 +250,9 @@ async def predict(request: Request) -> Response:
             request, version, settings, PredictRequest, _query_gate(query),
             query.return_stats, query.return_routing,
         )
-        answer = await submit_in_time(version, parsed.x, parsed.options, settings)
+        answer = await submit_in_time(
+            version, parsed.x, parsed.options, _deadlines(request).answer
+        )
     metrics.observe_prediction(parsed.x.shape[0], [(s.cache, s.load_ms) for s in answer.stats])
     nodes, graph_stats = graph_fields(answer, parsed.return_stats)
     # This request's slice of a pMoE routing (its patches); other kinds' answers never look,

@@ -22,6 +22,7 @@ from fastapi.responses import Response
 
 from server._settings import Settings
 from server.http._body import HttpError, parse_sized, read_body_limited
+from server.http._deadline import Deadlines
 from server.http._hot import HotRoute
 from server.http._openapi import inline_defs
 from server.http._routes import submit_in_time
@@ -149,9 +150,8 @@ async def infer(request: Request, name: str, version: str | None) -> Response:
     settings = serving.settings
     async with serving.use() as current:
         _version_for(serving, name, version)
-        body = await read_body_limited(
-            request, settings.max_body_bytes, settings.body_timeout_s
-        )
+        deadlines: Deadlines = request.app.state.deadlines
+        body = await read_body_limited(request, settings.max_body_bytes, deadlines.body)
         parse = functools.partial(
             parse_infer,
             body,
@@ -162,7 +162,7 @@ async def infer(request: Request, name: str, version: str | None) -> Response:
         )
         parsed = await parse_sized(len(body), parse)
         options = current.model.resolve(_gate(parsed.request.parameters), settings)
-        answer = await submit_in_time(current, parsed.x, options, settings)
+        answer = await submit_in_time(current, parsed.x, options, deadlines.answer)
     request.app.state.metrics.observe_prediction(
         parsed.x.shape[0], [(s.cache, s.load_ms) for s in answer.stats]
     )
