@@ -12,6 +12,7 @@
 #                   carry [".gpu"]:  bash benchmarks/gpu_session.sh install run table4
 #                   carry [".gpu"]:  bash benchmarks/gpu_session.sh install run swap
 # Here, no GPU:     bash benchmarks/gpu_session.sh dry-run   (every part on CPU, .venv, quick)
+# A short lease:    SKIP="pipelined_load grouped_forward" bash benchmarks/gpu_session.sh ...
 #
 # `run PART` writes every figure as JSON lines to $OUT/figures.jsonl (or ./gpu-out here), and
 # the steps' logs and the load test's report to $OUT/logs-PART.tar.gz (a call returns 8 files).
@@ -79,6 +80,8 @@ install() {
 
 step() {  # NAME CMD...: run with a time limit, log to $OUT/NAME.log, keep its JSON lines
   local name=$1; shift
+  # SKIP="name ..." leaves out steps already measured, for a call that must fit a short lease.
+  if [[ " ${SKIP:-} " == *" $name "* ]]; then echo "== $name: skipped (SKIP)"; return; fi
   echo "== $name: $*"
   local begin=$SECONDS
   if ! timeout -s "${STEP_SIGNAL:-TERM}" "${STEP_TIMEOUT:-150}" "$@" > "$OUT/$name.log" 2>&1; then
@@ -179,7 +182,7 @@ dry_run() {  # the install (for the device's Python) and every part on this CPU 
   done
 }
 
-[ $# -gt 0 ] || { sed -n '2,21p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,22p' "$0"; exit 2; }
 while [ $# -gt 0 ]; do
   case $1 in
     prepare) prepare ;;

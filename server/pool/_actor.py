@@ -47,6 +47,7 @@ from experts_store import (
 )
 from server.pool._channel import ChannelServer
 from server.pool._types import ActorInfo, ActorReply, GroupOutcome
+from server.pool._vram import ActivationMeter, CudaCounters, DeviceQuiet
 
 __all__ = [
     "ROW_BLOCK", "ActorCore", "ExpertActor", "activation_peak_bytes", "resolve_device", "row_block",
@@ -227,6 +228,14 @@ class ActorCore:
         # (benchmarks/cuda_row_block.py); a row's bits may then depend on its batch.
         self._row_block = rows_per_block or row_block(self.device)
         self._cuda = self.device.startswith("cuda")
+        # CUDA: activation bytes per block shape from the allocator's counters, read while no
+        # other thread of this actor loads or evicts (`_vram`); CPU: from tensor sizes.
+        self._quiet = DeviceQuiet() if self._cuda else None
+        self._meter = (
+            ActivationMeter(CudaCounters(self.device), self._quiet)
+            if self._quiet is not None
+            else None
+        )
         self._cache: ExpertCache[Cached] = ExpertCache(
             budget_bytes, self._loader, clock=self._clock, policy=cache_policy
         )
@@ -340,6 +349,14 @@ class ActorCore:
         return outcomes
 
     def _open_lease(self, ref: ExpertRef) -> _Leased:
+        # A lease may load (allocate) or evict (free) device memory, on the look-ahead's
+        # thread too: not while the meter measures a forward.
+        if self._quiet is None:
+            return self._lease(ref)
+        with self._quiet.shared():
+            return self._lease(ref)
+
+    def _lease(self, ref: ExpertRef) -> _Leased:
         try:
             if isinstance(ref, GeneratedRef):
                 self._pin(ref.generator)
@@ -399,17 +416,17 @@ class ActorCore:
         block = self._row_block
         x = _aligned_input(rows, -(-m // block) * block, module.input_width)
         # Under run's inference_mode.
-        if self._cuda:
+        if self._meter is not None:
             if not getattr(self._threads, "warm", False):
                 # cuBLAS allocates a workspace on a thread's first GEMM (34.6 MB on an H100)
                 # and keeps it for the thread's life: a fixed cost like the CUDA context, not
                 # this batch's. One throwaway block first keeps it out of the VRAM figure.
                 module(x[:block].to(self.device))
                 self._threads.warm = True
-            torch.cuda.reset_peak_memory_stats(self.device)
-            base = torch.cuda.memory_allocated(self.device)
-            y = _by_blocks(module, x.to(self.device, non_blocking=True), block)
-            activation = int(torch.cuda.max_memory_allocated(self.device) - base)
+            shape = (module.arch, module.input_width, x.shape[0] // block)
+            y, activation = self._meter.run(
+                shape, lambda: _by_blocks(module, x.to(self.device, non_blocking=True), block)
+            )
             return y[:m].to("cpu").numpy(), activation
         y = _by_blocks(module, x, block)
         # The layers' tensor sizes (no forward hooks: they cost more than a small expert's
@@ -427,13 +444,20 @@ class ActorCore:
             keep = set(experts) | {ref for run in self._wanted.values() for ref, _ in run}
         for ref in experts:
             try:
-                if isinstance(ref, GeneratedRef):
-                    self._pin(ref.generator)
-                self._cache.prefetch(ref, keep=keep)
+                if self._quiet is None:
+                    self._prefetch(ref, keep)
+                else:
+                    with self._quiet.shared():  # loads and evictions: see _open_lease
+                        self._prefetch(ref, keep)
             except (StoreError, CacheError) as exc:
                 # The failure is reported by the run that needs the expert.
                 logger.info("actor %s: prefetch of %s failed: %s", self.name, ref.expert_id, exc)
         return self.resident()
+
+    def _prefetch(self, ref: ExpertRef, keep: set[ExpertRef]) -> None:
+        if isinstance(ref, GeneratedRef):
+            self._pin(ref.generator)
+        self._cache.prefetch(ref, keep=keep)
 
     def forget_popularity(self) -> None:
         """A new store version went live (`ExpertCache.forget_popularity`)."""

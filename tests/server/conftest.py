@@ -13,6 +13,16 @@ from experts_store import ExpertArch, ExpertMLP, StoreWriter
 MakeStore = Callable[..., Path]
 
 
+@pytest.fixture(autouse=True)
+def cpu_actors_unless_gpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests check the layers above the pool against the CPU actor's figures (two
+    actors, activation bytes from tensor sizes, CPU bits). On a GPU machine `device=auto`
+    would give one CUDA actor, so settings that name no device get CPU ones; the `gpu` tests
+    and tests/integration (real servers, `auto`) cover CUDA actors."""
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setenv("MOMLP_DEVICE", "cpu")
+
+
 def build_store(
     root: Path,
     *,

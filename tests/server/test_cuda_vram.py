@@ -1,4 +1,5 @@
-"""On a CUDA actor a request's VRAM figure is its own: cuBLAS's workspace is not in it.
+"""On a CUDA actor a request's VRAM figure is its own: neither cuBLAS's workspace nor an
+expert that another thread loads meanwhile is in it.
 
 cuBLAS allocates a workspace (34.6 MB on an H100 with torch 2.11) on the first GEMM a thread
 runs and keeps it. Before the actor ran a throwaway block first, the first request on each
@@ -24,12 +25,12 @@ pytestmark = [
 ]
 
 
-def _ref(tmp_path: Path) -> ExpertRef:
-    arch = ExpertArch(widths=(16, 256, 256, 8))
+def _ref(tmp_path: Path, widths: tuple[int, ...] = (16, 256, 256, 8)) -> ExpertRef:
+    arch = ExpertArch(widths=widths)
     torch.manual_seed(0)
-    saved = save_expert(ExpertMLP(arch).eval(), tmp_path / "e.safetensors")
-    return ExpertRef(saved.sha256, str(tmp_path / "e.safetensors"), arch.nbytes(), 0,
-                     saved.checksum)
+    path = tmp_path / f"e-{'-'.join(map(str, widths))}.safetensors"
+    saved = save_expert(ExpertMLP(arch).eval(), path)
+    return ExpertRef(saved.sha256, str(path), arch.nbytes(), 0, saved.checksum)
 
 
 def _activation(core: ActorCore, ref: ExpertRef, rows: np.ndarray) -> int:
@@ -55,5 +56,26 @@ def test_first_request_on_each_thread_reports_the_same_vram_as_later_ones(
         other.start()
         other.join()
         assert seen == [later]
+    finally:
+        core.close()
+
+
+def test_an_expert_loaded_on_the_look_ahead_thread_is_not_in_the_figure(tmp_path: Path) -> None:
+    small, large = _ref(tmp_path), _ref(tmp_path, (16, 2048, 2048, 16))  # large: ~17 MB
+    rows = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
+    alone = ActorCore(name="a0", device="cuda", budget_bytes=10**8)
+    try:
+        clean = _activation(alone, small, rows)
+    finally:
+        alone.close()
+    core = ActorCore(name="a1", device="cuda", budget_bytes=10**8, lookahead=True)
+    try:
+        # The look-ahead loads `large` while `small` computes for the first time.
+        reply = core.run([(small, rows), (large, rows)])
+        first, second = reply.results
+        assert first.error is None and second.error is None
+        assert not second.hit
+        assert first.activation_bytes == clean
+        assert 0 < second.activation_bytes < large.nbytes
     finally:
         core.close()
