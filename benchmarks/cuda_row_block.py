@@ -39,7 +39,7 @@ from server.pool import ActorCore, row_block
 SIZES = (1, 3, 16, 40, 64)
 
 
-def _ref(folder: Path, widths: tuple[int, ...]) -> ExpertRef:
+def expert_ref(folder: Path, widths: tuple[int, ...]) -> ExpertRef:
     arch = ExpertArch(widths=widths)
     expert = ExpertMLP(arch, generator=torch.Generator().manual_seed(sum(widths))).eval()
     path = folder / f"expert-{'-'.join(map(str, widths))}.safetensors"
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         for widths in shapes[:1] if args.quick else shapes:
-            ref = _ref(Path(tmp), widths)
+            ref = expert_ref(Path(tmp), widths)
             cores = {
                 b: ActorCore(name=f"b{b}", device=args.device, budget_bytes=ref.nbytes * 2,
                              rows_per_block=b)

@@ -17,7 +17,8 @@
 # `run PART` writes every figure as JSON lines to $OUT/figures.jsonl (or ./gpu-out here), and
 # the steps' logs and the load test's report to $OUT/logs-PART.tar.gz (a call returns 8 files).
 # core: pytest -m gpu, expert_load (with the host tier), pool --only cuda, the row block A/B,
-# serve_loadtest (without and with the host tier, and on CPU), grouped_forward (~6 min);
+# the CUDA call's parts, serve_loadtest (without and with the host tier, and on CPU),
+# grouped_forward (~6 min; ~4.5 min with SKIP="pipelined_load grouped_forward");
 # table4: the paper's Table 4 at full scale, the five tasks side by side, as many seeds as
 # TABLE4_BUDGET_S (default 420) allows; swap: the hot-swap tests and benchmark on the GPU;
 # suite: the integration and server tests where `--device auto` means CUDA (not dry-run).
@@ -117,6 +118,8 @@ run() {  # one part (core, table4, swap or suite); each step logs and goes on if
       step pool_cuda "$python" benchmarks/pool.py --only cuda
       # The CUDA row block, 64 (the default) against 16 rows: cost and batch invariance.
       step row_block "$python" benchmarks/cuda_row_block.py --device "$device" "${quick[@]}"
+      # Where a CUDA actor's fixed ~0.6 ms a call goes: its parts timed apart, and a profile.
+      step call_cost "$python" benchmarks/cuda_call_cost.py --device "$device" "${quick[@]}"
       # A real `momlp serve` on the device under `momlp loadtest`: VRAM per request.
       step serve_loadtest "$python" benchmarks/serve_loadtest.py --device "$device" \
         "${quick[@]}" --report "$OUT/loadtest"
