@@ -189,7 +189,7 @@ dry_run() {  # the install (for the device's Python) and every part on this CPU 
 while [ $# -gt 0 ]; do
   case $1 in
     prepare) prepare ;;
-    install) install; export PYTHONPATH="$SITE:$PWD" ;;
+    install) install; export PYTHONPATH="$SITE:$PWD" PATH="$SITE/bin:$PATH" ;;
     run) shift; run "${1:?run needs a part: core, table4, swap or suite}" ;;
     dry-run) dry_run ;;
     *) echo "unknown step $1" >&2; exit 2 ;;

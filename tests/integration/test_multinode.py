@@ -62,6 +62,13 @@ class Cluster:
         }
 
 
+def _ray_command() -> str:
+    """The `ray` of this interpreter's environment; else the one on PATH (Ray installed with
+    `pip --target`, as benchmarks/gpu_session.sh does on a GPU machine)."""
+    beside = Path(sys.executable).parent / "ray"
+    return str(beside) if beside.exists() else shutil.which("ray") or str(beside)
+
+
 def _free_port() -> int:
     # The head takes the port and port + 1 (Ray client server); find two free ones.
     for _ in range(50):
@@ -90,7 +97,7 @@ def cluster() -> Iterator[Cluster]:
         **os.environ,
         "MOMLP_CLUSTER_PORT": str(port),
         "MOMLP_CLUSTER_DIR": str(root),
-        "RAY": str(Path(sys.executable).parent / "ray"),
+        "RAY": _ray_command(),
         # A killed node is declared dead after ~2 s instead of the default ~30 s.
         "RAY_health_check_period_ms": "500",
         "RAY_health_check_failure_threshold": "4",
