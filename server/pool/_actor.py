@@ -17,9 +17,9 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,8 +63,8 @@ ERROR_INTERNAL = "internal"
 # Rows of a group are computed in whole blocks of this many (zero rows pad the last one), each
 # block its own GEMMs (`_by_blocks`), so a row's bits never depend on its group's size. On CPU
 # a group of 1-3 rows, the common case under Zipf traffic, then costs one 4-row forward. On
-# CUDA 64 makes nearly every group one block (the cost of a 64- against a 16-row block was not
-# measured apart; see RESULTS, "The first GPU session").
+# CUDA 64 makes nearly every group one block: on an H100 it cost 1-16 % more than 16-row blocks
+# for groups of 1-16 rows and saved 19-34 % at 40-64 (RESULTS, "The second GPU session").
 ROW_BLOCK = {"cpu": 4, "cuda": 64}
 
 
@@ -230,11 +230,14 @@ class ActorCore:
         self._cuda = self.device.startswith("cuda")
         # CUDA: activation bytes per block shape from the allocator's counters, read while no
         # other thread of this actor loads or evicts (`_vram`); CPU: from tensor sizes.
-        self._quiet = DeviceQuiet() if self._cuda else None
+        quiet = DeviceQuiet() if self._cuda else None
         self._meter = (
-            ActivationMeter(CudaCounters(self.device), self._quiet)
-            if self._quiet is not None
-            else None
+            ActivationMeter(CudaCounters(self.device), quiet) if quiet is not None else None
+        )
+        # Held by whatever may allocate or free device memory beside the forward: a lease (it
+        # may load or evict, on the look-ahead's thread too) and a prefetch.
+        self._using_device: Callable[[], AbstractContextManager[Any]] = (
+            quiet.shared if quiet is not None else nullcontext
         )
         self._cache: ExpertCache[Cached] = ExpertCache(
             budget_bytes, self._loader, clock=self._clock, policy=cache_policy
@@ -349,19 +352,12 @@ class ActorCore:
         return outcomes
 
     def _open_lease(self, ref: ExpertRef) -> _Leased:
-        # A lease may load (allocate) or evict (free) device memory, on the look-ahead's
-        # thread too: not while the meter measures a forward.
-        if self._quiet is None:
-            return self._lease(ref)
-        with self._quiet.shared():
-            return self._lease(ref)
-
-    def _lease(self, ref: ExpertRef) -> _Leased:
         try:
-            if isinstance(ref, GeneratedRef):
-                self._pin(ref.generator)
-            manager = self._cache.lease(ref, timeout=self._lease_timeout_s)
-            lease = manager.__enter__()
+            with self._using_device():
+                if isinstance(ref, GeneratedRef):
+                    self._pin(ref.generator)
+                manager = self._cache.lease(ref, timeout=self._lease_timeout_s)
+                lease = manager.__enter__()
         except ExpertLoadError as exc:
             logger.warning("actor %s cannot load expert %s: %s", self.name, ref.expert_id, exc)
             return _Leased(None, None, ERROR_LOAD, _load_error(ref, exc))
@@ -444,20 +440,14 @@ class ActorCore:
             keep = set(experts) | {ref for run in self._wanted.values() for ref, _ in run}
         for ref in experts:
             try:
-                if self._quiet is None:
-                    self._prefetch(ref, keep)
-                else:
-                    with self._quiet.shared():  # loads and evictions: see _open_lease
-                        self._prefetch(ref, keep)
+                with self._using_device():
+                    if isinstance(ref, GeneratedRef):
+                        self._pin(ref.generator)
+                    self._cache.prefetch(ref, keep=keep)
             except (StoreError, CacheError) as exc:
                 # The failure is reported by the run that needs the expert.
                 logger.info("actor %s: prefetch of %s failed: %s", self.name, ref.expert_id, exc)
         return self.resident()
-
-    def _prefetch(self, ref: ExpertRef, keep: set[ExpertRef]) -> None:
-        if isinstance(ref, GeneratedRef):
-            self._pin(ref.generator)
-        self._cache.prefetch(ref, keep=keep)
 
     def forget_popularity(self) -> None:
         """A new store version went live (`ExpertCache.forget_popularity`)."""
