@@ -27,7 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -146,9 +146,9 @@ def run_task(
             "epochs": scale.epochs,
             "baseline_epochs": scale.epochs // 4,
             "mixture_accuracy_mean": statistics.fmean(mixture),
-            "mixture_accuracy_sd": statistics.stdev(mixture) if len(mixture) > 1 else 0.0,
+            "mixture_accuracy_sd": _sd(mixture),
             "baseline_accuracy_mean": statistics.fmean(baseline),
-            "baseline_accuracy_sd": statistics.stdev(baseline) if len(baseline) > 1 else 0.0,
+            "baseline_accuracy_sd": _sd(baseline),
             "within_1_point": statistics.fmean(mixture) >= statistics.fmean(baseline) - 0.01,
             "seconds": round(time.perf_counter() - start, 1),
         }
@@ -169,9 +169,9 @@ def run_task(
         "lr": scale.lr,
         "grid_size": scale.grid.get(task),
         "mixture_mse_mean": statistics.fmean(mixture),
-        "mixture_mse_sd": statistics.stdev(mixture) if len(mixture) > 1 else 0.0,
+        "mixture_mse_sd": _sd(mixture),
         "baseline_mse_mean": statistics.fmean(baseline) if baseline else None,
-        "baseline_mse_sd": statistics.stdev(baseline) if len(baseline) > 1 else 0.0,
+        "baseline_mse_sd": _sd(baseline) if baseline else None,
         "mixture_beats_baseline": (
             statistics.fmean(mixture) < statistics.fmean(baseline) if baseline else None
         ),
@@ -180,6 +180,10 @@ def run_task(
         "per_seed": per_seed,
         "seconds": round(time.perf_counter() - start, 1),
     }
+
+
+def _sd(values: list[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,16 +216,18 @@ def main(argv: list[str] | None = None) -> int:
         help="local trains in this process without Ray (e.g. a GPU machine without Ray)",
     )
     args = parser.parse_args(argv)
+    if args.no_baseline and "digits" in args.tasks:
+        parser.error("--no-baseline: the digits goal is measured against the baseline")
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     name = "quick" if args.quick else args.scale
     scale = SCALES[name]
     if args.seeds is not None:
-        scale = Scale(**{**scale.__dict__, "seeds": args.seeds})
+        scale = replace(scale, seeds=args.seeds)
     if args.prototype_epochs is not None:
-        scale = Scale(**{**scale.__dict__, "prototype_epochs": args.prototype_epochs})
+        scale = replace(scale, prototype_epochs=args.prototype_epochs)
     if args.paper_grids:
-        scale = Scale(**{**scale.__dict__, "grid": dict.fromkeys(TASKS)})
+        scale = replace(scale, grid=dict.fromkeys(TASKS))
         name = f"{name}+paper-grids"
 
     if args.executor == "local":

@@ -38,7 +38,6 @@ def test_table4_stops_starting_seeds_once_its_time_budget_would_be_passed() -> N
     assert later["mixture_mse_mean"] != line["mixture_mse_mean"]
 
 
-
 def test_table4_ablation_flags_train_the_mixture_alone_and_record_its_cells() -> None:
     (line,) = run_benchmark(
         "paper_table4.py", "--quick", "--executor", "local", "--tasks", "ackley2d",
@@ -51,6 +50,7 @@ def test_table4_ablation_flags_train_the_mixture_alone_and_record_its_cells() ->
     # Every training row of the quick 16 x 16 grid (51 of its 256 points held out) lands in
     # exactly one cell.
     assert len(seed["train_samples"]) == 4 and sum(seed["train_samples"]) == 256 - 51
+
 
 def test_row_block_ab_times_each_block_and_checks_the_default_is_batch_invariant() -> None:
     lines = run_benchmark("cuda_row_block.py", "--quick", "--device", "cpu", "--blocks", "4,16")
