@@ -123,13 +123,17 @@ def run_task(
         if with_baseline:
             baseline.append(float(report["baseline"]["value"]))
         # The cells' sizes: with learned prototypes they are uneven, and an expert's training
-        # steps (its epochs over its own cell) follow its cell's size.
+        # steps (its epochs over its own cell) follow its cell's size. Each cell's own test
+        # metric says which cells carry the mixture's error.
         per_seed.append({
             "seed": seed,
             "mixture": mixture[-1],
             "baseline": baseline[-1] if with_baseline else None,
             "train_samples": [e["train_samples"] for e in report["experts"]],
             "final_loss": [e["final_loss"] for e in report["experts"]],
+            "train_metric": [e["train_metric"] for e in report["experts"]],
+            "test_samples": [e["test_samples"] for e in report["experts"]],
+            "test_metric": [e["test_metric"] for e in report["experts"]],
         })
         print(f"{task}: {json.dumps(per_seed[-1])}", file=sys.stderr, flush=True)
     if classification:

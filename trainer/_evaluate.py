@@ -38,6 +38,9 @@ class MixtureScore:
     metric: str  # "mse" | "accuracy"
     value: float
     test_samples: list[int]  # test rows routed to each expert
+    # The metric over each expert's own test rows (None where none were routed to it): which
+    # cells carry a mixture's error.
+    by_expert: list[float | None]
     seconds: float
 
 
@@ -89,9 +92,14 @@ def evaluate_mixture(
     targets = torch.as_tensor(np.asarray(y_test), dtype=dtype)
     value = score_outputs(task, outputs, targets)
     counts = torch.bincount(chosen, minlength=len(experts)).tolist()
+    by_expert: list[float | None] = []
+    for expert_id, count in enumerate(counts):
+        own = chosen == expert_id
+        by_expert.append(score_outputs(task, outputs[own], targets[own]) if count else None)
     return MixtureScore(
         metric="accuracy" if task == "classification" else "mse",
         value=value,
         test_samples=[int(c) for c in counts],
+        by_expert=by_expert,
         seconds=time.perf_counter() - start,
     )

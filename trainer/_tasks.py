@@ -115,6 +115,7 @@ def expert_job(
     small = small.to(device)
     xt, yt = _tensors(x, y, spec.task, device)
     loss_fn = make_loss(spec.loss, yt.cpu(), spec.num_classes)
+    raw_targets = yt
     yt, unscale = _standardize(small, yt, spec)
 
     def train(model: ExpertMLP, epochs: int) -> TrainResult:
@@ -129,6 +130,10 @@ def expert_job(
     expert = small.deepen(job.extra_layers, noise_std=job.noise_std, generator=generator)
     result = train(expert.to(device), spec.epochs)
     unscale(expert)
+    # The finished expert on its own cell, in the targets' units: final_loss is standardised and
+    # averaged over the last epoch's changing weights, so it does not compare with a test figure.
+    with torch.no_grad():
+        train_metric = score_outputs(spec.task, predict(expert, xt).cpu(), raw_targets.cpu())
     expert = expert.cpu()
     written = save_expert(
         expert, Path(job.out_path), metadata={"expert_id": str(job.expert_id)}
@@ -140,6 +145,7 @@ def expert_job(
         "train_samples": int(xt.shape[0]),
         "warmup_loss": warmup_loss,
         "final_loss": result.final_loss,
+        "train_metric": train_metric,
         "steps": result.steps,
         "params": written.params,
         "bytes": written.bytes,

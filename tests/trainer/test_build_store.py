@@ -60,8 +60,11 @@ def brute_force_nearest(prototypes: np.ndarray, x: np.ndarray) -> np.ndarray:
     return np.argmin(d, axis=1)
 
 
-def recompute(config: BuildConfig) -> tuple[float, np.ndarray, np.ndarray]:
-    """(test metric, test rows per expert, train rows per expert) from the published files."""
+def recompute(
+    config: BuildConfig,
+) -> tuple[float, np.ndarray, np.ndarray, list[float | None], list[float | None]]:
+    """(test metric, test rows per expert, train rows per expert, each expert's metric over its
+    own test rows, and over its own training rows) from the published files."""
     store = Store.open(config.out)
     data = load_config_dataset(config)
     router_file = store.router_path
@@ -72,20 +75,37 @@ def recompute(config: BuildConfig) -> tuple[float, np.ndarray, np.ndarray]:
     else:
         test_ids = own_tree_walk(router_file, data.x_test)
         train_ids = own_tree_walk(router_file, data.x_train)
-    outputs = np.zeros((len(data.x_test), store.manifest.output_dim), dtype=np.float64)
-    for entry in store.manifest.experts:
-        rows = np.flatnonzero(test_ids == entry.id)
-        if rows.size == 0:
-            continue
-        expert = load_expert(store.root / entry.file, expected_sha256=entry.sha256)
-        with torch.no_grad():
-            outputs[rows] = expert(torch.tensor(data.x_test[rows])).double().numpy()
-    if data.task == "classification":
-        metric = float(np.mean(outputs.argmax(axis=1) == data.y_test))
-    else:
-        metric = float(np.mean((outputs - data.y_test.astype(np.float64)) ** 2))
     k = store.manifest.num_experts
-    return metric, np.bincount(test_ids, minlength=k), np.bincount(train_ids, minlength=k)
+
+    def served(x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        outputs = np.zeros((len(x), store.manifest.output_dim), dtype=np.float64)
+        for entry in store.manifest.experts:
+            rows = np.flatnonzero(ids == entry.id)
+            if rows.size == 0:
+                continue
+            expert = load_expert(store.root / entry.file, expected_sha256=entry.sha256)
+            with torch.no_grad():
+                outputs[rows] = expert(torch.tensor(x[rows])).double().numpy()
+        return outputs
+
+    def score(outputs: np.ndarray, y: np.ndarray) -> float:
+        if data.task == "classification":
+            return float(np.mean(outputs.argmax(axis=1) == y))
+        return float(np.mean((outputs - y.astype(np.float64)) ** 2))
+
+    def per_expert(x: np.ndarray, y: np.ndarray, ids: np.ndarray) -> list[float | None]:
+        outputs = served(x, ids)
+        return [
+            score(outputs[ids == i], y[ids == i]) if np.any(ids == i) else None for i in range(k)
+        ]
+
+    return (
+        score(served(data.x_test, test_ids), data.y_test),
+        np.bincount(test_ids, minlength=k),
+        np.bincount(train_ids, minlength=k),
+        per_expert(data.x_test, data.y_test, test_ids),
+        per_expert(data.x_train, data.y_train, train_ids),
+    )
 
 
 @pytest.mark.parametrize(
@@ -111,9 +131,13 @@ def test_build_publishes_a_verified_store_whose_report_matches_the_served_mixtur
     assert manifest.task == ("classification" if dataset == "digits" else "regression")
     report = store.report()
     assert report is not None
-    metric, test_counts, train_counts = recompute(config)
+    metric, test_counts, train_counts, on_test, on_train = recompute(config)
     # The report scored exactly what is served: same routing, same files.
     assert report["mixture"]["value"] == pytest.approx(metric, rel=1e-5, abs=1e-7)
+    for field, expected in (("test_metric", on_test), ("train_metric", on_train)):
+        assert [e[field] for e in report["experts"]] == [
+            None if m is None else pytest.approx(m, rel=1e-5, abs=1e-7) for m in expected
+        ], field
     assert [e["test_samples"] for e in report["experts"]] == test_counts.tolist()
     assert [e["train_samples"] for e in report["experts"]] == train_counts.tolist()
     assert report["baseline"]["metric"] == report["mixture"]["metric"]

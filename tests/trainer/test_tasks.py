@@ -54,6 +54,8 @@ def test_expert_trains_on_its_cell_and_writes_its_file(tmp_path: Path) -> None:
     with torch.no_grad():
         mse = float(((expert(torch.tensor(x)) - torch.tensor(y)) ** 2).mean())
     assert mse < 0.01
+    # The report's train figure is this one: the finished expert on its cell, raw units.
+    assert metrics["train_metric"] == pytest.approx(mse, rel=1e-5)
     assert metrics["final_loss"] < 0.02
     assert metrics["params"] == expert.num_parameters()
 
