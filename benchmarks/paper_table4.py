@@ -123,8 +123,8 @@ def run_task(
         if with_baseline:
             baseline.append(float(report["baseline"]["value"]))
         # The cells' sizes: with learned prototypes they are uneven, and an expert's training
-        # steps (its epochs over its own cell) follow its cell's size. Each cell's own test
-        # metric says which cells carry the mixture's error.
+        # steps (its epochs over its own cell) follow its cell's size. Each cell's own train and
+        # test metrics say which cells carry the mixture's error, and whether they over-fit.
         per_seed.append({
             "seed": seed,
             "mixture": mixture[-1],

@@ -159,12 +159,13 @@ def build_store(config: BuildConfig, progress: bool = True) -> Manifest:
                     "id": i,
                     "train_samples": results[i]["train_samples"],
                     "test_samples": score.test_samples[i],
-                    "test_metric": score.by_expert[i],
                     "params": entries[i].params,
                     "bytes": entries[i].bytes,
                     "final_loss": _finite_or_none(results[i]["final_loss"]),
-                    # The metric on the expert's training rows and on its test rows, raw units.
+                    # The metric on the expert's own training rows and its own test rows, in the
+                    # targets' units: which cells carry the error, and whether they over-fit.
                     "train_metric": _finite_or_none(results[i]["train_metric"]),
+                    "test_metric": score.by_expert[i],
                     "train_s": results[i]["train_seconds"],
                     **({"retried_after_crash": results[i]["retried_after_crash"]}
                        if config.crash_once_expert == i else {}),
