@@ -50,8 +50,8 @@ def test_table4_ablation_flags_train_the_mixture_alone_and_record_its_cells() ->
     # Every training row of the quick 16 x 16 grid (51 of its 256 points held out) lands in
     # exactly one cell.
     assert len(seed["train_samples"]) == 4 and sum(seed["train_samples"]) == 256 - 51
-    # Each cell's own test MSE, weighted by its test rows, adds up to the mixture's.
     assert len(seed["train_metric"]) == 4
+    # Each cell's own test MSE, weighted by its test rows, adds up to the mixture's.
     counts, cells = seed["test_samples"], seed["test_metric"]
     assert sum(counts) == 51 and len(cells) == 4
     assert [c is None for c in cells] == [n == 0 for n in counts]

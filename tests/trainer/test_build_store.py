@@ -93,18 +93,18 @@ def recompute(
             return float(np.mean(outputs.argmax(axis=1) == y))
         return float(np.mean((outputs - y.astype(np.float64)) ** 2))
 
-    def per_expert(x: np.ndarray, y: np.ndarray, ids: np.ndarray) -> list[float | None]:
-        outputs = served(x, ids)
+    def per_expert(outputs: np.ndarray, y: np.ndarray, ids: np.ndarray) -> list[float | None]:
         return [
             score(outputs[ids == i], y[ids == i]) if np.any(ids == i) else None for i in range(k)
         ]
 
+    on_test = served(data.x_test, test_ids)
     return (
-        score(served(data.x_test, test_ids), data.y_test),
+        score(on_test, data.y_test),
         np.bincount(test_ids, minlength=k),
         np.bincount(train_ids, minlength=k),
-        per_expert(data.x_test, data.y_test, test_ids),
-        per_expert(data.x_train, data.y_train, train_ids),
+        per_expert(on_test, data.y_test, test_ids),
+        per_expert(served(data.x_train, train_ids), data.y_train, train_ids),
     )
 
 
