@@ -148,6 +148,7 @@ def build_store(config: BuildConfig, progress: bool = True) -> Manifest:
             "loss": training.loss,
             "lr": training.lr,
             "epochs": config.epochs,
+            "select_epoch": config.select_epoch,
             "baseline_epochs": training.baseline_epochs if config.baseline else None,
             # Regression experts train on their own cell's standardised targets (TrainSpec).
             "final_loss_units": "standardised" if dataset.task == "regression" else "raw",
@@ -166,6 +167,11 @@ def build_store(config: BuildConfig, progress: bool = True) -> Manifest:
                     # targets' units: which cells carry the error, and whether they over-fit.
                     "train_metric": _finite_or_none(results[i]["train_metric"]),
                     "test_metric": score.by_expert[i],
+                    # With --select-epoch best-validation: the rows held out of the cell, the
+                    # expert on them, and the epoch kept (0: the weights it started from).
+                    "validation_samples": results[i]["validation_samples"],
+                    "validation_metric": _finite_or_none(results[i]["validation_metric"]),
+                    "best_epoch": results[i]["best_epoch"],
                     "train_s": results[i]["train_seconds"],
                     **({"retried_after_crash": results[i]["retried_after_crash"]}
                        if config.crash_once_expert == i else {}),

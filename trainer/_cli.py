@@ -58,6 +58,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--loss", choices=("auto", "mse", "ce", "weighted-ce"), default=None)
     p.add_argument("--noise-std", type=float, default=None)
+    p.add_argument(
+        "--select-epoch", choices=("last", "best-validation"), default=None,
+        help="last (default): keep each expert's last epoch, trained on all its rows; "
+        "best-validation: hold --validation-fraction of its rows out and keep the epoch "
+        "that scores best on them",
+    )
+    p.add_argument("--validation-fraction", type=float, default=None,
+                   help="rows held out per expert with --select-epoch best-validation (0.1)")
     p.add_argument("--no-baseline", dest="baseline", action="store_false", default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--grid-size", type=int, default=None, help="grid points per axis")
@@ -140,8 +148,9 @@ _CONFIG_OPTIONS = (
     "dataset", "data", "target", "task", "experts", "branching", "routing", "temperature",
     "prototypes", "width", "depth", "initial_depth", "prototype_epochs", "warmup_epochs",
     "epochs", "baseline_epochs", "lr", "prototype_lr", "batch_size", "loss", "noise_std",
-    "baseline", "seed", "grid_size", "hurst", "test_fraction", "executor", "ray_address",
-    "num_cpus", "max_retries", "torch_threads", "expert_activation", "gate",
+    "select_epoch", "validation_fraction", "baseline", "seed", "grid_size", "hurst",
+    "test_fraction", "executor", "ray_address", "num_cpus", "max_retries", "torch_threads",
+    "expert_activation", "gate",
     "gate_temperature_schedule", "balanced_tree",
 )
 

@@ -50,6 +50,12 @@ class BuildConfig:
     batch_size: int = 128
     loss: Literal["auto", "mse", "ce", "weighted-ce"] = "auto"
     noise_std: float = 1e-3  # of the near-identity layers added by deepening
+    # Which weights a deepened expert (and the baseline) ends with. "last": the last epoch's,
+    # trained on every row of its cell. "best-validation": `validation_fraction` of each
+    # cell's training rows are held out, and the epoch whose weights score lowest on them
+    # is kept (Section 6.1 splits 80 % "for training and validation").
+    select_epoch: Literal["last", "best-validation"] = "last"
+    validation_fraction: float = 0.1
     baseline: bool = True
     seed: int = 0
     grid_size: int | None = None  # points per axis of the synthetic grids (paper's s if None)
@@ -135,6 +141,11 @@ class BuildConfig:
             raise ConfigError("must lie in (0, 1)", option="hurst")
         if self.noise_std < 0:
             raise ConfigError("must not be negative", option="noise_std")
+        if self.select_epoch not in ("last", "best-validation"):
+            raise ConfigError(f"must be last or best-validation, got {self.select_epoch!r}",
+                              option="select_epoch")
+        if not 0.0 < self.validation_fraction < 1.0:
+            raise ConfigError("must lie in (0, 1)", option="validation_fraction")
         if self.crash_once_expert is not None and not 0 <= self.crash_once_expert < self.experts:
             raise ConfigError("must name an expert id", option="crash_once_expert")
         if self.executor not in ("ray", "local"):

@@ -66,6 +66,8 @@ def plan_jobs(
         optimizer=training.optimizer,
         seed=config.seed,
         torch_threads=config.torch_threads,
+        select_epoch=config.select_epoch,
+        validation_fraction=config.validation_fraction,
     )
     baseline: tuple[Any, ...] | None = None
     if config.baseline:

@@ -32,7 +32,15 @@ from ._train import (
     train_network,
 )
 
-__all__ = ["ExpertJob", "TrainSpec", "baseline_job", "expert_job", "pick_device", "score_outputs"]
+__all__ = [
+    "ExpertJob",
+    "TrainSpec",
+    "baseline_job",
+    "expert_job",
+    "pick_device",
+    "score_outputs",
+    "validation_split",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +64,11 @@ class TrainSpec:
     # ~lr per step, so raw targets of scale 10-100 would need far more steps), then fold the
     # scale back into the last layer so the saved file serves raw values.
     standardize_targets: bool = True
+    # "best-validation": hold `validation_fraction` of each network's rows out of training and
+    # keep the epoch whose weights score lowest on them (the paper's 80 % is "for training
+    # and validation", Section 6.1); "last": train on every row, keep the last epoch.
+    select_epoch: Literal["last", "best-validation"] = "last"
+    validation_fraction: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -113,27 +126,33 @@ def expert_job(
         state = {name: torch.tensor(np.asarray(a)) for name, a in job.initial_state.items()}
         small.load_state_dict(state, strict=True)
     small = small.to(device)
-    xt, yt = _tensors(x, y, spec.task, device)
+    fit, held = validation_split(len(x), spec, salt=job.expert_id)
+    xt, yt = _tensors(x[fit], y[fit], spec.task, device)
+    xv, yv = _tensors(x[held], y[held], spec.task, device)
     loss_fn = make_loss(spec.loss, yt.cpu(), spec.num_classes)
     raw_targets = yt
     yt, unscale = _standardize(small, yt, spec)
+    yv_fit = _scaled_like(yv, raw_targets, spec)
+    validation = (xv, yv_fit) if held.size else None
 
-    def train(model: ExpertMLP, epochs: int) -> TrainResult:
+    def train(model: ExpertMLP, epochs: int, select: bool) -> TrainResult:
         return train_network(
             model, xt, yt, loss_fn=loss_fn, epochs=epochs, lr=spec.lr,
             batch_size=spec.batch_size, optimizer=spec.optimizer, generator=generator,
+            validation=validation if select else None,
         )
 
     warmup_loss = float("nan")
     if job.initial_state is None and job.warmup_epochs > 0:
-        warmup_loss = train(small, job.warmup_epochs).final_loss
+        warmup_loss = train(small, job.warmup_epochs, select=False).final_loss
     expert = small.deepen(job.extra_layers, noise_std=job.noise_std, generator=generator)
-    result = train(expert.to(device), spec.epochs)
+    result = train(expert.to(device), spec.epochs, select=True)
     unscale(expert)
     # The finished expert on its own cell, in the targets' units: final_loss is standardised and
     # averaged over the last epoch's changing weights, so it does not compare with a test figure.
     with torch.no_grad():
         train_metric = score_outputs(spec.task, predict(expert, xt).cpu(), raw_targets.cpu())
+        validation_metric = score_outputs(spec.task, predict(expert, xv).cpu(), yv.cpu())
     expert = expert.cpu()
     written = save_expert(
         expert, Path(job.out_path), metadata={"expert_id": str(job.expert_id)}
@@ -142,10 +161,13 @@ def expert_job(
         Path(job.crash_marker).unlink(missing_ok=True)
     return {
         "expert_id": job.expert_id,
-        "train_samples": int(xt.shape[0]),
+        "train_samples": int(len(x)),
+        "validation_samples": int(held.size),
         "warmup_loss": warmup_loss,
         "final_loss": result.final_loss,
         "train_metric": train_metric,
+        "validation_metric": validation_metric,
+        "best_epoch": result.best_epoch,
         "steps": result.steps,
         "params": written.params,
         "bytes": written.bytes,
@@ -170,10 +192,13 @@ def baseline_job(
     start = time.perf_counter()
     torch.set_num_threads(spec.torch_threads)
     device = pick_device()
-    generator = torch.Generator().manual_seed(spec.seed * 100_003 + 99_991)
+    generator = torch.Generator().manual_seed(spec.seed * 100_003 + _BASELINE_SALT)
     model = ExpertMLP(ExpertArch.from_json(arch_json), generator=generator).to(device)
-    xt, yt = _tensors(x_train, y_train, spec.task, device)
+    fit, held = validation_split(len(x_train), spec, salt=_BASELINE_SALT)
+    xt, yt = _tensors(x_train[fit], y_train[fit], spec.task, device)
+    xv, yv = _tensors(x_train[held], y_train[held], spec.task, device)
     loss_fn = make_loss(spec.loss, yt.cpu(), spec.num_classes)
+    yv = _scaled_like(yv, yt, spec)
     yt, unscale = _standardize(model, yt, spec)
     result = train_network(
         model,
@@ -185,6 +210,7 @@ def baseline_job(
         batch_size=spec.batch_size,
         optimizer=spec.optimizer,
         generator=generator,
+        validation=(xv, yv) if held.size else None,
     )
     unscale(model)
     xs, ys = _tensors(x_test, y_test, spec.task, device)
@@ -195,9 +221,39 @@ def baseline_job(
         "params": model.num_parameters(),
         "bytes": model.nbytes(),
         "final_loss": result.final_loss,
+        "best_epoch": result.best_epoch,
         "device": str(device),
         "train_seconds": time.perf_counter() - start,
     }
+
+
+# Seeds the baseline's own draws (its first weights and its validation rows) apart from the
+# experts', whose ids are small.
+_BASELINE_SALT = 99_991
+
+
+def validation_split(
+    rows: int, spec: TrainSpec, salt: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """(rows to train on, rows held out for choosing the epoch), both sorted.
+
+    A seeded draw of its own, so the training's random stream is the same with or without a
+    split. A network with fewer than two rows holds nothing out.
+    """
+    everything = np.arange(rows, dtype=np.int64)
+    if spec.select_epoch == "last" or rows < 2:
+        return everything, everything[:0]
+    held = min(max(1, round(rows * spec.validation_fraction)), rows - 1)
+    order = np.random.default_rng([spec.seed, salt]).permutation(rows)
+    return np.sort(order[held:]), np.sort(order[:held])
+
+
+def _scaled_like(y: Tensor, fitted: Tensor, spec: TrainSpec) -> Tensor:
+    """Validation targets on the training targets' standardised scale (a no-op otherwise)."""
+    if spec.task != "regression" or not spec.standardize_targets:
+        return y
+    mean, std = target_scaling(fitted)
+    return (y - mean) / std
 
 
 def _standardize(

@@ -8,6 +8,7 @@ of the expert's own Voronoi cell (Section 6.2, "weighted").
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +40,10 @@ class TrainResult:
     epochs: int
     steps: int
     seconds: float
+    # With validation rows: the epoch whose weights were kept (0: the starting weights) and
+    # their validation loss. None / nan when the last epoch's weights are kept.
+    best_epoch: int | None = None
+    validation_loss: float = float("nan")
 
 
 def class_weights(labels: Tensor, num_classes: int) -> Tensor:
@@ -80,10 +85,15 @@ def train_network(
     optimizer: Literal["adam", "adamw"] = "adam",
     generator: torch.Generator | None = None,
     on_epoch: Callable[[int, float], None] | None = None,
+    validation: tuple[Tensor, Tensor] | None = None,
 ) -> TrainResult:
     """Train `model` in place on (x, y) for `epochs` shuffled passes; leaves it in eval mode.
 
     x, y live on the model's device. on_epoch(epoch, mean_loss) is called after each pass.
+    With `validation` rows (x_val, y_val), the model ends with the weights, among the
+    starting ones and those after each pass, whose loss on them is lowest: at a constant
+    learning rate Adam's last iterate sits anywhere in its noise band, and the paper's arg
+    min over a training-and-validation split is the best iterate, not the last one.
     """
     start = time.perf_counter()
     rows = int(x.shape[0])
@@ -93,6 +103,9 @@ def train_network(
         return TrainResult(float("nan"), 0, 0, time.perf_counter() - start)
     opt_cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.Adam
     opt = opt_cls(model.parameters(), lr=lr)
+    keeper = None if validation is None or validation[0].shape[0] == 0 else _BestWeights(
+        model, *validation, loss_fn
+    )
     model.train()
     steps = 0
     mean_loss = float("nan")
@@ -115,10 +128,46 @@ def train_network(
             total += batch_loss.detach().double() * idx.numel()
             seen += idx.numel()
         mean_loss = float(total) / max(seen, 1)
+        if keeper is not None:
+            keeper.offer(epoch + 1)
         if on_epoch is not None:
             on_epoch(epoch, mean_loss)
     model.eval()
-    return TrainResult(mean_loss, epochs, steps, time.perf_counter() - start)
+    if keeper is None:
+        return TrainResult(mean_loss, epochs, steps, time.perf_counter() - start)
+    keeper.restore()
+    return TrainResult(
+        mean_loss, epochs, steps, time.perf_counter() - start,
+        best_epoch=keeper.epoch, validation_loss=keeper.loss,
+    )
+
+
+class _BestWeights:
+    """The weights with the lowest validation loss seen so far, starting with the model's own."""
+
+    def __init__(self, model: nn.Module, x: Tensor, y: Tensor, loss_fn: LossFn) -> None:
+        self._model, self._x, self._y, self._loss_fn = model, x, y, loss_fn
+        self.epoch = 0
+        self.loss = self._score()
+        self._state = self._copy()
+
+    def offer(self, epoch: int) -> None:
+        loss = self._score()
+        # A NaN loss never wins: the weights it came from have diverged.
+        if loss < self.loss or not math.isfinite(self.loss):
+            self.epoch, self.loss, self._state = epoch, loss, self._copy()
+
+    def restore(self) -> None:
+        self._model.load_state_dict(self._state)
+
+    def _score(self) -> float:
+        with torch.no_grad():
+            loss = float(self._loss_fn(predict(self._model, self._x), self._y))
+        self._model.train()
+        return loss
+
+    def _copy(self) -> dict[str, Tensor]:
+        return {k: v.detach().clone() for k, v in self._model.state_dict().items()}
 
 
 @torch.no_grad()

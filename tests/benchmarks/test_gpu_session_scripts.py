@@ -41,9 +41,9 @@ def test_table4_stops_starting_seeds_once_its_time_budget_would_be_passed() -> N
 def test_table4_ablation_flags_train_the_mixture_alone_and_record_its_cells() -> None:
     (line,) = run_benchmark(
         "paper_table4.py", "--quick", "--executor", "local", "--tasks", "ackley2d",
-        "--no-baseline", "--prototype-epochs", "3",
+        "--no-baseline", "--prototype-epochs", "3", "--select-epoch", "best-validation",
     )  # fmt: skip
-    assert line["prototype_epochs"] == 3
+    assert line["prototype_epochs"] == 3 and line["select_epoch"] == "best-validation"
     assert line["baseline_mse_mean"] is None and line["mixture_beats_baseline"] is None
     (seed,) = line["per_seed"]
     assert seed["baseline"] is None and seed["mixture"] == line["mixture_mse_mean"]
@@ -51,6 +51,9 @@ def test_table4_ablation_flags_train_the_mixture_alone_and_record_its_cells() ->
     # exactly one cell.
     assert len(seed["train_samples"]) == 4 and sum(seed["train_samples"]) == 256 - 51
     assert len(seed["train_metric"]) == 4
+    # A tenth of each cell's training rows held out to choose its epoch (quick: 8 epochs).
+    assert seed["validation_samples"] == [round(n * 0.1) for n in seed["train_samples"]]
+    assert all(0 <= e <= 8 for e in seed["best_epoch"])
     # Each cell's own test MSE, weighted by its test rows, adds up to the mixture's.
     counts, cells = seed["test_samples"], seed["test_metric"]
     assert sum(counts) == 51 and len(cells) == 4

@@ -123,3 +123,16 @@ def test_ray_only_options_are_refused_with_the_local_executor(
     assert code == 2
     assert "--num-cpus: only with --executor ray" in capsys.readouterr().err
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.unit
+def test_a_validation_fraction_outside_0_1_exits_2_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main([
+        "build", "--dataset", "ackley2d", "--select-epoch", "best-validation",
+        "--validation-fraction", "1.5", "--out", str(tmp_path / "s"), "--no-progress",
+    ])
+    assert code == 2
+    assert "--validation-fraction: must lie in (0, 1)" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()

@@ -45,6 +45,8 @@ def test_quick_demo_is_2d_ackley_with_16_experts() -> None:
         ({"lr": -1.0}, "lr"),
         ({"test_fraction": 1.0}, "test_fraction"),
         ({"crash_once_expert": 99}, "crash_once_expert"),
+        ({"select_epoch": "best"}, "select_epoch"),
+        ({"validation_fraction": 0.0}, "validation_fraction"),
     ],
 )
 def test_contradictory_options_are_refused_with_the_option_named(

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from experts_store import Store, load_expert
 from trainer import BuildConfig, BuildFailed, DataError, build_store, load_config_dataset
+from trainer._tasks import TrainSpec, validation_split
 
 pytestmark = pytest.mark.ray
 
@@ -143,6 +144,40 @@ def test_build_publishes_a_verified_store_whose_report_matches_the_served_mixtur
     assert report["baseline"]["metric"] == report["mixture"]["metric"]
     assert report["total_params"] == sum(e.params for e in manifest.experts)
     assert report["baseline"]["params"] > report["params_per_expert"]["max"]
+
+
+def test_a_best_validation_build_holds_out_rows_of_each_cell_and_reports_them(
+    ray_session: None, tmp_path: Path
+) -> None:
+    config = tiny(tmp_path / "store", "ackley2d", select_epoch="best-validation",
+                  validation_fraction=0.2, epochs=6)
+    build_store(config, progress=False)
+    store = Store.open(config.out)
+    report = store.report()
+    assert report is not None and report["select_epoch"] == "best-validation"
+    metric, _, train_counts, _, _ = recompute(config)
+    assert report["mixture"]["value"] == pytest.approx(metric, rel=1e-5, abs=1e-7)
+    data = load_config_dataset(config)
+    train_ids = own_tree_walk(store.router_path, data.x_train)
+    spec = TrainSpec(task="regression", loss="mse", num_classes=0, epochs=6, lr=3e-3,
+                     batch_size=64, optimizer="adam", seed=config.seed,
+                     select_epoch="best-validation", validation_fraction=0.2)
+    for entry, reported in zip(store.manifest.experts, report["experts"], strict=True):
+        rows = np.flatnonzero(train_ids == entry.id)
+        fit, held = validation_split(len(rows), spec, salt=entry.id)
+        expert = load_expert(store.root / entry.file, expected_sha256=entry.sha256)
+
+        def mse(subset: np.ndarray, expert: Any = expert) -> float:
+            with torch.no_grad():
+                out = expert(torch.tensor(data.x_train[subset])).double().numpy()
+            return float(np.mean((out - data.y_train[subset].astype(np.float64)) ** 2))
+
+        assert reported["train_samples"] == train_counts[entry.id] == len(rows)
+        assert reported["validation_samples"] == len(held) > 0
+        assert reported["train_metric"] == pytest.approx(mse(rows[fit]), rel=1e-5)
+        assert reported["validation_metric"] == pytest.approx(mse(rows[held]), rel=1e-5)
+        assert 0 <= reported["best_epoch"] <= 6
+    assert 0 <= report["baseline"]["best_epoch"] <= report["baseline_epochs"]
 
 
 def test_a_killed_task_is_retried_and_the_build_still_publishes(

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from experts_store import ExpertArch, ExpertMLP, load_expert
-from trainer._tasks import ExpertJob, TrainSpec, baseline_job, expert_job
+from trainer._tasks import ExpertJob, TrainSpec, baseline_job, expert_job, validation_split
 
 pytestmark = pytest.mark.unit
 
@@ -72,3 +72,38 @@ def test_baseline_reports_test_accuracy_without_returning_weights() -> None:
     result = baseline_job(arch, spec, x[:200], labels[:200], x[200:], labels[200:])
     assert result["metric"] == "accuracy" and result["value"] > 0.9
     assert set(result) >= {"params", "bytes", "train_seconds", "final_loss"}
+
+
+def test_validation_split_holds_out_a_seeded_fraction_of_the_rows() -> None:
+    spec = TrainSpec(**{**SPEC.__dict__, "select_epoch": "best-validation",
+                        "validation_fraction": 0.25, "seed": 7})
+    fit, held = validation_split(40, spec, salt=3)
+    assert len(held) == 10 and len(fit) == 30
+    assert sorted({*fit.tolist(), *held.tolist()}) == list(range(40))
+    again, held_again = validation_split(40, spec, salt=3)
+    assert held_again.tolist() == held.tolist()
+    assert validation_split(40, spec, salt=4)[1].tolist() != held.tolist()
+    # One row cannot be split; "last" trains on everything.
+    assert validation_split(1, spec, salt=3)[1].size == 0
+    assert validation_split(40, SPEC, salt=3)[1].size == 0
+
+
+def test_best_validation_expert_reports_its_held_out_rows(tmp_path: Path) -> None:
+    rng = np.random.default_rng(2)
+    x = rng.uniform(-1, 1, (200, 2)).astype(np.float32)
+    y = (x[:, :1] * 2 - x[:, 1:] + 0.05 * rng.normal(size=(200, 1))).astype(np.float32)
+    spec = TrainSpec(**{**SPEC.__dict__, "epochs": 30, "lr": 1e-2,
+                        "select_epoch": "best-validation"})
+    metrics = expert_job(_job(tmp_path, spec=spec, warmup_epochs=5), x, y)
+    fit, held = validation_split(200, spec, salt=3)
+    expert = load_expert(tmp_path / "3.safetensors", expected_sha256=metrics["sha256"])
+
+    def mse(rows: np.ndarray) -> float:
+        with torch.no_grad():
+            out = expert(torch.tensor(x[rows])).double()
+        return float(((out - torch.tensor(y[rows]).double()) ** 2).mean())
+
+    assert metrics["train_samples"] == 200 and metrics["validation_samples"] == 20
+    assert metrics["train_metric"] == pytest.approx(mse(fit), rel=1e-5)
+    assert metrics["validation_metric"] == pytest.approx(mse(held), rel=1e-5)
+    assert 0 <= metrics["best_epoch"] <= 30

@@ -85,3 +85,40 @@ def test_rescaled_output_layer_serves_scale_times_f_plus_shift() -> None:
     # A constant column keeps std 1 instead of dividing by zero.
     torch.testing.assert_close(mean, torch.tensor([2.0, 5.0]))
     torch.testing.assert_close(std, torch.tensor([1.0, 1.0]))
+
+
+def test_validation_rows_keep_the_epoch_that_scores_best_on_them() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.rand(64, 2, generator=gen)
+    y = x[:, :1] * 3 - x[:, 1:] + 0.1 * torch.randn(64, 1, generator=gen)
+    xv, yv = x[48:], y[48:]
+    model = nn.Linear(2, 1)
+    # A learning rate this high makes Adam's iterates wander, so the best epoch is not the last.
+    seen = [float(nn.functional.mse_loss(predict(model, xv), yv))]
+
+    def record(epoch: int, loss: float) -> None:
+        with torch.no_grad():
+            seen.append(float(nn.functional.mse_loss(model(xv), yv)))
+        final_weights.append(model.weight.detach().clone())
+
+    final_weights: list[torch.Tensor] = []
+    result = train_network(
+        model, x[:48], y[:48], loss_fn=make_loss("mse", y), epochs=30, lr=0.3, batch_size=8,
+        generator=gen, on_epoch=record, validation=(xv, yv),
+    )
+    best = min(range(len(seen)), key=seen.__getitem__)
+    assert 0 < best < 30, "the case must have a best epoch before the last"
+    assert result.best_epoch == best
+    assert result.validation_loss == pytest.approx(seen[best])
+    assert float(nn.functional.mse_loss(predict(model, xv), yv)) == pytest.approx(seen[best])
+    torch.testing.assert_close(model.weight, final_weights[best - 1])
+    assert not model.training
+
+
+def test_without_validation_rows_the_last_epoch_is_kept() -> None:
+    x = torch.rand(16, 2)
+    result = train_network(
+        nn.Linear(2, 1), x, x[:, :1], loss_fn=make_loss("mse", x), epochs=2, lr=1e-2,
+        batch_size=4, validation=(x[:0], x[:0, :1]),
+    )
+    assert result.best_epoch is None and result.epochs == 2
