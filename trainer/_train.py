@@ -92,8 +92,8 @@ def train_network(
     x, y live on the model's device. on_epoch(epoch, mean_loss) is called after each pass.
     With `validation` rows (x_val, y_val), the model ends with the weights, among the
     starting ones and those after each pass, whose loss on them is lowest: at a constant
-    learning rate Adam's last iterate sits anywhere in its noise band, and the paper's arg
-    min over a training-and-validation split is the best iterate, not the last one.
+    learning rate Adam's last iterate sits anywhere in its noise band, and the best one is
+    nearer the paper's arg min over a training-and-validation split.
     """
     start = time.perf_counter()
     rows = int(x.shape[0])
@@ -153,7 +153,7 @@ class _BestWeights:
 
     def offer(self, epoch: int) -> None:
         loss = self._score()
-        # A NaN loss never wins: the weights it came from have diverged.
+        # A NaN loss never displaces a finite one: the weights it came from have diverged.
         if loss < self.loss or not math.isfinite(self.loss):
             self.epoch, self.loss, self._state = epoch, loss, self._copy()
 
