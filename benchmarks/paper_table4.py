@@ -159,6 +159,7 @@ def run_task(
             "baseline_width": 2 * scale.width,
             "depth": 4,
             "epochs": scale.epochs,
+            "select_epoch": scale.select_epoch,
             "baseline_epochs": scale.epochs // 4,
             "mixture_accuracy_mean": statistics.fmean(mixture),
             "mixture_accuracy_sd": _sd(mixture),

@@ -131,8 +131,7 @@ def expert_job(
     xv, yv = _tensors(x[held], y[held], spec.task, device)
     loss_fn = make_loss(spec.loss, yt.cpu(), spec.num_classes)
     raw_targets = yt
-    yt, unscale = _standardize(small, yt, spec)
-    yv_fit = _scaled_like(yv, raw_targets, spec)
+    yt, yv_fit, unscale = _standardize(small, yt, yv, spec)
     validation = (xv, yv_fit) if held.size else None
 
     def train(model: ExpertMLP, epochs: int, select: bool) -> TrainResult:
@@ -198,8 +197,7 @@ def baseline_job(
     xt, yt = _tensors(x_train[fit], y_train[fit], spec.task, device)
     xv, yv = _tensors(x_train[held], y_train[held], spec.task, device)
     loss_fn = make_loss(spec.loss, yt.cpu(), spec.num_classes)
-    yv = _scaled_like(yv, yt, spec)
-    yt, unscale = _standardize(model, yt, spec)
+    yt, yv, unscale = _standardize(model, yt, yv, spec)
     result = train_network(
         model,
         xt,
@@ -248,27 +246,20 @@ def validation_split(
     return np.sort(order[held:]), np.sort(order[:held])
 
 
-def _scaled_like(y: Tensor, fitted: Tensor, spec: TrainSpec) -> Tensor:
-    """Validation targets on the training targets' standardised scale (a no-op otherwise)."""
-    if spec.task != "regression" or not spec.standardize_targets:
-        return y
-    mean, std = target_scaling(fitted)
-    return (y - mean) / std
-
-
 def _standardize(
-    model: nn.Module, y: Tensor, spec: TrainSpec
-) -> tuple[Tensor, Callable[[nn.Module], None]]:
-    """Standardised targets, with `model` rescaled to match; the returned function undoes it."""
+    model: nn.Module, y: Tensor, held: Tensor, spec: TrainSpec
+) -> tuple[Tensor, Tensor, Callable[[nn.Module], None]]:
+    """Standardised training and held-out targets (both on the training targets' scale), with
+    `model` rescaled to match; the returned function undoes the rescaling."""
     if spec.task != "regression" or not spec.standardize_targets:
-        return y, lambda _: None
+        return y, held, lambda _: None
     mean, std = target_scaling(y)
     rescale_output(model, 1.0 / std, -mean / std)
 
     def unscale(trained: nn.Module) -> None:
         rescale_output(trained, std, mean)
 
-    return (y - mean) / std, unscale
+    return (y - mean) / std, (held - mean) / std, unscale
 
 
 def score_outputs(task: Task, outputs: Tensor, targets: Tensor) -> float:
