@@ -154,6 +154,8 @@ def run_task(
             "task": task,
             "scale": scale_name,
             "seeds": len(mixture),
+            "seeds_planned": scale.seeds,
+            "first_seed": first_seed,
             "experts": 4,
             "width": scale.width,
             "baseline_width": 2 * scale.width,
@@ -166,6 +168,7 @@ def run_task(
             "baseline_accuracy_mean": statistics.fmean(baseline),
             "baseline_accuracy_sd": _sd(baseline),
             "within_1_point": statistics.fmean(mixture) >= statistics.fmean(baseline) - 0.01,
+            "per_seed": per_seed,
             "seconds": round(time.perf_counter() - start, 1),
         }
     return {
