@@ -54,7 +54,7 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 import numpy as np
@@ -471,7 +471,8 @@ def served(
     cwd: Path | None = None,
 ) -> Iterator[int]:
     """A server process started from `command`, ready at `url`; yields its pid and stops it
-    with SIGTERM. Its output goes to a temporary log, printed to stderr if anything fails."""
+    with SIGTERM. Its output goes to a temporary log, printed to stderr if anything fails or
+    this process is interrupted (a caller's timeout sends SIGINT), so it says where it was."""
     with tempfile.NamedTemporaryFile("w+", prefix=prefix, suffix=".log") as log:
         process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd
@@ -479,17 +480,34 @@ def served(
         try:
             wait_ready(url, probe, 240.0)
             yield process.pid
-        except Exception:
-            log.seek(0)
-            sys.stderr.write(log.read()[-4000:])
+        except BaseException:
+            _write_tail(log)
             raise
         finally:
-            process.send_signal(signal.SIGTERM)
             try:
-                process.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=30)
+                _stop(process)
+            except BaseException:
+                _write_tail(log)
+                raise
+
+
+def _write_tail(log: IO[str]) -> None:
+    log.seek(0)
+    sys.stderr.write(log.read()[-4000:])
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL past 90 s or when interrupted while waiting: never left behind."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=30)
+    except BaseException:
+        process.kill()
+        process.wait(timeout=30)
+        raise
 
 
 RAYSERVE_BEST = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}

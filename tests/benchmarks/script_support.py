@@ -4,26 +4,51 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 __all__ = ["run_benchmark"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# After a timeout the script gets SIGINT and this long to stop its servers and print their
+# logs (vs_ray_serve.served prints a server's log when interrupted) before it is killed.
+_STOP_S = 60.0
+
 
 def run_benchmark(script: str, *args: str, timeout_s: float = 240.0) -> list[dict[str, Any]]:
     """`python benchmarks/<script> <args>` from the repository root with one BLAS thread;
-    fails the test with the script's stderr when it exits non-zero."""
-    done = subprocess.run(
+    fails the test with the script's stderr when it exits non-zero or runs past `timeout_s`.
+
+    A script past its time is interrupted (SIGINT), not killed: its `finally` blocks stop the
+    servers it started (a killed script would leave them and their Ray behind) and its
+    stderr then says where it was.
+    """
+    process = subprocess.Popen(
         [sys.executable, str(ROOT / "benchmarks" / script), *args],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout_s,
         env=dict(os.environ, OMP_NUM_THREADS="1"),
         cwd=ROOT,
     )
-    assert done.returncode == 0, done.stderr[-2000:]
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    try:
+        stdout, stderr = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGINT)
+        try:
+            stdout, stderr = process.communicate(timeout=_STOP_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            stdout, stderr = process.communicate()
+        pytest.fail(
+            f"{script} ran past {timeout_s:.0f} s; its output:\n{stdout[-2000:]}\n"
+            f"its stderr:\n{stderr[-6000:]}"
+        )
+    assert process.returncode == 0, stderr[-2000:]
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]

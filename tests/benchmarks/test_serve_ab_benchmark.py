@@ -52,3 +52,21 @@ def test_a_commit_that_does_not_exist_is_named(tmp_path: Path) -> None:
     assert "no worktree of 'nosuchcommit'" in done.stderr
     assert not (tmp_path / "store").exists()  # refused before anything was built
     assert _worktrees() == before  # HEAD's worktree, made first, is gone too
+
+
+def test_a_run_past_its_time_is_interrupted_and_leaves_no_server_behind(tmp_path: Path) -> None:
+    """The suite's timeout interrupts a script rather than killing it: its servers are stopped
+    and its stderr says where it was (a killed one left `momlp serve` and its Ray running)."""
+    store = tmp_path / "store"
+    with pytest.raises(pytest.fail.Exception) as failed:
+        run_benchmark(
+            "serve_ab.py", "--setting", "MOMLP_ACCESS_LOG", "--values", "1", "--trials", "1",
+            "--requests", "200000", "--warmup", "20", "--experts", "16", "--widths", "8,64,64,4",
+            "--experts-per-actor", "4", "--actors", "1", "--ray-num-cpus", "1",
+            "--store", str(store), timeout_s=8.0,
+        )  # fmt: skip
+    message = str(failed.value)
+    assert "serve_ab.py ran past 8 s" in message
+    assert "KeyboardInterrupt" in message  # the script's own traceback: where it was
+    left = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True)
+    assert not [line for line in left.stdout.splitlines() if str(store) in line]
