@@ -405,10 +405,18 @@ def free_port() -> int:
         return port
 
 
-def wait_ready(url: str, probe: dict[str, Any], timeout_s: float) -> None:
+def wait_ready(
+    url: str,
+    probe: dict[str, Any],
+    timeout_s: float,
+    server: subprocess.Popen[bytes] | None = None,
+) -> None:
+    """Until `probe` is answered 200; refused at once if `server` (its process) has exited."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
     while time.monotonic() < deadline:
+        if server is not None and server.poll() is not None:
+            raise RuntimeError(f"the server exited with {server.returncode} before it was ready")
         try:
             response = httpx.post(url, json=probe, timeout=10.0)
             if response.status_code == 200:
@@ -478,7 +486,7 @@ def served(
             command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd
         )
         try:
-            wait_ready(url, probe, 240.0)
+            wait_ready(url, probe, 240.0, process)
             yield process.pid
         except BaseException:
             _write_tail(log)

@@ -70,3 +70,18 @@ def test_a_run_past_its_time_is_interrupted_and_leaves_no_server_behind(tmp_path
     assert "KeyboardInterrupt" in message  # the script's own traceback: where it was
     left = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True)
     assert not [line for line in left.stdout.splitlines() if str(store) in line]
+
+
+def test_a_server_that_cannot_start_is_reported_at_once_with_its_reason(tmp_path: Path) -> None:
+    """momlp serve refuses the value and exits: the A/B stops there, with the server's own
+    error, instead of polling the port for four minutes."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "serve_ab.py"), "--setting",
+         "MOMLP_ACCESS_LOG", "--values", "notabool", "--trials", "1", "--experts", "4",
+         "--widths", "8,4", "--experts-per-actor", "2", "--actors", "1",
+         "--store", str(tmp_path / "store")],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "before it was ready" in done.stderr and "the server exited with" in done.stderr
+    assert "invalid settings: access_log" in done.stderr  # the server's log, printed
