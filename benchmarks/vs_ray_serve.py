@@ -509,13 +509,11 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
     process.send_signal(signal.SIGTERM)
     try:
         process.wait(timeout=90)
-    except subprocess.TimeoutExpired:
+    except BaseException as exc:
         process.kill()
         process.wait(timeout=30)
-    except BaseException:
-        process.kill()
-        process.wait(timeout=30)
-        raise
+        if not isinstance(exc, subprocess.TimeoutExpired):
+            raise
 
 
 RAYSERVE_BEST = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
