@@ -8,6 +8,13 @@ per-actor byte budget, so both systems keep the same bytes resident. The client 
 expert id of its row in the `serve_multiplexed_model_id` header, which lets Ray Serve's router
 pick a replica that already holds that expert: the baseline gets its best case.
 
+Ray Serve's performance guide names two more things to try for throughput, both options here:
+`max_ongoing_requests` above its default of 5 (for `async` callables like this one), and dynamic
+request batching (`@serve.batch`). Batched, a replica answers up to `batch_size` requests in one
+call: it routes all their rows together, asks the multiplexed loader once per expert in the
+batch, and runs each expert's rows of the whole batch through it at once (what momlp's server
+does with its batches).
+
 Imported by Ray's workers by module name (vs_ray_serve.py puts benchmarks/ on PYTHONPATH).
 """
 
@@ -19,6 +26,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from _peer_batch import answer_batch
 from ray import serve
 from starlette.requests import Request
 
@@ -61,7 +69,12 @@ class MultiplexedExperts:
     multiplexed loader's copy of that expert."""
 
     def __init__(
-        self, store_root: str, mode: Literal["tree", "exact"], models_per_replica: int
+        self,
+        store_root: str,
+        mode: Literal["tree", "exact"],
+        models_per_replica: int,
+        batch_size: int = 0,
+        batch_wait_s: float = 0.0,
     ) -> None:
         torch.set_num_threads(1)
         self.store = Store.open(Path(store_root))
@@ -78,9 +91,33 @@ class MultiplexedExperts:
         # Wired per instance so that the cap (momlp's byte budget / expert bytes) is a
         # run-time choice; Ray Serve detects multiplexing set up this way.
         self.get_expert = serve.multiplexed(max_num_models_per_replica=models_per_replica)(load)
+        # Also per instance, for the same reason (batch_size 0: every request answered alone).
+        self.batched = (
+            serve.batch(max_batch_size=batch_size, batch_wait_timeout_s=batch_wait_s)(
+                self.answer_many
+            )
+            if batch_size > 0
+            else None
+        )
+
+    async def answer_many(self, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        answers = await answer_batch(
+            bodies,
+            route=lambda x: self.tree.route(x, mode=self.mode).experts[:, 0].numpy(),
+            get_expert=self.get_expert,
+            live=self.ledger.live,
+            output_dim=self.store.manifest.output_dim,
+        )
+        for answer in answers:
+            answer["replica"] = self.name
+            answer["resident_bytes"] = self.ledger.resident
+        return answers
 
     async def __call__(self, request: Request) -> dict[str, Any]:
         body = await request.json()
+        if self.batched is not None:
+            answer: dict[str, Any] = await self.batched(body)
+            return answer
         x = np.asarray(body["inputs"], dtype=np.float32)
         experts = self.tree.route(x, mode=self.mode).experts[:, 0].numpy()
         outputs = np.zeros((x.shape[0], self.store.manifest.output_dim), dtype=np.float32)
@@ -104,13 +141,25 @@ class MultiplexedExperts:
 
 
 def build_app(
-    store_root: Path, *, replicas: int, models_per_replica: int, mode: Literal["tree", "exact"]
+    store_root: Path,
+    *,
+    replicas: int,
+    models_per_replica: int,
+    mode: Literal["tree", "exact"],
+    max_ongoing_requests: int | None = None,
+    batch_size: int = 0,
+    batch_wait_s: float = 0.0,
 ) -> Any:
-    """The bound application, ready for `serve.run`."""
+    """The bound application, ready for `serve.run`; `max_ongoing_requests` None keeps Ray
+    Serve's default, `batch_size` 0 answers each request alone."""
+    options: dict[str, Any] = {}
+    if max_ongoing_requests is not None:
+        options["max_ongoing_requests"] = max_ongoing_requests
     deployment: Any = serve.deployment(
         MultiplexedExperts,
         name="momlp_multiplexed",
         num_replicas=replicas,
         ray_actor_options={"num_cpus": 1},
+        **options,
     )
-    return deployment.bind(str(store_root), mode, models_per_replica)
+    return deployment.bind(str(store_root), mode, models_per_replica, batch_size, batch_wait_s)

@@ -20,8 +20,12 @@ runs both systems one after the other (the order alternates), each from a cold s
 
 Ray Serve runs in its best documented configuration for throughput by default
 (`--rayserve-config best`: `RAY_SERVE_THROUGHPUT_OPTIMIZED=1` and `RAY_SERVE_ENABLE_HA_PROXY=1`,
-both in Ray >= 2.55, set before its processes start); `--rayserve-config default` runs its
-defaults. A comparison is only fair against the peer at its best.
+both in Ray >= 2.55, set before its processes start, and `max_ongoing_requests` raised from 5
+to `--concurrency`, as its performance guide advises for async callables);
+`--rayserve-config default` runs its defaults. Its guide's other advice for throughput,
+dynamic request batching (`--rayserve-batch`), made it slower on this workload
+(`rayserve_configs.py` compares the peer's configurations). A comparison is only fair against
+the peer at its best.
 
 Each round also runs the *in-process limit* of the same workload: the same router, cache policy
 and total cache capacity, and forward, in one Python thread with no HTTP and no Ray. momlp's
@@ -590,6 +594,9 @@ def run_rayserve(args: argparse.Namespace, store: Store, work: list[Any], round_
             replicas=args.actors,
             models_per_replica=args.experts_per_actor,
             mode=store.manifest.routing,
+            max_ongoing_requests=peer_max_ongoing(args),
+            batch_size=args.rayserve_batch,
+            batch_wait_s=args.rayserve_batch_wait_ms / 1000.0,
         )
         serve.run(app, name="momlp_multiplexed", route_prefix="/v1/predict")
         wait_ready(url, {"inputs": work[0][1]}, 240.0)
@@ -652,6 +659,42 @@ def add_workload_args(
     parser.add_argument("--seed", type=int, default=0)
 
 
+def peer_max_ongoing(args: argparse.Namespace) -> int | None:
+    """Ray Serve's max_ongoing_requests for this run (None: Ray's default of 5).
+
+    Its performance guide says to raise it for `async` callables (the peer's is). At the
+    concurrency each replica may take every request in flight; in `rayserve_configs.py` that
+    gave 1.034-1.036x the rows/s of the default (medians of 3 and 6 rotated rounds), within
+    the rounds' spread but never below it (benchmarks/RESULTS.md, "Forty-fifth session").
+    """
+    if args.rayserve_max_ongoing is not None:
+        return args.rayserve_max_ongoing or None
+    return args.concurrency if args.rayserve_config == "best" else None
+
+
+def add_rayserve_args(parser: argparse.ArgumentParser) -> None:
+    """The two throughput knobs Ray Serve's performance guide names beside its flags."""
+    parser.add_argument(
+        "--rayserve-max-ongoing",
+        type=int,
+        default=None,
+        help="Ray Serve's max_ongoing_requests per replica; 0 keeps Ray's own (5); default: "
+        "--concurrency with --rayserve-config best, else Ray's own",
+    )
+    parser.add_argument(
+        "--rayserve-batch",
+        type=int,
+        default=0,
+        help="answer up to this many requests per replica call with @serve.batch (0: off)",
+    )
+    parser.add_argument(
+        "--rayserve-batch-wait-ms",
+        type=float,
+        default=1.0,
+        help="@serve.batch's batch_wait_timeout_s, in ms (with --rayserve-batch)",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_workload_args(parser)
@@ -669,6 +712,7 @@ def main(argv: list[str] | None = None) -> int:
         default="best",
         help="Ray Serve's documented high-throughput settings (best) or its defaults",
     )
+    add_rayserve_args(parser)
     parser.add_argument(
         "--quick", action="store_true", help="about a minute: 1 round of 600 requests"
     )
@@ -690,6 +734,9 @@ def main(argv: list[str] | None = None) -> int:
         "batch": args.rows_per_request,
         "distribution": "zipf:1.0",
         "rayserve_config": args.rayserve_config,
+        "rayserve_max_ongoing": peer_max_ongoing(args),
+        "rayserve_batch": args.rayserve_batch,
+        "rayserve_batch_wait_ms": args.rayserve_batch_wait_ms,
         "machine": MACHINE,
         "cpu": cpu_facts(),
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
