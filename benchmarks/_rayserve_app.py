@@ -5,8 +5,11 @@ momlp actor. Each replica holds the store's prototype tree and routes every requ
 itself (the same work as momlp's server); each expert is a multiplexed "model" loaded by
 `@serve.multiplexed` with `max_num_models_per_replica` = the experts that fit in momlp's
 per-actor byte budget, so both systems keep the same bytes resident. The client sends the
-expert id of its row in the `serve_multiplexed_model_id` header, which lets Ray Serve's router
-pick a replica that already holds that expert: the baseline gets its best case.
+expert id of its first row in the `serve_multiplexed_model_id` header, which lets Serve's Python
+proxy pick a replica that already holds that expert. HAProxy, the faster front of its
+high-throughput setting, balances by least connections and does not read it (the HAProxy
+configuration Serve writes has no rule on it); with 4-row requests the hit rate is 0.40-0.43
+either way (benchmarks/RESULTS.md, "Forty-fifth session").
 
 Ray Serve's performance guide names two more things to try for throughput, both options here:
 `max_ongoing_requests` above its default of 5 (for `async` callables like this one), and dynamic

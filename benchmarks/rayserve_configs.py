@@ -28,7 +28,14 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from vs_ray_serve import MACHINE, add_workload_args, cpu_facts, prepare, run_rayserve, summarize
+from vs_ray_serve import (
+    MACHINE,
+    add_workload_args,
+    cpu_facts,
+    prepare,
+    run_rayserve,
+    summarize,
+)
 
 KEPT = (
     "rows_per_s", "p50_ms", "p99_ms", "errors", "hit_rate",
@@ -84,6 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--client", choices=("aiohttp", "httpx"), default="aiohttp")
+    parser.add_argument(
+        "--rayserve-proxy",
+        choices=("haproxy", "python"),
+        default="haproxy",
+        help="HAProxy in front of the replicas, or Serve's Python proxy (one per process: "
+        "this process's ray.serve reads it once)",
+    )
     args = parser.parse_args(argv)
     args.rayserve_config = "best"
     store, _widths, _expert_bytes, work = prepare(args)
@@ -95,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows_per_request": args.rows_per_request,
         "requests": args.requests,
         "concurrency": args.concurrency,
+        "proxy": args.rayserve_proxy,
         "machine": MACHINE,
         "cpu": cpu_facts(),
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),

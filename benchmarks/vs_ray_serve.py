@@ -12,20 +12,21 @@ in flight) sends both the same seeded sequence of requests of `--rows-per-reques
 1) whose experts follow Zipf(1.0) over the experts ranked by a seeded permutation; each row is
 drawn near its expert's prototype and verified to route there. A Ray Serve HTTP request names
 one multiplexed model (header `serve_multiplexed_model_id`), so the driver sends the first row's
-expert in that header and Ray Serve's router can prefer a replica that holds it: with one row
-per request that is the baseline's best case; with several, its replica routes the rows and
-loads the other experts itself. momlp ignores the header and routes on the server. Each round
-runs both systems one after the other (the order alternates), each from a cold start; the first
-`--warmup` requests are not measured.
+expert in that header and Serve's Python proxy can prefer a replica that holds it (HAProxy, in
+front with the high-throughput setting, balances by least connections instead); the replica
+routes the rows and loads the other experts itself. momlp ignores the header and routes on
+the server. Each round runs both systems one after the other (the order alternates), each from
+a cold start; the first `--warmup` requests are not measured.
 
 Ray Serve runs in its best documented configuration for throughput by default
 (`--rayserve-config best`: `RAY_SERVE_THROUGHPUT_OPTIMIZED=1` and `RAY_SERVE_ENABLE_HA_PROXY=1`,
 both in Ray >= 2.55, set before its processes start, and `max_ongoing_requests` raised from 5
 to `--concurrency`, as its performance guide advises for async callables);
 `--rayserve-config default` runs its defaults. Its guide's other advice for throughput,
-dynamic request batching (`--rayserve-batch`), made it slower on this workload
-(`rayserve_configs.py` compares the peer's configurations). A comparison is only fair against
-the peer at its best.
+dynamic request batching (`--rayserve-batch`), made it slower on this workload, and Serve's
+Python proxy in HAProxy's place (`--rayserve-proxy python`, which routes by multiplexed model)
+made it about 3x slower (`rayserve_configs.py` compares the peer's configurations). A
+comparison is only fair against the peer at its best.
 
 Each round also runs the *in-process limit* of the same workload: the same router, cache policy
 and total cache capacity, and forward, in one Python thread with no HTTP and no Ray. momlp's
@@ -566,8 +567,11 @@ def run_inprocess(args: argparse.Namespace, store: Store, work: list[Any], round
 def run_rayserve(args: argparse.Namespace, store: Store, work: list[Any], round_: int) -> Any:
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     if args.rayserve_config == "best":
-        # Read by Serve's controller and proxy processes, which inherit this environment.
+        # Read by Serve's controller and proxy processes, which inherit this environment (and
+        # by this process's ray.serve once, at import: set the same for every run in it).
         os.environ.update(RAYSERVE_BEST)
+        if args.rayserve_proxy == "python":
+            os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "0"
     # Ray's workers import _rayserve_app by name.
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p
@@ -682,6 +686,13 @@ def add_rayserve_args(parser: argparse.ArgumentParser) -> None:
         "--concurrency with --rayserve-config best, else Ray's own",
     )
     parser.add_argument(
+        "--rayserve-proxy",
+        choices=("haproxy", "python"),
+        default="haproxy",
+        help="with --rayserve-config best: HAProxy in front of the replicas (its documented "
+        "high-throughput front) or Serve's Python proxy, which routes by multiplexed model",
+    )
+    parser.add_argument(
         "--rayserve-batch",
         type=int,
         default=0,
@@ -735,6 +746,7 @@ def main(argv: list[str] | None = None) -> int:
         "distribution": "zipf:1.0",
         "rayserve_config": args.rayserve_config,
         "rayserve_max_ongoing": peer_max_ongoing(args),
+        "rayserve_proxy": args.rayserve_proxy,
         "rayserve_batch": args.rayserve_batch,
         "rayserve_batch_wait_ms": args.rayserve_batch_wait_ms,
         "machine": MACHINE,
