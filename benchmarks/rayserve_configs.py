@@ -2,11 +2,11 @@
 
 `vs_ray_serve.py` compares momlp with Ray Serve in its best documented configuration. Its
 performance guide names, beside the throughput flags (`RAY_SERVE_THROUGHPUT_OPTIMIZED=1`,
-`RAY_SERVE_ENABLE_HA_PROXY=1`, always on here), two things to try: raising
-`max_ongoing_requests` (default 5) for `async` callables, and dynamic request batching
-(`@serve.batch`). This script runs the peer alone in each configuration of `--configs`, the
-order rotated every round, each from a cold start, so the best one can be chosen by
-measurement, not by assumption:
+always on here, and `RAY_SERVE_ENABLE_HA_PROXY=1`, on unless `--rayserve-proxy python`), two
+things to try: raising `max_ongoing_requests` (default 5) for `async` callables, and dynamic
+request batching (`@serve.batch`). This script runs the peer alone in each configuration of
+`--configs`, the order rotated every round, each from a cold start, so the best one can be
+chosen by measurement, not by assumption:
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/rayserve_configs.py \\
         --store /tmp/momlp-vs-issue --experts 200 --widths 16,256,512,8 \\

@@ -668,8 +668,8 @@ def peer_max_ongoing(args: argparse.Namespace) -> int | None:
 
     Its performance guide says to raise it for `async` callables (the peer's is). At the
     concurrency each replica may take every request in flight; in `rayserve_configs.py` that
-    gave 1.034-1.036x the rows/s of the default (medians of 3 and 6 rotated rounds), within
-    the rounds' spread but never below it (benchmarks/RESULTS.md, "Forty-fifth session").
+    gave 1.034-1.036x the rows/s of the default (medians of 3 and 6 rotated rounds; ahead in 6
+    of the 9 rounds, within their spread) (benchmarks/RESULTS.md, "Forty-fifth session").
     """
     if args.rayserve_max_ongoing is not None:
         return args.rayserve_max_ongoing or None
@@ -677,7 +677,8 @@ def peer_max_ongoing(args: argparse.Namespace) -> int | None:
 
 
 def add_rayserve_args(parser: argparse.ArgumentParser) -> None:
-    """The two throughput knobs Ray Serve's performance guide names beside its flags."""
+    """The peer's knobs: the two its performance guide names beside its throughput flags
+    (max_ongoing_requests, @serve.batch), and which front receives the requests."""
     parser.add_argument(
         "--rayserve-max-ongoing",
         type=int,
