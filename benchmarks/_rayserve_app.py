@@ -27,7 +27,6 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from _peer_batch import answer_batch
 from ray import serve
@@ -68,8 +67,8 @@ class _Ledger:
 
 
 class MultiplexedExperts:
-    """One replica: routes each request's rows, then runs each expert's rows through the
-    multiplexed loader's copy of that expert."""
+    """One replica: routes each request's (or batch's) rows, then runs each expert's rows
+    through the multiplexed loader's copy of that expert (`_peer_batch.answer_batch`)."""
 
     def __init__(
         self,
@@ -121,26 +120,9 @@ class MultiplexedExperts:
         if self.batched is not None:
             answer: dict[str, Any] = await self.batched(body)
             return answer
-        x = np.asarray(body["inputs"], dtype=np.float32)
-        experts = self.tree.route(x, mode=self.mode).experts[:, 0].numpy()
-        outputs = np.zeros((x.shape[0], self.store.manifest.output_dim), dtype=np.float32)
-        hits = misses = 0
-        for expert_id in np.unique(experts):
-            hit = int(expert_id) in self.ledger.live
-            expert = await self.get_expert(str(int(expert_id)))
-            hits += int(hit)
-            misses += int(not hit)
-            rows = experts == expert_id
-            with torch.inference_mode():
-                outputs[rows] = expert.module(torch.from_numpy(x[rows])).numpy()
-        return {
-            "outputs": outputs.tolist(),
-            "experts": [[int(e)] for e in experts],
-            "hits": hits,
-            "misses": misses,
-            "replica": self.name,
-            "resident_bytes": self.ledger.resident,
-        }
+        # Alone: the same code as a batch of one.
+        (alone,) = await self.answer_many([body])
+        return alone
 
 
 def build_app(

@@ -29,17 +29,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 from vs_ray_serve import (
+    KEPT,
     MACHINE,
+    add_rayserve_proxy_arg,
     add_workload_args,
     cpu_facts,
     prepare,
     run_rayserve,
     summarize,
-)
-
-KEPT = (
-    "rows_per_s", "p50_ms", "p99_ms", "errors", "hit_rate",
-    "cpu_ms_per_row_serving", "cpu_ms_per_row_client", "cpu_cores_busy",
 )
 
 
@@ -91,13 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--client", choices=("aiohttp", "httpx"), default="aiohttp")
-    parser.add_argument(
-        "--rayserve-proxy",
-        choices=("haproxy", "python"),
-        default="haproxy",
-        help="HAProxy in front of the replicas, or Serve's Python proxy (one per process: "
-        "this process's ray.serve reads it once)",
-    )
+    add_rayserve_proxy_arg(parser)
     args = parser.parse_args(argv)
     args.rayserve_config = "best"
     store, _widths, _expert_bytes, work = prepare(args)

@@ -31,15 +31,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from vs_ray_serve import MACHINE, add_workload_args, prepare, run_momlp, summarize
+from vs_ray_serve import KEPT, MACHINE, add_workload_args, prepare, run_momlp, summarize
 
 REPO = Path(__file__).resolve().parent.parent
-
-KEPT = (
-    "rows_per_s", "p50_ms", "p99_ms", "errors", "hit_rate",
-    "cpu_ms_per_row_serving", "cpu_ms_per_row_client", "cpu_cores_busy",
-)  # fmt: skip
-
 
 @contextmanager
 def code_trees(commits: list[str], repo: Path = REPO) -> Iterator[dict[str, Path]]:

@@ -324,6 +324,14 @@ async def drive(
     return [r for r in records if r is not None]
 
 
+# The fields of a `summarize` line that the single-system scripts (serve_ab.py,
+# rayserve_configs.py) print per trial.
+KEPT = (
+    "rows_per_s", "p50_ms", "p99_ms", "errors", "hit_rate",
+    "cpu_ms_per_row_serving", "cpu_ms_per_row_client", "cpu_cores_busy",
+)  # fmt: skip
+
+
 def summarize(
     system: str,
     records: list[Record],
@@ -676,6 +684,17 @@ def peer_max_ongoing(args: argparse.Namespace) -> int | None:
     return args.concurrency if args.rayserve_config == "best" else None
 
 
+def add_rayserve_proxy_arg(parser: argparse.ArgumentParser) -> None:
+    """Which front receives the peer's requests (one per process: ray.serve reads it once)."""
+    parser.add_argument(
+        "--rayserve-proxy",
+        choices=("haproxy", "python"),
+        default="haproxy",
+        help="with --rayserve-config best: HAProxy in front of the replicas (its documented "
+        "high-throughput front) or Serve's Python proxy, which routes by multiplexed model",
+    )
+
+
 def add_rayserve_args(parser: argparse.ArgumentParser) -> None:
     """The peer's knobs: the two its performance guide names beside its throughput flags
     (max_ongoing_requests, @serve.batch), and which front receives the requests."""
@@ -686,13 +705,7 @@ def add_rayserve_args(parser: argparse.ArgumentParser) -> None:
         help="Ray Serve's max_ongoing_requests per replica; 0 keeps Ray's own (5); default: "
         "--concurrency with --rayserve-config best, else Ray's own",
     )
-    parser.add_argument(
-        "--rayserve-proxy",
-        choices=("haproxy", "python"),
-        default="haproxy",
-        help="with --rayserve-config best: HAProxy in front of the replicas (its documented "
-        "high-throughput front) or Serve's Python proxy, which routes by multiplexed model",
-    )
+    add_rayserve_proxy_arg(parser)
     parser.add_argument(
         "--rayserve-batch",
         type=int,
