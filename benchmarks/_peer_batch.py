@@ -36,11 +36,13 @@ async def answer_batch(
     every request that uses it).
     """
     parts = [np.asarray(body["inputs"], dtype=np.float32) for body in bodies]
-    x = np.concatenate(parts)
+    # A request answered alone (no batching, the peer's usual case) pays no batch's copy.
+    x = parts[0] if len(parts) == 1 else np.concatenate(parts)
     experts = route(x)
     outputs = np.zeros((x.shape[0], output_dim), dtype=np.float32)
+    used = np.unique(experts).tolist()
     was_loaded: dict[int, bool] = {}
-    for expert_id in np.unique(experts).tolist():
+    for expert_id in used:
         was_loaded[expert_id] = expert_id in live
         expert = await get_expert(str(expert_id))
         rows = experts == expert_id
@@ -50,7 +52,7 @@ async def answer_batch(
     start = 0
     for part in parts:
         end = start + part.shape[0]
-        mine = np.unique(experts[start:end]).tolist()
+        mine = used if len(parts) == 1 else np.unique(experts[start:end]).tolist()
         hits = sum(was_loaded[e] for e in mine)
         answers.append(
             {
