@@ -32,7 +32,7 @@ OUT=${OUT:-$PWD/gpu-out}
 # The device's Python and what it lacks (see /work/.library/device/KINDS.md).
 WHEELS=(
   "ray==2.60.0" "fastapi==0.165.0" "starlette==1.10.0" "annotated-doc" "opentelemetry-api"
-  "importlib-metadata" "pydantic==2.14.3" "pydantic-core==2.50.4" "pydantic-settings==2.16.3"
+  "importlib-metadata" "pydantic==2.14.4" "pydantic-core==2.50.5" "pydantic-settings==2.16.3"
   "python-dotenv" "annotated-types==0.8.0" "typing-inspection==0.4.5" "uvicorn==0.54.0"
   "jsonschema" "jsonschema-specifications" "referencing" "rpds-py"
   # Not needed to run, but without it httpx's async requests (the load test's) each search
