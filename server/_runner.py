@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import uvicorn
 
 __all__ = [
+    "StopSignals",
     "count_connections",
     "freeze_heap",
     "open_without_key",
@@ -96,12 +97,51 @@ def count_connections(app: Any, server: uvicorn.Server) -> None:
         connections.attach(lambda: len(server.server_state.connections))
 
 
-def run_server(settings: Settings, *, app_factory: Callable[[Settings], Any] | None = None) -> int:
-    """Serve until SIGINT/SIGTERM; 0 after a clean shutdown, 1 if startup failed."""
-    import uvicorn
-    from uvicorn.config import STARTUP_FAILURE
+class StopSignals:
+    """SIGINT and SIGTERM for the whole of `run_server`, from before Ray starts.
 
-    from server.http import create_app
+    The first one asks whatever is starting or serving to stop: the
+    pool's start stops waiting for its actors (`event`), and uvicorn skips serving. Without
+    them a signal in the gaps between Ray's handler, uvicorn's and the default one was lost,
+    and a server stopped while starting kept serving (benchmarks/RESULTS.md, "Forty-ninth
+    session").
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self._on_stop: list[Callable[[], None]] = []
+        self._previous: dict[int, Any] = {}
+
+    def handle(self, sig: int, _frame: FrameType | None) -> None:
+        self.event.set()
+        for ask in self._on_stop:
+            ask()
+
+    def on_stop(self, ask: Callable[[], None]) -> None:
+        """Call `ask` at the first signal, or now if one came already."""
+        self._on_stop.append(ask)
+        if self.event.is_set():
+            ask()
+
+    def install(self) -> None:
+        """(Re)take both signals; ray.init puts its own SIGTERM handlers in (a Python one
+        that exits from wherever the main thread is, and its C++ crash reporter's)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in self.SIGNALS:
+            previous = signal.signal(sig, self.handle)
+            self._previous.setdefault(sig, previous)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def run_server(settings: Settings, *, app_factory: Callable[[Settings], Any] | None = None) -> int:
+    """Serve until SIGINT/SIGTERM; 0 after a clean shutdown (also one asked for while still
+    starting), 1 if startup failed."""
     from server.pool import ray_session
 
     if open_without_key(settings):
@@ -111,45 +151,74 @@ def run_server(settings: Settings, *, app_factory: Callable[[Settings], Any] | N
             "--api-key-env VAR",
             settings.host,
         )
-    with ray_session(address=settings.ray_address, num_cpus=settings.ray_num_cpus):
-        app = (app_factory or create_app)(settings)
-
-        class _Server(uvicorn.Server):
-            async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-                await super().startup(sockets)
-                if self.started:
-                    if settings.gc_freeze:
-                        frozen = freeze_heap()
-                        logger.info("froze %s objects alive after startup out of the GC", frozen)
-                    url = _bound_url(self, settings)
-                    logger.info(
-                        "momlp serving %s at %s (API docs at %s/docs)", settings.store, url, url
-                    )
-
-        server = _Server(uvicorn_config(app, settings))
-        count_connections(app, server)
-        received: list[int] = []
-
-        def remember(sig: int, _frame: FrameType | None) -> None:
-            received.append(sig)
-
-        # uvicorn handles SIGINT/SIGTERM during serving and re-raises them afterwards so the
-        # default action runs; these handlers absorb that re-raise so a requested stop exits 0.
-        previous: dict[int, Any] = {}
-        if threading.current_thread() is threading.main_thread():
-            previous = {s: signal.signal(s, remember) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            server.run()
-        except SystemExit as exc:
-            # uvicorn exits this way when the lifespan fails or the port cannot be bound; it
-            # has logged why. Ray still shuts down on the way out, and the caller gets 1.
-            if server.started or exc.code != STARTUP_FAILURE:
-                raise
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-        if not server.started:
-            logger.error("momlp did not start (see the errors above)")
-            return 1
-        logger.info("momlp stopped")
+    stop = StopSignals()
+    stop.install()
+    try:
+        with ray_session(address=settings.ray_address, num_cpus=settings.ray_num_cpus):
+            stop.install()
+            if stop.event.is_set():
+                logger.info("momlp stopped before it was ready")
+                return 0
+            return _serve(settings, app_factory, stop)
+    except SystemExit as exc:
+        # Ray's own SIGTERM handler, in place while ray.init ran, exits with the signal's number.
+        if exc.code != signal.SIGTERM:
+            raise
+        logger.info("momlp stopped before it was ready")
         return 0
+    finally:
+        stop.restore()
+
+
+def _serve(
+    settings: Settings, app_factory: Callable[[Settings], Any] | None, stop: StopSignals
+) -> int:
+    import uvicorn
+    from uvicorn.config import STARTUP_FAILURE
+
+    from server.http import create_app
+    from server.serving import ray_pool
+
+    app = (
+        app_factory(settings)
+        if app_factory
+        else create_app(settings, pool_factory=ray_pool(stop.event))
+    )
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                if settings.gc_freeze:
+                    frozen = freeze_heap()
+                    logger.info("froze %s objects alive after startup out of the GC", frozen)
+                url = _bound_url(self, settings)
+                logger.info(
+                    "momlp serving %s at %s (API docs at %s/docs)", settings.store, url, url
+                )
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            super().handle_exit(sig, frame)
+            stop.event.set()  # a pool still starting stops waiting for its actors
+
+    server = _Server(uvicorn_config(app, settings))
+    count_connections(app, server)
+    # uvicorn takes both signals while it serves and re-raises them when done, so that the
+    # default action runs; StopSignals' handlers, back in place then, absorb that, so a
+    # requested stop exits 0. One that comes before uvicorn takes them still stops it.
+    stop.on_stop(lambda: setattr(server, "should_exit", True))
+    try:
+        server.run()
+    except SystemExit as exc:
+        # uvicorn exits this way when the lifespan fails or the port cannot be bound; it
+        # has logged why. Ray still shuts down on the way out, and the caller gets 1.
+        if server.started or exc.code != STARTUP_FAILURE:
+            raise
+    if not server.started:
+        if stop.event.is_set():
+            logger.info("momlp stopped before it was ready")
+            return 0
+        logger.error("momlp did not start (see the errors above)")
+        return 1
+    logger.info("momlp stopped")
+    return 0

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,31 @@ def actor_device(
     if local_cuda:
         return "cuda"
     return "cuda" if cluster_gpus - local_gpus >= 1 else "cpu"
+
+
+# How often a start waiting for its actors looks at its stop event.
+_STOP_POLL_S = 0.2
+
+
+class _StartStopped(Exception):
+    """The pool's start was asked to stop before its actors were up."""
+
+
+def _wait_until_up(refs: list[Any], timeout_s: float, stop: threading.Event | None) -> None:
+    """Until every ref is ready, in slices, so a set `stop` ends the wait at once; raises
+    Ray's GetTimeoutError past `timeout_s`, as `ray.get(refs, timeout=...)` does."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    deadline = time.monotonic() + timeout_s
+    pending = refs
+    while pending:
+        if stop is not None and stop.is_set():
+            raise _StartStopped
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise GetTimeoutError(f"{len(pending)} actor(s) not up within {timeout_s:g} s")
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(left, _STOP_POLL_S))
 
 
 def _last_line(text: str) -> str:
@@ -106,12 +133,14 @@ class RayExpertPool(DispatchingPool):
         torch_threads: int | None = 1,
         num_cpus_per_actor: float = 1.0,
         max_concurrency: int = 4,
+        stop: threading.Event | None = None,
     ) -> RayExpertPool:
         """Start the actors and wait until each is up (blocking).
 
         Ray must already be initialised by the caller. Raises `PoolStartFailed` when the
         actors cannot all be placed within `settings.actor_start_timeout_s` (the cluster
-        lacks the CPUs, GPUs or custom resources they ask for); none is left behind then.
+        lacks the CPUs, GPUs or custom resources they ask for), or when `stop` is set while
+        they start (a signal during the server's startup); none is left behind then.
         """
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
@@ -152,10 +181,13 @@ class RayExpertPool(DispatchingPool):
                 host_cache_bytes=settings.host_cache_bytes,
             )
         try:
-            ray.get(
-                [handle.get_pid.remote() for handle in handles.values()],
-                timeout=settings.actor_start_timeout_s,
-            )
+            up = [handle.get_pid.remote() for handle in handles.values()]
+            _wait_until_up(up, settings.actor_start_timeout_s, stop)
+            ray.get(up)  # raises RayActorError for an actor that died starting
+        except _StartStopped:
+            for handle in handles.values():
+                ray.kill(handle, no_restart=True)
+            raise PoolStartFailed(reason="a stop was asked for before the actors were up") from None
         except GetTimeoutError:
             for handle in handles.values():
                 ray.kill(handle, no_restart=True)

@@ -7,6 +7,7 @@ always does.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -33,13 +34,21 @@ def start_ray(*, address: str | None = None, num_cpus: int | None = None) -> boo
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     logger.info("starting an embedded Ray")
     # address="local": a bare ray.init() would attach to any cluster `ray start` left behind.
-    ray.init(
-        address="local",
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        configure_logging=False,
-        log_to_driver=False,
-    )
+    try:
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            configure_logging=False,
+            log_to_driver=False,
+        )
+    except BaseException:
+        # ray.init answers a SIGTERM with SystemExit from wherever it is; the part of the
+        # node already up (its agents outlived the process by a minute) goes down now, even
+        # though Ray does not count itself initialised yet.
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        raise
     return True
 
 

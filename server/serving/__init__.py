@@ -5,7 +5,13 @@ It sits on the batching and pool floors and knows nothing of HTTP.
 
 from __future__ import annotations
 
-from server.serving._state import ObservedPool, PoolFactory, ServingState, in_daemon_thread
+from server.serving._state import (
+    ObservedPool,
+    PoolFactory,
+    ServingState,
+    in_daemon_thread,
+    ray_pool,
+)
 from server.serving._version import (
     BatcherFactory,
     BatcherLike,
@@ -23,5 +29,6 @@ __all__ = [
     "StoreVersion",
     "default_batcher",
     "in_daemon_thread",
+    "ray_pool",
     "read_store_version",
 ]

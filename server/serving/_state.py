@@ -33,7 +33,7 @@ from server.serving._version import (
     read_store_version,
 )
 
-__all__ = ["ObservedPool", "PoolFactory", "ServingState", "in_daemon_thread"]
+__all__ = ["ObservedPool", "PoolFactory", "ServingState", "in_daemon_thread", "ray_pool"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,16 +76,26 @@ def in_daemon_thread(fn: Callable[..., R], *args: Any) -> asyncio.Future[R]:
     return future
 
 
-async def _default_pool(settings: Settings) -> ExpertPool:
-    import ray
+def ray_pool(stop: threading.Event | None = None) -> PoolFactory:
+    """The default pool factory: Ray actors in the Ray this process runs. A set `stop` (the
+    server's signal handling sets it) ends a start still waiting for its actors."""
 
-    from server.pool import RayExpertPool
+    async def make(settings: Settings) -> ExpertPool:
+        import ray
 
-    if not ray.is_initialized():
-        raise PoolStartFailed(reason="Ray is not running (start it with server.pool.ray_session)")
-    # create() blocks until every actor is up (or its start timeout).
-    pool: ExpertPool = await asyncio.to_thread(RayExpertPool.create, settings)
-    return pool
+        from server.pool import RayExpertPool
+
+        if not ray.is_initialized():
+            raise PoolStartFailed(
+                reason="Ray is not running (start it with server.pool.ray_session)"
+            )
+        # create() blocks until every actor is up (or its start timeout, or `stop`).
+        pool: ExpertPool = await asyncio.to_thread(
+            functools.partial(RayExpertPool.create, settings, stop=stop)
+        )
+        return pool
+
+    return make
 
 
 class ObservedPool:
@@ -160,7 +170,7 @@ class ServingState:
         self.settings = settings
         self._on_generated = on_generated
         self.clock = clock
-        self.pool_factory: PoolFactory = pool_factory or _default_pool
+        self.pool_factory: PoolFactory = pool_factory or ray_pool()
         self.batcher_factory: BatcherFactory = batcher_factory or functools.partial(
             default_batcher, open_connections=open_connections
         )

@@ -17,8 +17,10 @@ __all__ = ["run_benchmark"]
 ROOT = Path(__file__).resolve().parents[2]
 
 # After a timeout the script gets SIGINT and this long to stop its servers and print their
-# logs (vs_ray_serve.served prints a server's log when interrupted) before it is killed.
-_STOP_S = 60.0
+# logs (vs_ray_serve.served prints a server's log when interrupted) before it is killed. More
+# than the script's own bound on stopping a server (SIGTERM, SIGKILL past 90 s, then up to 30 s
+# to reap): killed sooner, the script left a server that had not stopped yet running.
+_STOP_S = 150.0
 
 
 def run_benchmark(script: str, *args: str, timeout_s: float = 240.0) -> list[dict[str, Any]]:

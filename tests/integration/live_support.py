@@ -178,9 +178,15 @@ class ServeProcess:
 
 @contextlib.contextmanager
 def serve_process(
-    args: list[str], *, env: dict[str, str], cwd: Path, ready_timeout: float = 120.0
+    args: list[str],
+    *,
+    env: dict[str, str],
+    cwd: Path,
+    ready_timeout: float = 120.0,
+    until: re.Pattern[str] = _SERVING_URL,
 ) -> Iterator[ServeProcess]:
-    """Start `momlp serve ARGS`, wait for the line that logs its URL, and always stop it.
+    """Start `momlp serve ARGS`, wait for the line that logs its URL (or matches `until`,
+    whose first group, if any, is taken as the URL), and always stop it.
 
     stderr is pumped by a thread (the server logs a lot; a full pipe would block it). On
     exit a process still running gets SIGTERM, then SIGKILL after a minute.
@@ -209,10 +215,10 @@ def serve_process(
         deadline = time.monotonic() + ready_timeout
         while url is None and time.monotonic() < deadline and process.poll() is None:
             try:
-                match = _SERVING_URL.search(lines.get(timeout=1.0))
+                match = until.search(lines.get(timeout=1.0))
             except queue.Empty:
                 continue
-            url = match.group(1) if match else None
+            url = (match.group(1) if until.groups else "") if match else None
         assert url is not None, "".join(log)
         yield ServeProcess(process, url, log)
     finally:

@@ -9,6 +9,7 @@ read on a hung network mount does.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -149,3 +150,23 @@ def test_sigterm_right_after_an_actor_was_killed(served: tuple[object, Path]) ->
     os.kill(actors[0], signal.SIGKILL)
     post_in_background(f"{url}/v1/predict", json={"inputs": x.tolist()})
     stop_and_check(process)
+
+
+def test_sigterm_while_the_actors_start_stops_at_once(tmp_path: Path) -> None:
+    """Two actors on a one-CPU Ray: the second cannot be placed, so the server sits in its
+    startup for the actors' start timeout (three minutes in tests). A SIGTERM there ends the
+    start, exits 0 and leaves nothing of Ray behind; it used to wait out the timeout."""
+    store = build_store(tmp_path / "store")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    args = ["--store", str(store), "--port", "0", "--actors", "2", "--ray-num-cpus", "1"]
+    starting = re.compile(r"Waiting for application startup")
+    with serve_process(args, env=env, cwd=tmp_path, until=starting) as served:
+        deadline = time.monotonic() + 60.0  # the first actor's worker: Ray is fully up
+        while not any("ray::" in cmdline(pid) for pid in descendants(served.process.pid)):
+            assert time.monotonic() < deadline, "".join(served.log)
+            time.sleep(0.2)
+        stop_and_check(served)
+    text = "".join(served.log)
+    assert "a stop was asked for before the actors were up" in text
+    assert "momlp stopped before it was ready" in text
