@@ -100,11 +100,13 @@ def count_connections(app: Any, server: uvicorn.Server) -> None:
 class StopSignals:
     """SIGINT and SIGTERM for the whole of `run_server`, from before Ray starts.
 
-    The first one asks whatever is starting or serving to stop: the
-    pool's start stops waiting for its actors (`event`), and uvicorn skips serving. Without
-    them a signal in the gaps between Ray's handler, uvicorn's and the default one was lost,
-    and a server stopped while starting kept serving (benchmarks/RESULTS.md, "Forty-ninth
-    session").
+    The first one asks whatever is starting or serving to stop: the pool's start stops
+    waiting for its actors (`event`), and uvicorn skips serving. Before, a signal between
+    `ray.init` and uvicorn's own handlers was only remembered (a server stopped while starting
+    was found still serving 20 minutes later), and one while the actors started waited for
+    them (benchmarks/RESULTS.md, "Forty-ninth session"). Inside `ray.init` Ray's handlers have
+    the signal: its Python one exits (code 15, which run_server counts as a stop), its C++
+    crash reporter, once Ray's core worker is up, aborts.
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -161,7 +163,8 @@ def run_server(settings: Settings, *, app_factory: Callable[[Settings], Any] | N
                 return 0
             return _serve(settings, app_factory, stop)
     except SystemExit as exc:
-        # Ray's own SIGTERM handler, in place while ray.init ran, exits with the signal's number.
+        # Ray's own SIGTERM handler, in place while ray.init ran (until install() above took
+        # the signal back), exits with the signal's number.
         if exc.code != signal.SIGTERM:
             raise
         logger.info("momlp stopped before it was ready")
