@@ -102,11 +102,11 @@ class StopSignals:
 
     The first one asks whatever is starting or serving to stop: the pool's start stops
     waiting for its actors (`event`), and uvicorn skips serving. Before, a signal between
-    `ray.init` and uvicorn's own handlers was only remembered (a server stopped while starting
-    was found still serving 20 minutes later), and one while the actors started waited for
-    them (benchmarks/RESULTS.md, "Forty-ninth session"). Inside `ray.init` Ray's handlers have
-    the signal: its Python one exits (code 15, which run_server counts as a stop), its C++
-    crash reporter, once Ray's core worker is up, aborts.
+    `ray.init` and uvicorn's own handlers was only remembered, and one while the actors
+    started waited for them, minutes where they could not be placed (benchmarks/RESULTS.md,
+    "Forty-ninth session"). Inside `ray.init` Ray's handlers have the signal: its Python one
+    exits (code 15, which run_server counts as a stop), its C++ crash reporter, once Ray's
+    core worker is up, aborts.
     """
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +32,23 @@ def run_benchmark(script: str, *args: str, timeout_s: float = 240.0) -> list[dic
     servers it started (a killed script would leave them and their Ray behind) and its
     stderr then says where it was.
     """
-    process = subprocess.Popen(
-        [sys.executable, str(ROOT / "benchmarks" / script), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        cwd=ROOT,
-    )
+    # A shell starts a background job with SIGINT ignored, and a child inherits that (a
+    # handler it does not): the script could not be interrupted, and was killed with its
+    # servers left running. With a handler here for the moment of the start, it is not.
+    interruptible = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler) if interruptible else None
+    try:
+        process = subprocess.Popen(
+            [sys.executable, str(ROOT / "benchmarks" / script), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+            cwd=ROOT,
+        )
+    finally:
+        if interruptible:
+            signal.signal(signal.SIGINT, previous)
     try:
         stdout, stderr = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
