@@ -43,9 +43,10 @@ def start_ray(*, address: str | None = None, num_cpus: int | None = None) -> boo
             log_to_driver=False,
         )
     except BaseException:
-        # ray.init answers a SIGTERM with SystemExit from wherever it is; the part of the
-        # node already up (its agents outlived the process by a minute) goes down now, even
-        # though Ray does not count itself initialised yet.
+        # ray.init answers a SIGTERM with SystemExit from wherever it is; what of the node is
+        # already up goes down now, though Ray does not count itself initialised yet. Its
+        # node agents may still outlive this process by a minute (RESULTS.md, "Forty-ninth
+        # session").
         with contextlib.suppress(Exception):
             ray.shutdown()
         raise
