@@ -159,18 +159,22 @@ def run_server(settings: Settings, *, app_factory: Callable[[Settings], Any] | N
         with ray_session(address=settings.ray_address, num_cpus=settings.ray_num_cpus):
             stop.install()
             if stop.event.is_set():
-                logger.info("momlp stopped before it was ready")
-                return 0
+                return _stopped_while_starting()
             return _serve(settings, app_factory, stop)
     except SystemExit as exc:
         # Ray's own SIGTERM handler, in place while ray.init ran (until install() above took
         # the signal back), exits with the signal's number.
         if exc.code != signal.SIGTERM:
             raise
-        logger.info("momlp stopped before it was ready")
-        return 0
+        return _stopped_while_starting()
     finally:
         stop.restore()
+
+
+def _stopped_while_starting() -> int:
+    """A stop asked for during startup is a clean exit, not a failed start."""
+    logger.info("momlp stopped before it was ready")
+    return 0
 
 
 def _serve(
@@ -219,8 +223,7 @@ def _serve(
             raise
     if not server.started:
         if stop.event.is_set():
-            logger.info("momlp stopped before it was ready")
-            return 0
+            return _stopped_while_starting()
         logger.error("momlp did not start (see the errors above)")
         return 1
     logger.info("momlp stopped")
