@@ -141,6 +141,26 @@ class StopSignals:
             signal.signal(sig, handler)
 
 
+class _StopIsNotAnError(logging.Filter):
+    """Logs uvicorn's reports of a failed start at INFO once a stop was asked for.
+
+    A stop during startup ends the pool's start, which fails uvicorn's lifespan, and uvicorn
+    reports that at ERROR ("cannot serve ...", "Application startup failed"). Asked for, it
+    is no error: log alerts should not fire on a Ctrl-C. Records logged before the stop keep
+    their level.
+    """
+
+    def __init__(self, stop: threading.Event, server: uvicorn.Server) -> None:
+        super().__init__()
+        self._stop = stop
+        self._server = server
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and self._stop.is_set() and not self._server.started:
+            record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
+        return True
+
+
 def run_server(settings: Settings, *, app_factory: Callable[[Settings], Any] | None = None) -> int:
     """Serve until SIGINT/SIGTERM; 0 after a clean shutdown (also one asked for while still
     starting), 1 if startup failed."""
@@ -214,6 +234,9 @@ def _serve(
     # default action runs; StopSignals' handlers, back in place then, absorb that, so a
     # requested stop exits 0. One that comes before uvicorn takes them still stops it.
     stop.on_stop(lambda: setattr(server, "should_exit", True))
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    quiet_stop = _StopIsNotAnError(stop.event, server)
+    uvicorn_log.addFilter(quiet_stop)
     try:
         server.run()
     except SystemExit as exc:
@@ -221,6 +244,8 @@ def _serve(
         # has logged why. Ray still shuts down on the way out, and the caller gets 1.
         if server.started or exc.code != STARTUP_FAILURE:
             raise
+    finally:
+        uvicorn_log.removeFilter(quiet_stop)
     if not server.started:
         if stop.event.is_set():
             return _stopped_while_starting()
