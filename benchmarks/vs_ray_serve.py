@@ -37,7 +37,8 @@ system's processes: server or proxy, Ray, actors or replicas) and the client (th
 once the benchmark saturates the machine's cores, CPU per row is what bounds rows/s.
 
 Prints one JSON line per system and round, one per system with the medians over rounds, and
-one with the ratios. Binds and sends only to 127.0.0.1.
+one with the ratios and the arithmetic behind the rows/s ratio (cores busy over CPU per row:
+`ratio_arithmetic`). Binds and sends only to 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -385,6 +386,34 @@ def frozen_heap() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+def ratio_arithmetic(
+    momlp: dict[str, float], peer: dict[str, float], limit: dict[str, float], goal: float = 3.0
+) -> dict[str, float]:
+    """Why the rows/s ratio is what it is, from each system's median line.
+
+    rows/s = cores busy / CPU per row (the client's CPU counted), so momlp's ratio to the peer
+    is (cores busy, momlp / peer) / (CPU per row, momlp / peer) to within the error of the
+    medians. The last two fields compare momlp's serving CPU per row with the in-process
+    limit's: what it spent, and what `goal` times the peer's rows/s would allow it at the
+    cores it keeps busy (RESULTS.md, "Where issue 19 stands").
+    """
+    cores = momlp["cpu_cores_busy"] / peer["cpu_cores_busy"]
+    momlp_row = momlp["cpu_ms_per_row_serving"] + momlp["cpu_ms_per_row_client"]
+    peer_row = peer["cpu_ms_per_row_serving"] + peer["cpu_ms_per_row_client"]
+    allowed_row = 1000.0 * momlp["cpu_cores_busy"] / (goal * peer["rows_per_s"])
+    return {
+        "cores_busy_ratio": cores,
+        "cpu_per_row_ratio_with_client": momlp_row / peer_row,
+        "rows_per_s_ratio_predicted": cores / (momlp_row / peer_row),
+        "serving_cpu_per_row_to_limit": momlp["cpu_ms_per_row_serving"]
+        / limit["cpu_ms_per_row_serving"],
+        f"serving_cpu_per_row_to_limit_for_{goal:g}x": (
+            allowed_row - momlp["cpu_ms_per_row_client"]
+        )
+        / limit["cpu_ms_per_row_serving"],
+    }
 
 
 def run_driver(
@@ -840,6 +869,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         # Serving-side CPU per row: what bounds rows/s once the cores are saturated.
         "cpu_per_row_serving_ratio": m["cpu_ms_per_row_serving"] / r["cpu_ms_per_row_serving"],
+        **ratio_arithmetic(m, r, limit),
         "goal_half_of_limit": m["rows_per_s"] >= 0.5 * limit["rows_per_s"],
         "goal_rows_per_s_3x": m["rows_per_s"] >= 3 * r["rows_per_s"],
         "goal_p99_half": m["p99_ms"] <= 0.5 * r["p99_ms"],

@@ -96,3 +96,34 @@ def test_every_configuration_serves_the_load_without_errors(tmp_path: Path) -> N
     assert sorted(line["config"] for line in lines if line.get("stat") == "median") == [
         "4:4:5", "default:0:0",
     ]
+
+
+def _median_line(cores: float, serving_ms: float, client_ms: float) -> dict[str, float]:
+    # A system whose rows/s is exactly what its busy cores and CPU per row allow.
+    return {
+        "cpu_cores_busy": cores,
+        "cpu_ms_per_row_serving": serving_ms,
+        "cpu_ms_per_row_client": client_ms,
+        "rows_per_s": 1000.0 * cores / (serving_ms + client_ms),
+    }
+
+
+@pytest.mark.unit
+def test_the_ratio_arithmetic_predicts_the_ratio_and_the_cpu_that_3x_allows() -> None:
+    from benchmarks.vs_ray_serve import ratio_arithmetic
+
+    momlp = _median_line(1.7, 0.75, 0.15)
+    peer = _median_line(1.95, 2.3, 0.25)
+    limit = _median_line(1.0, 0.5, 0.0)
+    figures = ratio_arithmetic(momlp, peer, limit)
+    assert figures["rows_per_s_ratio_predicted"] == pytest.approx(
+        momlp["rows_per_s"] / peer["rows_per_s"]
+    )
+    assert figures["serving_cpu_per_row_to_limit"] == pytest.approx(1.5)
+    # At that serving CPU per row momlp would reach exactly 3x the peer's rows/s.
+    allowed = figures["serving_cpu_per_row_to_limit_for_3x"] * limit["cpu_ms_per_row_serving"]
+    at_3x = _median_line(1.7, allowed, 0.15)
+    assert at_3x["rows_per_s"] == pytest.approx(3 * peer["rows_per_s"])
+    assert ratio_arithmetic(at_3x, peer, limit)["serving_cpu_per_row_to_limit_for_3x"] == (
+        pytest.approx(figures["serving_cpu_per_row_to_limit_for_3x"])
+    )
