@@ -45,6 +45,7 @@ class ConditionWorkload:
         self._rng = random.Random(seed + 1)
         self._cumulative = list(_accumulate(expert_law(distribution, conditions)))
         self.distinct_per_request: list[int] = []
+        self._drawn: set[int] = set()
 
     def next_request(self, batch: int) -> tuple[list[list[float]], dict[str, Any]]:
         """Rows [batch, input_dim] and the request's `conditions` field."""
@@ -55,6 +56,7 @@ class ConditionWorkload:
             for _ in range(batch)
         ]
         self.distinct_per_request.append(len(set(ranks)))
+        self._drawn.update(ranks)
         return rows, {"conditions": [self.table[r] for r in ranks]}
 
     def describe(self) -> dict[str, Any]:
@@ -65,4 +67,5 @@ class ConditionWorkload:
             "condition_dim": self.condition_dim,
             "distinct_per_request_mean": sum(drawn) / len(drawn) if drawn else None,
             "distinct_per_request_max": max(drawn, default=None),
+            "distinct_drawn": len(self._drawn),
         }

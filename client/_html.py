@@ -74,6 +74,9 @@ def summary_rows(report: LoadTestReport) -> list[SummaryRow]:
     add("max_expert_bytes", "largest expert", report.max_expert_bytes, _bytes)
     add("experts_per_row", "experts per row (kept by the gate)", report.experts_per_row,
         fixed(3, ""))
+    if report.conditions_served is not None:
+        add("conditions_served", "conditions served (distinct θ)", report.conditions_served,
+            count)
     if report.accuracy is not None:
         metric = report.accuracy["metric"]
         label = "test MSE (--eval)" if metric == "mse" else "test accuracy (--eval)"

@@ -406,6 +406,10 @@ class _Runner:
                 device_bytes=dict(stats.device_bytes) if stats is not None else {},
                 expert_rows=expert_rows,
                 kept=sum(len(experts) for experts in prediction.experts),
+                condition_keys=tuple(sorted(
+                    {stat.key for stat in stats.experts if stat.key is not None}
+                    if stats is not None else ()
+                )),
                 eval_sum=eval_sum,
                 eval_count=eval_count,
             )

@@ -40,6 +40,8 @@ class RequestRecord:
     device_bytes: dict[str, int] = field(default_factory=dict)
     expert_rows: dict[int, int] = field(default_factory=dict)
     kept: int = 0  # experts used, summed over the request's rows (the gate may vary it)
+    # Kind hyper: the cache keys of the θ the request's rows used (one per distinct condition).
+    condition_keys: tuple[str, ...] = ()
     # --eval: sum of squared errors (regression) or correct rows (classification), and over
     # how many values (output values, or rows); None without --eval.
     eval_sum: float | None = None
@@ -83,6 +85,8 @@ class LoadTestReport:
     records: list[dict[str, Any]] | None = None
     # Mean experts per answered row (what the gate kept).
     experts_per_row: float | None = None
+    # Kind hyper: distinct θ (conditions) the answered requests used; None for other kinds.
+    conditions_served: int | None = None
     # --eval: {"metric": "mse"|"accuracy", "value", "task", "rows", "values", "data"}.
     accuracy: dict[str, Any] | None = None
     plots: list[str] = field(default_factory=list)
@@ -113,12 +117,8 @@ class LoadTestReport:
             f"cache hits {self.hits}, misses (loads) {self.misses}, hit rate "
             + ("n/a" if self.hit_rate is None else f"{self.hit_rate:.3f}"),
             f"vram/request  p50 {_human_bytes(vram['p50'])}  p99 {_human_bytes(vram['p99'])}  "
-            f"max {_human_bytes(vram['max'])}; "
-            f"dense model {_human_bytes(self.dense_equivalent_bytes)}; "
-            "p99/dense " + ("n/a" if self.vram_ratio is None else f"{self.vram_ratio:.4f}"),
-            f"experts served {len(self.expert_rows)} of {self.model.get('num_experts', '?')}"
-            + ("" if self.experts_per_row is None
-               else f", {self.experts_per_row:.3f} per row"),
+            f"max {_human_bytes(vram['max'])}; {self._memory_beside()}",
+            self._served(),
         ]
         if self.accuracy is not None:
             value = self.accuracy["value"]
@@ -132,6 +132,35 @@ class LoadTestReport:
             lines.append(f"errors by status: {counts}")
         lines.extend(self.notes)
         return "\n".join(lines)
+
+
+    def _conditions_run(self) -> bool:
+        # A --conditions run: rows carry random conditions, so there are no experts to count
+        # and no dense model to compare with (every θ is generated on demand).
+        return self.conditions_served is not None and "conditions" in self.workload
+
+    def _memory_beside(self) -> str:
+        hyper = self.model.get("hyper")
+        if self._conditions_run() and isinstance(hyper, dict):
+            return (
+                f"the pinned hypernetwork {_human_bytes(hyper.get('generator_bytes', 0))} "
+                f"+ θ {_human_bytes(hyper.get('theta_bytes', 0))} per condition"
+            )
+        return (
+            f"dense model {_human_bytes(self.dense_equivalent_bytes)}; p99/dense "
+            + ("n/a" if self.vram_ratio is None else f"{self.vram_ratio:.4f}")
+        )
+
+    def _served(self) -> str:
+        if self._conditions_run():
+            return (
+                f"conditions served {self.conditions_served} distinct θ "
+                f"(of {self.workload.get('distinct_drawn', '?')} drawn, from a table of "
+                f"{self.workload['conditions']})"
+            )
+        return f"experts served {len(self.expert_rows)} of {self.model.get('num_experts', '?')}" + (
+            "" if self.experts_per_row is None else f", {self.experts_per_row:.3f} per row"
+        )
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -168,6 +197,7 @@ def build_report(
         expert_rows.update(record.expert_rows)
     errors = Counter(record.status for record in records if not record.ok)
     p99_vram = percentile(vram, 99)
+    conditions = {key for record in ok for key in record.condition_keys}
     return LoadTestReport(
         requests=len(records),
         ok=len(ok),
@@ -199,6 +229,7 @@ def build_report(
         workload=workload,
         records=[_record_dict(record) for record in records] if save_requests else None,
         experts_per_row=sum(record.kept for record in ok) / rows if rows else None,
+        conditions_served=len(conditions) if conditions else None,
         accuracy=accuracy,
     )
 
@@ -309,6 +340,7 @@ def _record_dict(record: RequestRecord) -> dict[str, Any]:
     data = asdict(record)
     data["latency_ms"] = record.latency_ms
     data["expert_rows"] = {str(key): value for key, value in record.expert_rows.items()}
+    data["condition_keys"] = list(record.condition_keys)
     return data
 
 

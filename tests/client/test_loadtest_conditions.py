@@ -40,6 +40,11 @@ async def test_conditions_workload_misses_once_per_condition_per_actor(tmp_path:
     assert 1 <= report.misses <= 20
     assert report.hits + report.misses >= 60
     assert report.vram_bytes["max"] > 4 * sum(p.numel() for p in f.f.parameters())
+    # The server's θ keys, one per distinct condition, against what the workload drew.
+    assert report.conditions_served == report.workload["distinct_drawn"]
+    assert 1 < report.conditions_served <= 20
+    assert f"conditions served {report.conditions_served} distinct θ" in report.summary()
+    assert "experts served" not in report.summary()
 
 
 

@@ -89,6 +89,34 @@ def test_build_report_counts_and_buckets():
     assert "errors by status: 429: 1, timeout: 1" in report.summary()
 
 
+def test_a_conditions_run_counts_distinct_conditions_not_experts():
+    # A --conditions run against a hyper store: every row's θ has key-only stats (expert -1).
+    keys = [("a", "b"), ("b", "c"), ("z",)]
+    records = [
+        record(i, 0.1 * i, 0.1 * i + 0.05, vram_bytes=500, expert_rows={-1: 2},
+               condition_keys=k)
+        for i, k in enumerate(keys)
+    ]
+    records[2] = record(2, 0.2, 0.3, status="503", condition_keys=("z",))  # failed: not served
+    hyper = {"generator_bytes": 2048, "theta_bytes": 512}
+    report = build_report(
+        records, duration_s=1.0, dense_equivalent_bytes=0, max_expert_bytes=0, config={},
+        model={"num_experts": 0, "kind": "hyper", "hyper": hyper},
+        workload={"conditions": 10, "distinct_drawn": 4},
+    )
+    assert report.conditions_served == 3
+    summary = report.summary()
+    assert "conditions served 3 distinct θ (of 4 drawn, from a table of 10)" in summary
+    assert "the pinned hypernetwork 2.00 KiB + θ 512 B per condition" in summary
+    assert "experts served" not in summary and "dense model" not in summary
+    # The same records in an ordinary run (no condition table) keep the experts' lines.
+    plain = build_report(
+        records, duration_s=1.0, dense_equivalent_bytes=0, max_expert_bytes=0, config={},
+        model={"num_experts": 0}, workload={},
+    )
+    assert "experts served 1 of 0" in plain.summary() and "dense model" in plain.summary()
+
+
 def test_empty_run_gives_zeros_not_nan():
     report = build_report(
         [record(0, 0.0, 0.1, status="503")],
