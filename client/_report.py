@@ -158,9 +158,10 @@ class LoadTestReport:
                 f"(of {self.workload.get('distinct_drawn', '?')} drawn, from a table of "
                 f"{self.workload['conditions']})"
             )
-        return f"experts served {len(self.expert_rows)} of {self.model.get('num_experts', '?')}" + (
-            "" if self.experts_per_row is None else f", {self.experts_per_row:.3f} per row"
-        )
+        served = f"experts served {len(self.expert_rows)} of {self.model.get('num_experts', '?')}"
+        if self.experts_per_row is None:
+            return served
+        return f"{served}, {self.experts_per_row:.3f} per row"
 
 
 def percentile(values: Sequence[float], q: float) -> float:
