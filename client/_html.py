@@ -62,7 +62,7 @@ def summary_rows(report: LoadTestReport) -> list[SummaryRow]:
         add(f"latency_ms/{key}", f"latency {key}", report.latency_ms[key], fixed(2, "ms"))
     add("hits", "cache hits", report.hits, count)
     add("misses", "cache misses", report.misses, count)
-    add("loads", "expert loads", report.loads, count)
+    add("loads", "waits for a load (per request and expert)", report.loads, count)
     add("hit_rate", "hit rate", report.hit_rate, fixed(4, ""))
     for key in ("p50", "p99", "max"):
         add(f"vram_bytes/{key}", f"device memory per request {key}", report.vram_bytes[key],

@@ -114,7 +114,9 @@ class LoadTestReport:
             "latency ms  "
             + "  ".join(f"{key} {lat[key]:.2f}" for key in LATENCY_PERCENTILES)
             + f"  max {lat['max']:.2f}  mean {lat['mean']:.2f}",
-            f"cache hits {self.hits}, misses (loads) {self.misses}, hit rate "
+            # A miss is a (request, expert) pair that waited for a load; requests batched
+            # together can share one load, so misses can exceed the server's loads.
+            f"cache hits {self.hits}, misses (waited for a load) {self.misses}, hit rate "
             + ("n/a" if self.hit_rate is None else f"{self.hit_rate:.3f}"),
             f"vram/request  p50 {_human_bytes(vram['p50'])}  p99 {_human_bytes(vram['p99'])}  "
             f"max {_human_bytes(vram['max'])}; {self._memory_beside()}",
