@@ -11,10 +11,12 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ._plots import byte_unit
+
 if TYPE_CHECKING:
     from ._report import LoadTestReport
 
-__all__ = ["COMPARE_JSON", "COMPARE_PLOT", "gate_rows", "write_comparison"]
+__all__ = ["COMPARE_JSON", "COMPARE_PLOT", "comparison_axes", "gate_rows", "write_comparison"]
 
 COMPARE_JSON = "gates.json"
 COMPARE_PLOT = "gates.png"
@@ -44,6 +46,18 @@ def gate_rows(
     return rows
 
 
+def comparison_axes(metric: str, largest_bytes: float) -> tuple[dict[str, str], float]:
+    """gates.png's axis labels and title for `metric`, and the x axis's bytes per unit."""
+    unit, scale = byte_unit(largest_bytes)
+    name = "MSE" if metric == "mse" else "accuracy"
+    labels = {
+        "xlabel": f"device memory per request p50 ({unit})",
+        "ylabel": f"test {name}",
+        "title": f"Test {name} against device memory per request, one marker per gate",
+    }
+    return labels, scale
+
+
 def write_comparison(
     gates: list[dict[str, Any] | None],
     reports: list[LoadTestReport],
@@ -65,9 +79,12 @@ def write_comparison(
         return written
     figure = Figure(figsize=(8, 4.5), layout="constrained")
     axes = figure.add_subplot()
+    labels, scale = comparison_axes(
+        scored[0]["metric"], max(row["vram_bytes_p50"] for row in scored)
+    )
     seen: dict[tuple[float, float], int] = {}
     for row in scored:
-        where = (row["vram_bytes_p50"] / 2**20, row["value"])
+        where = (row["vram_bytes_p50"] / scale, row["value"])
         axes.scatter(*where, s=50)
         label = json.dumps(row["gate"]) if row["gate"] else "store default"
         # Gates that land on the same point get their labels stacked, not overprinted.
@@ -75,10 +92,7 @@ def write_comparison(
         axes.annotate(label, where, fontsize=7, xytext=(4, 4 - 10 * stacked),
                       textcoords="offset points")
     axes.margins(x=0.4, y=0.15)
-    metric = scored[0]["metric"]
-    axes.set(xlabel="device memory per request p50 (MiB)",
-             ylabel="test MSE" if metric == "mse" else "test accuracy",
-             title="Accuracy against device memory per request, one marker per gate")
+    axes.set(**labels)
     axes.grid(alpha=0.3)
     path = directory / COMPARE_PLOT
     figure.savefig(path, dpi=100)

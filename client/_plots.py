@@ -11,7 +11,7 @@ from ._report import LATENCY_PERCENTILES
 if TYPE_CHECKING:
     from ._report import LoadTestReport
 
-__all__ = ["PLOT_TITLES", "matplotlib_available", "write_plots"]
+__all__ = ["PLOT_TITLES", "byte_unit", "matplotlib_available", "write_plots"]
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def write_plots(
 
     figure, axes = new_axes()
     actors = sorted({actor for bucket in series for actor in bucket["device_bytes"]})
-    resident_unit, resident_scale = _byte_unit(
+    resident_unit, resident_scale = byte_unit(
         max((n for bucket in series for n in bucket["device_bytes"].values()), default=0)
     )
     for actor in actors:
@@ -173,7 +173,7 @@ def _vram_figure(figure_type: Any, report: LoadTestReport, vram_samples: list[fl
 
     figure = figure_type(figsize=(10, 4), layout="constrained")
     spread, against = figure.subplots(1, 2, width_ratios=(3, 2))
-    unit, scale = _byte_unit(max(vram_samples, default=0.0))
+    unit, scale = byte_unit(max(vram_samples, default=0.0))
     spread.hist([value / scale for value in vram_samples], bins=40)
     spread.set(xlabel=f"vram_bytes per request ({unit})", ylabel="requests", title="Spread")
     labels = ["p50", "p99", "max"]
@@ -192,7 +192,8 @@ def _vram_figure(figure_type: Any, report: LoadTestReport, vram_samples: list[fl
     return figure
 
 
-def _byte_unit(nbytes: float) -> tuple[str, float]:
+def byte_unit(nbytes: float) -> tuple[str, float]:
+    """The largest binary unit that `nbytes` reaches, and its size in bytes."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= scale:
             return unit, float(scale)
@@ -200,5 +201,5 @@ def _byte_unit(nbytes: float) -> tuple[str, float]:
 
 
 def _bytes_label(nbytes: float) -> str:
-    unit, scale = _byte_unit(nbytes)
+    unit, scale = byte_unit(nbytes)
     return f"{nbytes / scale:.3g} {unit}"

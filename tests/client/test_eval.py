@@ -234,3 +234,24 @@ def test_cli_gates_compared_without_eval_print_no_metric(
     out = capsys.readouterr().out
     assert "gates compared (experts per row, vram/request p50 bytes):" in out
     assert "None" not in out
+
+
+@pytest.mark.parametrize(
+    ("metric", "largest", "xlabel", "title", "scale"),
+    [
+        ("mse", 37_636.0, "device memory per request p50 (KiB)",
+         "Test MSE against device memory per request, one marker per gate", 2**10),
+        ("accuracy", 3 * 2**20, "device memory per request p50 (MiB)",
+         "Test accuracy against device memory per request, one marker per gate", 2**20),
+    ],
+)
+def test_the_gate_comparison_plot_names_its_metric_and_a_readable_unit(
+    metric, largest, xlabel, title, scale
+):
+    from client._compare import comparison_axes
+
+    labels, got_scale = comparison_axes(metric, largest)
+    assert labels["xlabel"] == xlabel
+    assert labels["ylabel"] == ("test MSE" if metric == "mse" else "test accuracy")
+    assert labels["title"] == title
+    assert got_scale == scale
