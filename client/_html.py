@@ -64,6 +64,12 @@ def summary_rows(report: LoadTestReport) -> list[SummaryRow]:
     add("misses", "cache misses", report.misses, count)
     add("loads", "waits for a load (per request and expert)", report.loads, count)
     add("hit_rate", "hit rate", report.hit_rate, fixed(4, ""))
+    if report.server_counts is not None:
+        counts = report.server_counts
+        add("server_counts/loads", "server's loads (each once; /metrics, all traffic)",
+            counts["loads"], count)
+        add("server_counts/load_bytes", "server's bytes loaded", counts["load_bytes"], _bytes)
+        add("server_counts/evictions", "server's evictions", counts["evictions"], count)
     for key in ("p50", "p99", "max"):
         add(f"vram_bytes/{key}", f"device memory per request {key}", report.vram_bytes[key],
             _bytes)

@@ -47,6 +47,7 @@ from ._report import (
     percentile,
     write_records_csv,
 )
+from ._server_counts import counter_delta, read_counters
 from ._workload import Distribution, Workload, build_workload
 
 __all__ = [
@@ -222,9 +223,11 @@ async def arun_loadtest(
             lambda: factory(config), max(100, config.concurrency), wait_s=config.timeout_s,
             url=f"{config.url.rstrip('/')}/v1/predict",
         )
+        before = await read_counters(client)
         async with leases:
             runner = _Runner(config, leases, workload, clock, sleep, progress, evaluation)
             await runner.run()
+        server_counts = counter_delta(before, await read_counters(client))
     duration = max((record.end_s for record in runner.records), default=0.0)
     records = sorted(runner.records, key=lambda record: record.index)
     if isinstance(workload, ConditionWorkload):
@@ -249,6 +252,7 @@ async def arun_loadtest(
         workload=workload_info,
         save_requests=config.save_requests,
         accuracy=_accuracy(evaluation, records),
+        server_counts=server_counts,
     )
     if config.report_dir is not None:
         report = _write(report, config, records)

@@ -89,6 +89,10 @@ class LoadTestReport:
     conditions_served: int | None = None
     # --eval: {"metric": "mse"|"accuracy", "value", "task", "rows", "values", "data"}.
     accuracy: dict[str, Any] | None = None
+    # The server's own counters over the run, from /metrics ({"loads", "load_bytes",
+    # "evictions"}; each load once, however many requests waited for it; other clients'
+    # traffic included). None where /metrics could not be read or an actor restarted.
+    server_counts: dict[str, int] | None = None
     plots: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -122,6 +126,13 @@ class LoadTestReport:
             f"max {_human_bytes(vram['max'])}; {self._memory_beside()}",
             self._served(),
         ]
+        if self.server_counts is not None:
+            server = self.server_counts
+            lines.insert(
+                4,
+                f"server (/metrics, all traffic): loaded {server['loads']} experts "
+                f"({_human_bytes(server['load_bytes'])}), evicted {server['evictions']}",
+            )
         if self.accuracy is not None:
             value = self.accuracy["value"]
             lines.append(
@@ -134,7 +145,6 @@ class LoadTestReport:
             lines.append(f"errors by status: {counts}")
         lines.extend(self.notes)
         return "\n".join(lines)
-
 
     def _conditions_run(self) -> bool:
         # A --conditions run: rows carry random conditions, so there are no experts to count
@@ -188,6 +198,7 @@ def build_report(
     workload: dict[str, Any],
     save_requests: bool = False,
     accuracy: dict[str, Any] | None = None,
+    server_counts: dict[str, int] | None = None,
 ) -> LoadTestReport:
     ok = [record for record in records if record.ok]
     latencies = [record.latency_ms for record in ok]
@@ -234,6 +245,7 @@ def build_report(
         experts_per_row=sum(record.kept for record in ok) / rows if rows else None,
         conditions_served=len(conditions) if conditions else None,
         accuracy=accuracy,
+        server_counts=server_counts,
     )
 
 

@@ -45,8 +45,11 @@ def pool_snapshot(serving: ServingState) -> PoolSnapshot | None:
     return PoolSnapshot(
         resident_bytes={a.name: a.resident_bytes for a in actors},
         budget_bytes={a.name: a.budget_bytes for a in actors},
-        # The actors count their own evictions exactly (each since it last started).
-        evictions=sum(a.evictions for a in actors),
+        # The actors count their own loads and evictions exactly (each since it last
+        # started): a load that several requests waited for counts once.
+        evictions=sum(a.counts.evictions for a in actors),
+        loads=sum(a.counts.loads for a in actors),
+        load_bytes=sum(a.counts.load_bytes for a in actors),
         queue_rows=int(queued),
     )
 

@@ -41,6 +41,8 @@ class PoolSnapshot:
     resident_bytes: dict[str, int] = field(default_factory=dict)
     budget_bytes: dict[str, int] = field(default_factory=dict)
     evictions: int | None = None
+    loads: int | None = None
+    load_bytes: int | None = None
     queue_rows: int = 0
 
 
@@ -70,6 +72,20 @@ class _PoolCollector(Collector):
                 "momlp_cache_evictions",
                 "experts evicted from actor caches (sum over actors)",
                 value=snap.evictions,
+            )
+        if snap.loads is not None:
+            yield CounterMetricFamily(
+                "momlp_expert_loads",
+                "experts loaded into actor caches, once per load however many requests "
+                "waited for it (sum over actors)",
+                value=snap.loads,
+            )
+        if snap.load_bytes is not None:
+            yield CounterMetricFamily(
+                "momlp_expert_load_bytes",
+                "bytes of the experts loaded into actor caches, as their budgets count them "
+                "(sum over actors)",
+                value=snap.load_bytes,
             )
 
 

@@ -29,6 +29,7 @@ from server.pool._session import ray_session, start_ray, stop_ray
 from server.pool._types import (
     ActorInfo,
     ActorReply,
+    CacheCounts,
     ExpertPool,
     Group,
     GroupOutcome,
@@ -41,6 +42,7 @@ __all__ = [
     "ActorDied",
     "ActorInfo",
     "ActorReply",
+    "CacheCounts",
     "Channel",
     "ChannelCallFailed",
     "ChannelClosed",

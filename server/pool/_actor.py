@@ -46,7 +46,7 @@ from experts_store import (
     own_file_problem,
 )
 from server.pool._channel import ChannelServer
-from server.pool._types import ActorInfo, ActorReply, GroupOutcome
+from server.pool._types import ActorInfo, ActorReply, CacheCounts, GroupOutcome
 from server.pool._vram import ActivationMeter, CudaCounters, DeviceQuiet
 
 __all__ = [
@@ -318,7 +318,13 @@ class ActorCore:
             results=outcomes,
             device_bytes=self._cache.resident_bytes,
             resident=self.resident(),
-            evictions=self._cache.stats.evictions,
+            counts=self.counts(),
+        )
+
+    def counts(self) -> CacheCounts:
+        stats = self._cache.stats
+        return CacheCounts(
+            evictions=stats.evictions, loads=stats.loads, load_bytes=stats.bytes_loaded
         )
 
     def resident(self) -> dict[str, int]:
@@ -462,7 +468,7 @@ class ActorCore:
             budget_bytes=self._cache.budget_bytes,
             resident=sorted(resident),
             alive=True,
-            evictions=self._cache.stats.evictions,
+            counts=self.counts(),
         )
 
 

@@ -21,7 +21,7 @@ from experts_store import Clock, ExpertRef, ExpertTooLarge, MonotonicClock
 from server._exceptions import ActorFailed, PoolClosed
 from server.pool._actor import ERROR_LOAD
 from server.pool._dispatch import Dispatcher
-from server.pool._types import ActorInfo, ActorReply, Group, GroupResult
+from server.pool._types import ActorInfo, ActorReply, CacheCounts, Group, GroupResult
 
 __all__ = ["ActorDied", "DispatchingPool", "check_budget"]
 
@@ -98,7 +98,7 @@ class DispatchingPool(ABC):
         self._failures: dict[str, tuple[str, float]] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._reviving: dict[str, asyncio.Task[Any]] = {}
-        self._evictions: dict[str, int] = {}
+        self._counts: dict[str, CacheCounts] = {}
         self._closed = False
 
     @property
@@ -230,7 +230,7 @@ class DispatchingPool(ABC):
             )
             return
         self._dispatcher.update_residency(actor, reply.resident)
-        self._evictions[actor] = reply.evictions
+        self._counts[actor] = reply.counts
         now = self._clock.now()
         for index, outcome in zip(indices, reply.results, strict=True):
             retry_after_s = None
@@ -339,7 +339,7 @@ class DispatchingPool(ABC):
                     budget_bytes=self._budget_bytes,
                     resident=sorted(str(key) for key in resident),
                     alive=self._dispatcher.alive(name),
-                    evictions=self._evictions.get(name, 0),
+                    counts=self._counts.get(name, CacheCounts()),
                 )
             )
         return infos

@@ -25,6 +25,7 @@ from experts_store import ExpertRef
 __all__ = [
     "ActorInfo",
     "ActorReply",
+    "CacheCounts",
     "ExpertPool",
     "Group",
     "GroupOutcome",
@@ -87,6 +88,19 @@ class GroupOutcome:
 
 
 @dataclass(frozen=True)
+class CacheCounts:
+    """An actor cache's counters since the actor (re)started.
+
+    `loads` counts files read into the cache, once each however many requests waited for
+    them (the HTTP layer's miss counter counts every (request, expert) wait).
+    """
+
+    evictions: int = 0
+    loads: int = 0
+    load_bytes: int = 0
+
+
+@dataclass(frozen=True)
 class ActorReply:
     """One actor call's answer: per-group outcomes plus the actor's cache after the call.
 
@@ -97,7 +111,7 @@ class ActorReply:
     results: list[GroupOutcome]
     device_bytes: int
     resident: dict[str, int]
-    evictions: int = 0  # experts this actor's cache evicted since it (re)started
+    counts: CacheCounts = CacheCounts()
 
 
 @dataclass(frozen=True)
@@ -110,7 +124,7 @@ class ActorInfo:
     budget_bytes: int
     resident: list[str] = field(default_factory=list)
     alive: bool = True
-    evictions: int = 0  # since the actor (re)started, as of its latest reply
+    counts: CacheCounts = CacheCounts()  # as of the actor's latest reply
 
 
 class ExpertPool(Protocol):

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from experts_store import ExpertRef, GeneratedRef, GeneratorRef
-from server.pool._types import ActorReply, GroupOutcome
+from server.pool._types import ActorReply, CacheCounts, GroupOutcome
 
 __all__ = [
     "MAX_BODY_BYTES",
@@ -180,7 +180,7 @@ def encode_reply(call: int, reply: ActorReply) -> bytes:
         "actor": reply.actor,
         "device_bytes": reply.device_bytes,
         "resident": reply.resident,
-        "evictions": reply.evictions,
+        "counts": [reply.counts.evictions, reply.counts.loads, reply.counts.load_bytes],
         "results": results,
     }
     return _frame(header, arrays)
@@ -218,12 +218,15 @@ def decode_reply(header: bytes, body: bytes) -> tuple[int, ActorReply | str]:
         resident = fields["resident"]
         if not isinstance(resident, dict):
             raise WireError("resident is not an object")
+        counts = fields["counts"]
+        if not isinstance(counts, list) or len(counts) != 3:
+            raise WireError("counts is not [evictions, loads, load_bytes]")
         reply = ActorReply(
             actor=_str(fields["actor"]),
             results=outcomes,
             device_bytes=_int(fields["device_bytes"]),
             resident={_str(key): _int(value) for key, value in resident.items()},
-            evictions=_int(fields["evictions"]),
+            counts=CacheCounts(*(_int(count) for count in counts)),
         )
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise WireError(f"bad reply header: {exc!r}") from None

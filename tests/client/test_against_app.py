@@ -13,6 +13,7 @@ import pytest
 
 import client
 from client import AsyncClient, LoadTestConfig, arun_loadtest
+from client._server_counts import SERVER_COUNTERS
 
 pytestmark = pytest.mark.integration
 
@@ -96,5 +97,11 @@ async def test_loadtest_figures_match_the_server_metrics(app_transport):
         ("momlp_cache_misses_total", report.misses),
     ):
         assert counter(after, name) - counter(before, name) == figure
+    # The server's own counters over the run, each load once.
+    assert report.server_counts is not None
+    for key, name in SERVER_COUNTERS.items():
+        assert report.server_counts[key] == counter(after, name) - counter(before, name)
+    assert 0 < report.server_counts["loads"] <= report.misses
+    assert f"loaded {report.server_counts['loads']} experts" in report.summary()
     assert report.workload["experts_with_inputs"] == 16
     assert 0 < report.vram_ratio < 1

@@ -50,6 +50,8 @@ SCRIPT = textwrap.dedent(
                 "input_dim": 2, "output_dim": 1, "num_experts": 4, "branching": 2,
                 "routing": "tree", "temperature": 1.0, "total_expert_bytes": 4000,
                 "max_expert_bytes": 1000, "total_params": 1000, "prototypes": PROTOTYPES})
+        if path == "/metrics":  # a gateway that does not pass it on
+            return httpx.Response(404, json={"error": {"code": "not_found", "message": ""}})
         rows = json.loads(request.content)["inputs"]
         experts = [[nearest(r)] for r in rows]
         if path == "/v1/route":

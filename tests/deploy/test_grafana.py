@@ -21,7 +21,9 @@ REQUIRED = {
     "momlp_requests_total",  # request rate by endpoint
     "momlp_request_seconds_bucket",  # latency by endpoint
     "momlp_cache_hits_total",  # hit rate
-    "momlp_cache_misses_total",  # hit rate, loads
+    "momlp_cache_misses_total",  # hit rate, requests that waited for a load
+    "momlp_expert_loads_total",  # loads, each once
+    "momlp_expert_load_bytes_total",  # bytes loaded
     "momlp_expert_load_seconds_bucket",  # load latency
     "momlp_resident_bytes",  # resident bytes per actor
     "momlp_budget_bytes",  # ... against budget
@@ -72,7 +74,8 @@ def dashboard_queries(dashboard: dict) -> list[tuple[str, set[str]]]:
 def exported_names() -> set[str]:
     """Series names in the server's /metrics text once every metric has a sample."""
     pool = SimpleNamespace(
-        resident_bytes={"actor-0": 1024}, budget_bytes={"actor-0": 4096}, evictions=1, queue_rows=2
+        resident_bytes={"actor-0": 1024}, budget_bytes={"actor-0": 4096}, evictions=1, loads=3,
+        load_bytes=3072, queue_rows=2,
     )
     metrics = Metrics(snapshot=lambda: pool)
     metrics.observe_request("/v1/predict", 200, 0.01)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 from pathlib import Path
 
@@ -219,6 +220,31 @@ async def test_evictions_are_counted_when_the_budget_is_tight(store: Path) -> No
         text = (await client.get("/metrics")).text
     assert _sample(text, "momlp_cache_misses_total") == 3.0
     assert _sample(text, "momlp_cache_evictions_total") == 2.0
+    assert _sample(text, "momlp_expert_loads_total") == 3.0
+    # The bytes the cache's budget counts: the weights as loaded, not the file.
+    assert _sample(text, "momlp_expert_load_bytes_total") == sum(
+        4 * e["params"] for e in m["experts"] if e["id"] in distinct[:3]
+    )
+
+
+async def test_a_load_that_several_requests_waited_for_counts_once(store: Path) -> None:
+    x = _inputs(64, seed=17)
+    # A window long enough that the four requests are batched together, whatever the pace.
+    app = fake_app(store, actors=1, max_batch_wait_ms=500.0, batch_gap_ms=0.0, prefetch=False)
+    async with running(app) as client:
+        routed = (await client.post("/v1/route", json={"inputs": x.tolist()})).json()
+        expert = routed["experts"][0][0]
+        rows = [row.tolist() for row, e in zip(x, routed["experts"], strict=True) if e[0] == expert]
+        sent = [rows[i % len(rows)] for i in range(4)]
+        answers = await asyncio.gather(
+            *(client.post("/v1/predict", json={"inputs": [row], "return_stats": True})
+              for row in sent)
+        )
+        text = (await client.get("/metrics")).text
+    caches = [a.json()["stats"]["experts"][0]["cache"] for a in answers]
+    assert caches == ["miss"] * 4
+    assert _sample(text, "momlp_cache_misses_total") == 4.0
+    assert _sample(text, "momlp_expert_loads_total") == 1.0
 
 
 async def test_openapi_and_docs_are_served(store: Path) -> None:

@@ -16,6 +16,7 @@ import pytest
 from experts_store import ExpertRef, GeneratedRef, GeneratorRef
 from server.pool import (
     ActorReply,
+    CacheCounts,
     Channel,
     ChannelCallFailed,
     ChannelClosed,
@@ -87,7 +88,7 @@ def reply_for(groups: RunPayload, actor: str = "actor-0") -> ActorReply:
         results=outcomes,
         device_bytes=6000,
         resident={ref.sha256: ref.nbytes for ref, _ in groups},
-        evictions=3,
+        counts=CacheCounts(evictions=3, loads=5, load_bytes=2**40 + 7),
     )
 
 
@@ -161,8 +162,8 @@ def test_a_reply_frame_carries_outcomes_errors_and_residency() -> None:
     reply = reply_for(payload())
     call, received = decode_reply(*split(encode_reply(9, reply)))
     assert call == 9 and isinstance(received, ActorReply)
-    assert (received.actor, received.device_bytes, received.resident, received.evictions) == (
-        reply.actor, reply.device_bytes, reply.resident, reply.evictions
+    assert (received.actor, received.device_bytes, received.resident, received.counts) == (
+        reply.actor, reply.device_bytes, reply.resident, reply.counts
     )
     for sent, got in zip(reply.results, received.results, strict=True):
         if sent.outputs is None:

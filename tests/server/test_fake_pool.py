@@ -13,7 +13,7 @@ from pool_support import IdGroup, IdPool
 from experts_store import ExpertRef, ExpertTooLarge, Store, load_expert
 from server._exceptions import PoolClosed
 from server._settings import Settings
-from server.pool import ActorDied, ActorReply, FakeExpertPool
+from server.pool import ActorDied, ActorReply, CacheCounts, FakeExpertPool
 
 pytestmark = pytest.mark.unit
 
@@ -170,7 +170,7 @@ async def test_a_closed_pool_refuses_work(make_store: MakeStore) -> None:
         await pool.run(groups_for([0], 3))
 
 
-async def test_actors_report_residency_and_evictions(make_store: MakeStore) -> None:
+async def test_actors_report_residency_loads_and_evictions(make_store: MakeStore) -> None:
     store = Store.open(make_store(K=6, n=3, width=6, out=2))
     nbytes = store.expert_nbytes(0)
     settings = Settings(actors=1, cache_bytes=2 * nbytes, cache_policy="lru")
@@ -179,7 +179,7 @@ async def test_actors_report_residency_and_evictions(make_store: MakeStore) -> N
     [info] = pool.actors()
     assert (info.name, info.device, info.alive) == ("actor-0", "cpu", True)
     assert info.resident == [2, 3] and info.resident_bytes == 2 * nbytes
-    assert info.evictions == 2
+    assert info.counts == CacheCounts(evictions=2, loads=4, load_bytes=4 * nbytes)
     assert pool.residency() == {2: ["actor-0"], 3: ["actor-0"]}
     await pool.close()
 

@@ -60,6 +60,7 @@ async def test_outputs_match_the_files_and_caches_stay_in_budget(
     budget = 5 * store.expert_nbytes(0)
     pool = await start(store, actors=2, cache_bytes=budget, actor_channel=channel)
     rng = np.random.default_rng(0)
+    misses = 0
     try:
         for _ in range(12):
             groups = random_groups(rng, 50, 4, int(rng.integers(1, 12)))
@@ -69,9 +70,18 @@ async def test_outputs_match_the_files_and_caches_stay_in_budget(
                 assert result.error is None
                 torch.testing.assert_close(result.outputs, reference(store, group))
                 assert 0 < result.device_bytes <= budget
+            misses += sum(not result.hit for result in results)
             for info in pool.actors():
                 assert info.resident_bytes <= budget and len(info.resident) <= 5
         assert {info.name for info in pool.actors()} == {"actor-0", "actor-1"}
+        # The actors' own counters reach the pool over either channel: a group per expert
+        # and call, so every miss is one load here.
+        counts = [info.counts for info in pool.actors()]
+        assert sum(c.loads for c in counts) == misses > 0
+        assert sum(c.load_bytes for c in counts) == misses * store.expert_nbytes(0)
+        assert sum(c.evictions for c in counts) == misses - sum(
+            len(info.resident) for info in pool.actors()
+        )
         assert {pool.transport(name) for name in ("actor-0", "actor-1")} == {channel}
     finally:
         await pool.close()
