@@ -62,7 +62,9 @@ class Store:
     def __init__(
         self, root: Path, manifest: Manifest, *, host_pool: HostBufferPool | None = None
     ) -> None:
-        self.root = root
+        # Absolute: expert paths leave this process for Ray actors, whose working directory
+        # is not ours on another node, and `./store` would name another folder there.
+        self.root = Path(root).absolute()
         self.manifest = manifest
         self.host_pool = host_pool
         self._verified: set[int] = set()

@@ -91,7 +91,9 @@ class StoreWriter:
         now: Callable[[], datetime] | None = None,
         stale_staging_seconds: float = 3600.0,
     ) -> None:
-        self.root = Path(root)
+        # Absolute: `expert_path` is handed to Ray tasks, which write there from their own
+        # working directory (another one on another node).
+        self.root = Path(root).absolute()
         self._now = now or (lambda: datetime.now(UTC))
         self._stale_staging_seconds = stale_staging_seconds
         self.root.mkdir(parents=True, exist_ok=True)

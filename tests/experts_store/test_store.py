@@ -231,3 +231,17 @@ def test_expert_nbytes_is_the_loaded_experts_size(store_root: Path) -> None:
     expert = loader.load(0)
     assert loader.nbytes(0) == expert.nbytes() == store.expert_nbytes(0)
     assert expert(torch.randn(2, 3)).shape == (2, 2)
+
+
+def test_a_store_opened_by_a_relative_path_hands_out_paths_that_hold_elsewhere(
+    store_root: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Expert refs travel to Ray actors on other nodes, which run in another working folder.
+    monkeypatch.chdir(store_root.parent)
+    store = Store.open(Path(store_root.name))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    path = Path(store.expert_ref(0).path)
+    assert path.is_absolute() and path.is_file()
+    assert store.root == store_root.absolute()

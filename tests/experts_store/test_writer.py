@@ -172,3 +172,18 @@ def test_stale_staging_dirs_are_removed_on_publish(tmp_path: Path) -> None:
     young.abort()
     with pytest.raises(StoreError):
         young.add_expert(0, make_expert())
+
+
+def test_a_writer_on_a_relative_path_gives_tasks_paths_that_hold_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `momlp build --out ./store`: Ray tasks write experts to `expert_path` from their own
+    # working folder.
+    monkeypatch.chdir(tmp_path)
+    with StoreWriter("store") as writer:
+        target = writer.expert_path(0)
+        monkeypatch.chdir(tmp_path.parent)
+        assert target.is_absolute()
+        save_expert(make_expert((3, 8, 2), seed=0), target)
+        writer.add_expert(1, make_expert((3, 8, 2), seed=1))
+    assert target.is_relative_to(tmp_path / "store")

@@ -150,7 +150,10 @@ def served(cluster: Cluster, tmp_path: Path) -> Iterator[tuple[str, Path]]:
         "MOMLP_ACTOR_RESOURCE": "momlp_worker",
         "RAY_USAGE_STATS_ENABLED": "0",
     }
-    args = ["--store", str(store), "--port", "0", "--actors", "2", "--ray-address",
+    # Relative, as README's examples give it: the worker nodes' processes run in another
+    # working directory, where `store` is not this store.
+    assert store == tmp_path / "store"
+    args = ["--store", "store", "--port", "0", "--actors", "2", "--ray-address",
             cluster.address, "--cache-bytes", "1MiB", "--no-watch-store"]
     with serve_process(args, env=env, cwd=tmp_path) as server:
         yield server.url, store
