@@ -128,9 +128,11 @@ class LoadTestReport:
         ]
         if self.server_counts is not None:
             server = self.server_counts
+            # A hyper store's caches hold generated θ and the hypernetworks, not experts.
+            loaded = "θ and hypernetworks" if self.model.get("kind") == "hyper" else "experts"
             lines.insert(
                 4,
-                f"server (/metrics, all traffic): loaded {server['loads']} experts "
+                f"server (/metrics, all traffic): loaded {server['loads']} {loaded} "
                 f"({_human_bytes(server['load_bytes'])}), evicted {server['evictions']}",
             )
         if self.accuracy is not None:

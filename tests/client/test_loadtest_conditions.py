@@ -45,6 +45,11 @@ async def test_conditions_workload_misses_once_per_condition_per_actor(tmp_path:
     assert 1 < report.conditions_served <= 20
     assert f"conditions served {report.conditions_served} distinct θ" in report.summary()
     assert "experts served" not in report.summary()
+    # The server's own loads: each θ once, and the hypernetwork on each actor that ran one.
+    assert report.server_counts is not None
+    assert report.server_counts["loads"] - report.conditions_served in (1, 2)
+    assert report.server_counts["evictions"] == 0
+    assert "θ and hypernetworks" in report.summary()
 
 
 
