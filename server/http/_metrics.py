@@ -40,9 +40,11 @@ class PoolSnapshot:
 
     resident_bytes: dict[str, int] = field(default_factory=dict)
     budget_bytes: dict[str, int] = field(default_factory=dict)
-    evictions: int | None = None
-    loads: int | None = None
-    load_bytes: int | None = None
+    # Each actor's cache counters since it last started (per actor, so that Prometheus sees
+    # one actor's restart as that series' reset, not as the sum falling).
+    evictions: dict[str, int] = field(default_factory=dict)
+    loads: dict[str, int] = field(default_factory=dict)
+    load_bytes: dict[str, int] = field(default_factory=dict)
     queue_rows: int = 0
 
 
@@ -67,26 +69,24 @@ class _PoolCollector(Collector):
         yield GaugeMetricFamily(
             "momlp_queue_rows", "rows waiting to be batched or computed", value=snap.queue_rows
         )
-        if snap.evictions is not None:
-            yield CounterMetricFamily(
-                "momlp_cache_evictions",
-                "experts evicted from actor caches (sum over actors)",
-                value=snap.evictions,
-            )
-        if snap.loads is not None:
-            yield CounterMetricFamily(
+        for name, documentation, counts in (
+            ("momlp_cache_evictions", "experts evicted from each actor's cache", snap.evictions),
+            (
                 "momlp_expert_loads",
-                "experts loaded into actor caches, once per load however many requests "
-                "waited for it (sum over actors)",
-                value=snap.loads,
-            )
-        if snap.load_bytes is not None:
-            yield CounterMetricFamily(
+                "experts loaded into each actor's cache, once per load however many requests "
+                "waited for it",
+                snap.loads,
+            ),
+            (
                 "momlp_expert_load_bytes",
-                "bytes of the experts loaded into actor caches, as their budgets count them "
-                "(sum over actors)",
-                value=snap.load_bytes,
-            )
+                "bytes of the experts loaded into each actor's cache, as its budget counts them",
+                snap.load_bytes,
+            ),
+        ):
+            family = CounterMetricFamily(name, documentation, labels=["actor"])
+            for actor, count in sorted(counts.items()):
+                family.add_metric([actor], float(count))
+            yield family
 
 
 class Metrics:

@@ -9,28 +9,33 @@ from client._server_counts import counter_delta, parse_counters
 pytestmark = pytest.mark.unit
 
 TEXT = """\
-# HELP momlp_expert_loads_total experts loaded into actor caches
+# HELP momlp_expert_loads_total experts loaded into each actor's cache
 # TYPE momlp_expert_loads_total counter
-momlp_expert_loads_total 1694.0
-momlp_expert_load_bytes_total 9.54131008e+08
-momlp_cache_evictions_total 1650.0
+momlp_expert_loads_total{actor="actor-0"} 900.0
+momlp_expert_loads_total{actor="actor-1"} 794.0
+momlp_expert_load_bytes_total{actor="actor-0"} 5.06908800e+08
+momlp_expert_load_bytes_total{actor="actor-1"} 4.47222208e+08
+momlp_cache_evictions_total{actor="actor-0"} 880.0
+momlp_cache_evictions_total{actor="actor-1"} 770.0
 momlp_cache_misses_total 1753.0
 momlp_resident_bytes{actor="actor-0"} 1.1e+07
 """
 
 
-def test_the_counters_are_read_from_the_metrics_text():
+def test_each_actors_counters_are_read_from_the_metrics_text():
     assert parse_counters(TEXT) == {
-        "loads": 1694, "load_bytes": 954_131_008, "evictions": 1650
+        "loads": {"actor-0": 900, "actor-1": 794},
+        "load_bytes": {"actor-0": 506_908_800, "actor-1": 447_222_208},
+        "evictions": {"actor-0": 880, "actor-1": 770},
     }
 
 
 @pytest.mark.parametrize(
     "text",
     [
-        TEXT.replace("momlp_expert_loads_total 1694.0\n", ""),  # a server without the series
-        TEXT.replace("1650.0", "NaN"),
-        TEXT.replace("1650.0", "many"),
+        TEXT.replace("momlp_expert_loads_total", "momlp_other_total"),  # an older server
+        TEXT.replace("880.0", "NaN"),
+        TEXT.replace("880.0", "many"),
         "",
     ],
 )
@@ -38,11 +43,25 @@ def test_a_text_without_every_counter_gives_none(text):
     assert parse_counters(text) is None
 
 
-def test_the_delta_is_after_minus_before_and_none_when_a_counter_fell():
-    before = {"loads": 10, "load_bytes": 1000, "evictions": 4}
-    after = {"loads": 25, "load_bytes": 2500, "evictions": 19}
-    assert counter_delta(before, after) == {"loads": 15, "load_bytes": 1500, "evictions": 15}
-    # An actor that restarted counts from zero again: the change is unknown, not negative.
-    assert counter_delta(after, before) is None
+def counts(loads: dict[str, int]) -> dict[str, dict[str, int]]:
+    return {"loads": loads, "load_bytes": {a: 10 * n for a, n in loads.items()},
+            "evictions": {a: n // 2 for a, n in loads.items()}}
+
+
+def test_the_delta_is_after_minus_before_summed_over_the_actors():
+    before = counts({"actor-0": 10, "actor-1": 4})
+    after = counts({"actor-0": 25, "actor-1": 9})
+    assert counter_delta(before, after) == {"loads": 20, "load_bytes": 200, "evictions": 9}
     assert counter_delta(None, after) is None
     assert counter_delta(before, None) is None
+
+
+def test_an_actor_that_restarted_makes_the_change_unknown_even_when_the_sum_grew():
+    # actor-1 restarted and counts from zero again; actor-0's loads outweigh its fall.
+    before = counts({"actor-0": 10, "actor-1": 4})
+    assert counter_delta(before, counts({"actor-0": 30, "actor-1": 1})) is None
+    assert counter_delta(before, counts({"actor-0": 30})) is None
+    # An actor that appears during the run counts from zero.
+    assert counter_delta(before, counts({"actor-0": 10, "actor-1": 4, "actor-2": 3})) == {
+        "loads": 3, "load_bytes": 30, "evictions": 1
+    }

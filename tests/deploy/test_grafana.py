@@ -74,8 +74,9 @@ def dashboard_queries(dashboard: dict) -> list[tuple[str, set[str]]]:
 def exported_names() -> set[str]:
     """Series names in the server's /metrics text once every metric has a sample."""
     pool = SimpleNamespace(
-        resident_bytes={"actor-0": 1024}, budget_bytes={"actor-0": 4096}, evictions=1, loads=3,
-        load_bytes=3072, queue_rows=2,
+        resident_bytes={"actor-0": 1024}, budget_bytes={"actor-0": 4096},
+        evictions={"actor-0": 1}, loads={"actor-0": 3}, load_bytes={"actor-0": 3072},
+        queue_rows=2,
     )
     metrics = Metrics(snapshot=lambda: pool)
     metrics.observe_request("/v1/predict", 200, 0.01)

@@ -170,6 +170,17 @@ async def test_experts_lists_residency_after_a_prediction(store: Path) -> None:
     assert actor["budget_bytes"] == 1 << 20
 
 
+def _summed(text: str, name: str) -> float:
+    """A series summed over its actors (per-actor counters)."""
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{actor=")
+    ]
+    assert values, f"{name} not in metrics"
+    return sum(values)
+
+
 def _sample(text: str, name: str) -> float:
     for line in text.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):
@@ -195,7 +206,12 @@ async def test_metrics_counters_move(store: Path) -> None:
     assert _sample(text, "momlp_rows_total") == 2.0
     assert _sample(text, "momlp_cache_misses_total") == 1.0
     assert _sample(text, "momlp_cache_hits_total") == 1.0
-    assert _sample(text, "momlp_cache_evictions_total") == 0.0
+    assert _summed(text, "momlp_cache_evictions_total") == 0.0
+    # One series per actor: a restarted actor resets its own counter, not the sum.
+    for name in ("momlp_cache_evictions_total", "momlp_expert_loads_total"):
+        assert {f'{name}{{actor="actor-0"}}', f'{name}{{actor="actor-1"}}'} <= {
+            line.rsplit(" ", 1)[0] for line in text.splitlines()
+        }
     assert _sample(text, "momlp_expert_load_seconds_count") == 1.0
     assert _sample(text, "momlp_batch_rows_count") == 2.0
     assert _sample(text, "momlp_batch_rows_sum") == 2.0
@@ -219,10 +235,10 @@ async def test_evictions_are_counted_when_the_budget_is_tight(store: Path) -> No
             await client.post("/v1/predict", json={"inputs": [row.tolist()]})
         text = (await client.get("/metrics")).text
     assert _sample(text, "momlp_cache_misses_total") == 3.0
-    assert _sample(text, "momlp_cache_evictions_total") == 2.0
-    assert _sample(text, "momlp_expert_loads_total") == 3.0
+    assert _summed(text, "momlp_cache_evictions_total") == 2.0
+    assert _summed(text, "momlp_expert_loads_total") == 3.0
     # The bytes the cache's budget counts: the weights as loaded, not the file.
-    assert _sample(text, "momlp_expert_load_bytes_total") == sum(
+    assert _summed(text, "momlp_expert_load_bytes_total") == sum(
         4 * e["params"] for e in m["experts"] if e["id"] in distinct[:3]
     )
 
@@ -244,7 +260,7 @@ async def test_a_load_that_several_requests_waited_for_counts_once(store: Path) 
     caches = [a.json()["stats"]["experts"][0]["cache"] for a in answers]
     assert caches == ["miss"] * 4
     assert _sample(text, "momlp_cache_misses_total") == 4.0
-    assert _sample(text, "momlp_expert_loads_total") == 1.0
+    assert _summed(text, "momlp_expert_loads_total") == 1.0
 
 
 async def test_openapi_and_docs_are_served(store: Path) -> None:
