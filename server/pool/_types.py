@@ -91,8 +91,9 @@ class GroupOutcome:
 class CacheCounts:
     """An actor cache's counters since the actor (re)started.
 
-    `loads` counts files read into the cache, once each however many requests waited for
-    them (the HTTP layer's miss counter counts every (request, expert) wait).
+    `loads` counts what the cache loaded (expert files; for kind hyper, each generated θ and
+    the hypernetwork), once each however many requests waited for it (the HTTP layer's
+    miss counter counts every (request, expert) wait).
     """
 
     evictions: int = 0
