@@ -47,9 +47,7 @@ def pool_snapshot(serving: ServingState) -> PoolSnapshot | None:
         budget_bytes={a.name: a.budget_bytes for a in actors},
         # The actors count their own loads and evictions exactly (each since it last
         # started): a load that several requests waited for counts once.
-        evictions={a.name: a.counts.evictions for a in actors},
-        loads={a.name: a.counts.loads for a in actors},
-        load_bytes={a.name: a.counts.load_bytes for a in actors},
+        counts={a.name: a.counts for a in actors},
         queue_rows=int(queued),
     )
 

@@ -11,6 +11,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.pool import CacheCounts
+
 __all__ = ["CONTENT_TYPE", "Metrics", "MetricsMiddleware", "PoolSnapshot"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -40,11 +42,9 @@ class PoolSnapshot:
 
     resident_bytes: dict[str, int] = field(default_factory=dict)
     budget_bytes: dict[str, int] = field(default_factory=dict)
-    # Each actor's cache counters since it last started (per actor, so that Prometheus sees
-    # one actor's restart as that series' reset, not as the sum falling).
-    evictions: dict[str, int] = field(default_factory=dict)
-    loads: dict[str, int] = field(default_factory=dict)
-    load_bytes: dict[str, int] = field(default_factory=dict)
+    # Each actor's cache counters since it last started (exported per actor, so that
+    # Prometheus sees one actor's restart as that series' reset, not as the sum falling).
+    counts: dict[str, CacheCounts] = field(default_factory=dict)
     queue_rows: int = 0
 
 
@@ -69,23 +69,23 @@ class _PoolCollector(Collector):
         yield GaugeMetricFamily(
             "momlp_queue_rows", "rows waiting to be batched or computed", value=snap.queue_rows
         )
-        for name, documentation, counts in (
-            ("momlp_cache_evictions", "experts evicted from each actor's cache", snap.evictions),
+        for name, documentation, field_name in (
+            ("momlp_cache_evictions", "experts evicted from each actor's cache", "evictions"),
             (
                 "momlp_expert_loads",
                 "experts loaded into each actor's cache, once per load however many requests "
                 "waited for it",
-                snap.loads,
+                "loads",
             ),
             (
                 "momlp_expert_load_bytes",
                 "bytes of the experts loaded into each actor's cache, as its budget counts them",
-                snap.load_bytes,
+                "load_bytes",
             ),
         ):
             family = CounterMetricFamily(name, documentation, labels=["actor"])
-            for actor, count in sorted(counts.items()):
-                family.add_metric([actor], float(count))
+            for actor, counts in sorted(snap.counts.items()):
+                family.add_metric([actor], float(getattr(counts, field_name)))
             yield family
 
 

@@ -11,6 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from server import Metrics
+from server.pool import CacheCounts
 
 pytestmark = pytest.mark.unit
 
@@ -75,7 +76,7 @@ def exported_names() -> set[str]:
     """Series names in the server's /metrics text once every metric has a sample."""
     pool = SimpleNamespace(
         resident_bytes={"actor-0": 1024}, budget_bytes={"actor-0": 4096},
-        evictions={"actor-0": 1}, loads={"actor-0": 3}, load_bytes={"actor-0": 3072},
+        counts={"actor-0": CacheCounts(evictions=1, loads=3, load_bytes=3072)},
         queue_rows=2,
     )
     metrics = Metrics(snapshot=lambda: pool)
