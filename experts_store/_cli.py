@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 __all__ = ["register"]
@@ -22,6 +24,10 @@ def register(subparsers: Any) -> None:
     info.set_defaults(handler=_info)
     verify = commands.add_parser("verify", help="check every file's checksum and header")
     verify.add_argument("dir", metavar="DIR", help="store directory")
+    verify.add_argument(
+        "--no-progress", dest="progress", action="store_false",
+        help="no progress bar on stderr (bytes read of the experts' total)",
+    )
     verify.set_defaults(handler=_verify)
     calibrate = commands.add_parser(
         "calibrate",
@@ -210,7 +216,8 @@ def _verify(args: argparse.Namespace) -> int:
 
     try:
         store = Store.open(args.dir)
-        problems = store.verify()
+        with _bytes_bar(store.manifest.total_expert_bytes, args.progress) as advance:
+            problems = store.verify(progress=advance)
     except StoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -241,6 +248,18 @@ def _verify(args: argparse.Namespace) -> int:
     else:
         print("no expert fails; the store's own files above do")
     return 1
+
+
+@contextmanager
+def _bytes_bar(total: int, enabled: bool) -> Iterator[Callable[[int], None]]:
+    """A tqdm bar on stderr over `total` bytes; yields the function that advances it."""
+    from tqdm import tqdm
+
+    with tqdm(
+        total=total, desc="verify", unit="B", unit_scale=True, unit_divisor=1024,
+        file=sys.stderr, disable=not enabled or total == 0,
+    ) as bar:
+        yield bar.update
 
 
 def _materialize(args: argparse.Namespace) -> int:

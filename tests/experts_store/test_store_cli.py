@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tqdm import tqdm
 
 from experts_store import Store
 from server._cli import main
@@ -55,6 +56,27 @@ def test_verify_names_the_corrupted_expert(
     out = capsys.readouterr().out
     assert "FAIL expert 2" in out
     assert "failing experts: 2" in out
+
+
+def test_verify_shows_its_progress_in_bytes_unless_told_not_to(
+    store_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    total = tqdm.format_sizeof(Store.open(store_root).manifest.total_expert_bytes, divisor=1024)
+    assert main(["store", "verify", str(store_root)]) == 0
+    err = capsys.readouterr().err
+    assert f"verify: 100%|██████████| {total}/{total}" in err
+    assert main(["store", "verify", "--no-progress", str(store_root)]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_verify_reports_every_experts_bytes_failed_or_not(store_root: Path) -> None:
+    store = Store.open(store_root)
+    path = store.expert_path(1)
+    path.write_bytes(path.read_bytes()[:-5])
+    seen: list[int] = []
+    problems = store.verify(progress=seen.append)
+    assert [p.expert_id for p in problems] == [1]
+    assert seen == [entry.bytes for entry in store.manifest.experts]
 
 
 def test_missing_store_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
