@@ -16,6 +16,7 @@ from server.serving._version import (
     BatcherFactory,
     BatcherLike,
     StoreVersion,
+    StoreVersionReader,
     default_batcher,
     read_store_version,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "PoolFactory",
     "ServingState",
     "StoreVersion",
+    "StoreVersionReader",
     "default_batcher",
     "in_daemon_thread",
     "ray_pool",

@@ -29,8 +29,8 @@ from server.pool import ActorInfo, ExpertPool, Group, GroupResult, check_budget
 from server.serving._version import (
     BatcherFactory,
     StoreVersion,
+    StoreVersionReader,
     default_batcher,
-    read_store_version,
 )
 
 __all__ = ["ObservedPool", "PoolFactory", "ServingState", "in_daemon_thread", "ray_pool"]
@@ -183,6 +183,7 @@ class ServingState:
         self._retiring: set[asyncio.Task[None]] = set()
         # The on-disk version the last swap read (the one a failed swap was opening).
         self._tried: str | None = None
+        self._version_on_disk = StoreVersionReader(Path(settings.store))
         # Replaceable so that tests drive the store watcher without waiting.
         self.sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
 
@@ -281,7 +282,7 @@ class ServingState:
         old = self.version
         if old is None or self.stopping:
             return None
-        on_disk = await in_daemon_thread(read_store_version, Path(self.settings.store))
+        on_disk = await in_daemon_thread(self._version_on_disk.store_version)
         self._tried = on_disk
         if on_disk == old.version:
             return None
@@ -316,7 +317,6 @@ class ServingState:
 
     async def _watch(self) -> None:
         interval = self.settings.watch_interval_s
-        root = Path(self.settings.store)
         # The on-disk version the last reload refused, and when to try it again: a broken
         # version is logged once and retried less and less often (a file may be fixed in
         # place), while a newly published one is tried at the next poll.
@@ -329,7 +329,7 @@ class ServingState:
             try:
                 if refused:
                     # Only while a version is refused: a healthy poll reads the manifest once.
-                    on_disk = await in_daemon_thread(read_store_version, root)
+                    on_disk = await in_daemon_thread(self._version_on_disk.store_version)
                     if refused == [on_disk] and self.clock.now() < retry_at:
                         continue
                 await self.swap()

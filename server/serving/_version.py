@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
 import numpy as np
 import torch
@@ -29,6 +31,7 @@ __all__ = [
     "BatcherFactory",
     "BatcherLike",
     "StoreVersion",
+    "StoreVersionReader",
     "default_batcher",
     "read_store_version",
 ]
@@ -100,9 +103,46 @@ class StoreVersion:
 
 def read_store_version(root: Path) -> str | None:
     """The published store_version, read without opening the whole store (None if absent)."""
+    return StoreVersionReader(root).store_version()
+
+
+class StoreVersionReader:
+    """`read_store_version` for the store watcher: the manifest is parsed again only when its
+    file changed.
+
+    The watcher asks every `watch_interval_s`. A K=100,000 store's manifest.json is 43 MB, and
+    parsing it took ~0.7 s holding the GIL: the event loop stood still for that long every
+    2 s (benchmarks/RESULTS.md, fifty-second session). A publish renames a new file over the
+    manifest, and an edit in place changes its size or times, so an unchanged (device, inode,
+    size, mtime, ctime) of the opened file means an unchanged version.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self._path = root / "manifest.json"
+        self._lock = threading.Lock()  # the watcher's and a reload's reads may overlap
+        self._seen: tuple[tuple[int, ...], str | None] | None = None
+
+    def store_version(self) -> str | None:
+        """As `read_store_version`, from the last parse while the file is the same."""
+        try:
+            with open(self._path, "rb") as fh:
+                # The stamp of the file read, not of whatever the path names a moment later.
+                st = os.fstat(fh.fileno())
+                stamp = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                with self._lock:
+                    if self._seen is not None and self._seen[0] == stamp:
+                        return self._seen[1]
+                version = _store_version_of(fh)
+        except OSError:
+            return None
+        with self._lock:
+            self._seen = (stamp, version)
+        return version
+
+
+def _store_version_of(fh: BinaryIO) -> str | None:
     try:
-        with open(root / "manifest.json", encoding="utf-8") as fh:
-            version = json.load(fh).get("store_version")
-    except (OSError, ValueError, AttributeError):
+        version = json.load(fh).get("store_version")
+    except (ValueError, AttributeError):  # not JSON, or not an object: no version
         return None
     return str(version) if version is not None else None

@@ -22,7 +22,7 @@ from app_support import (
 from server import create_app
 from server._settings import Settings
 from server.pool import ExpertPool
-from server.serving import ServingState, read_store_version
+from server.serving import ServingState, StoreVersionReader, read_store_version
 
 pytestmark = pytest.mark.unit
 
@@ -249,3 +249,37 @@ async def test_a_pool_slow_to_reset_its_counts_does_not_hold_back_the_new_versio
         answer = (await client.post("/v1/predict", json={"inputs": [[0.1] * 4]})).json()
     assert answer["store_version"] == new_version
     assert "did not reset their popularity counts" in caplog.text
+
+
+def test_the_watchers_reader_parses_the_manifest_again_only_when_its_file_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from server.serving import _version
+
+    parses: list[str | None] = []
+    parse = _version._store_version_of
+
+    def counted(fh: Any) -> str | None:
+        parses.append(version := parse(fh))
+        return version
+
+    monkeypatch.setattr(_version, "_store_version_of", counted)
+    store = build_small_store(tmp_path / "store")
+    first = manifest(store)["store_version"]
+    reader = StoreVersionReader(store)
+    assert [reader.store_version() for _ in range(5)] == [first] * 5
+    assert parses == [first]  # a 43 MB manifest took ~0.7 s of GIL to parse, every poll
+    second = republish(store, seed=7)  # a new file renamed over the manifest
+    assert reader.store_version() == second and reader.store_version() == second
+    assert parses == [first, second]
+    # Edited in place (another size): read again.
+    path = store / "manifest.json"
+    edited = path.read_text().replace(second, second + "-edited")
+    path.write_text(edited)
+    assert reader.store_version() == second + "-edited"
+    path.unlink()
+    assert reader.store_version() is None
+    path.write_text("{not json")
+    assert reader.store_version() is None
+    path.write_text(edited)
+    assert reader.store_version() == second + "-edited" and len(parses) == 5
