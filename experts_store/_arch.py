@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Sequence
@@ -72,18 +73,11 @@ class ExpertArch:
     def num_parameters(self) -> int:
         """Trainable parameters: affine weights and biases, one γ per hidden neuron (PReLU),
         and BatchNorm's affine weight and bias when enabled."""
-        affine = sum(
-            d_in * d_out + d_out for d_in, d_out in zip(self.widths, self.widths[1:], strict=False)
-        )
-        hidden = sum(self.hidden_widths)
-        gammas = hidden if self.activation == "prelu" else 0
-        return affine + gammas + (2 * hidden if self.batchnorm else 0)
+        return _counts(self)[0]
 
     def nbytes(self) -> int:
         """Bytes of parameters and buffers as float32 (+ BatchNorm's int64 batch counters)."""
-        hidden = sum(self.hidden_widths)
-        buffers = (2 * hidden * 4 + 8 * len(self.hidden_widths)) if self.batchnorm else 0
-        return 4 * self.num_parameters() + buffers
+        return _counts(self)[1]
 
     def deepened(self, extra_layers: int) -> ExpertArch:
         """The arch with ``extra_layers`` more hidden layers of width d_J before the output."""
@@ -152,3 +146,16 @@ def paper_parameter_count(widths: Sequence[int]) -> int:
     d_{J+1} = 2·d_0 (see :meth:`ExpertArch.num_parameters` for the count of the module).
     """
     return sum(d_in * (d_out + 2) for d_in, d_out in zip(widths, widths[1:], strict=False))
+
+
+# Once per arch: opening a K=100,000 store asked each expert's counts twice, 1.8 s of 7.2 s
+# under cProfile (benchmarks/RESULTS.md, fifty-second session). Frozen and hashable.
+@functools.lru_cache(maxsize=4096)
+def _counts(arch: ExpertArch) -> tuple[int, int]:
+    widths = arch.widths
+    affine = sum(d_in * d_out + d_out for d_in, d_out in zip(widths, widths[1:], strict=False))
+    hidden = sum(arch.hidden_widths)
+    gammas = hidden if arch.activation == "prelu" else 0
+    params = affine + gammas + (2 * hidden if arch.batchnorm else 0)
+    buffers = (2 * hidden * 4 + 8 * len(arch.hidden_widths)) if arch.batchnorm else 0
+    return params, 4 * params + buffers

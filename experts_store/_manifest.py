@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from functools import cached_property
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -48,6 +49,27 @@ def router_file_name(sha256: str) -> str:
     return f"router-{sha256[:16]}.safetensors"
 
 
+# Checked archs by their JSON text: a store's experts share a few archs, and checking each of a
+# K=100,000 manifest's rows three times took 3.8 of the 6.5 s that opening it cost (cProfile;
+# benchmarks/RESULTS.md, fifty-second session). repr tells apart what from_dict does (1, 1.0,
+# True, "1"). Bounded: a hostile manifest could give every row its own arch.
+_ARCHS: dict[str, ExpertArch] = {}
+_MAX_ARCHS = 4096
+
+
+def _checked_arch(data: Any) -> ExpertArch:
+    """`ExpertArch.from_dict(data)`, from the memo when the same values were checked before."""
+    if type(data) is not dict:
+        return ExpertArch.from_dict(data)
+    key = repr(data)
+    arch = _ARCHS.get(key)
+    if arch is None:
+        arch = ExpertArch.from_dict(data)
+        if len(_ARCHS) < _MAX_ARCHS:
+            _ARCHS[key] = arch
+    return arch
+
+
 class ExpertEntry(BaseModel):
     """One row of ``manifest["experts"]``.
 
@@ -82,7 +104,7 @@ class ExpertEntry(BaseModel):
     @field_validator("arch")
     @classmethod
     def _check_arch(cls, value: dict[str, Any]) -> dict[str, Any]:
-        return ExpertArch.from_dict(value).to_dict()
+        return _checked_arch(value).to_dict()
 
     @model_validator(mode="after")
     def _check_file(self) -> ExpertEntry:
@@ -97,9 +119,9 @@ class ExpertEntry(BaseModel):
             raise ValueError(f"expert {self.id}: params does not match its arch")
         return self
 
-    @property
+    @cached_property  # pydantic leaves it out of dumps and equality
     def expert_arch(self) -> ExpertArch:
-        return ExpertArch.from_dict(self.arch)
+        return _checked_arch(self.arch)
 
 
 class GateSpec(BaseModel):

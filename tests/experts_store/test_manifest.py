@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from experts_store import Manifest, UnknownExpert
+from experts_store import ExpertArch, ExpertEntry, Manifest, UnknownExpert
+from experts_store._manifest import expert_file_name
 
 pytestmark = pytest.mark.unit
 
@@ -121,3 +122,25 @@ def test_a_malformed_checksum_is_refused(store_root: Path, bad: str) -> None:
     data["experts"][1]["checksum"] = bad
     with pytest.raises(ValidationError, match="checksum"):
         Manifest.model_validate(data)
+
+
+@pytest.mark.parametrize(
+    ("field", "twin"),
+    [("widths", [True, 4, 2]),  # True == 1 in Python
+     ("widths", [1.0, 4, 2]),  # 1.0 == 1
+     ("batchnorm", 0)],  # 0 == False
+)
+def test_an_arch_equal_in_python_but_not_in_json_is_still_refused(
+    field: str, twin: object
+) -> None:
+    """Archs are checked once per distinct JSON value (a K=100,000 manifest repeats one arch
+    100,000 times): a value Python calls equal to a checked one is not taken for it."""
+    sha = "ab" * 32
+    arch = {"widths": [1, 4, 2], "batchnorm": False, "prelu_init": 0.25}
+    entry = {
+        "id": 0, "file": expert_file_name(0, sha), "sha256": sha, "bytes": 100,
+        "params": ExpertArch(widths=(1, 4, 2)).num_parameters(), "arch": arch,
+    }
+    assert ExpertEntry.model_validate(entry).expert_arch == ExpertArch(widths=(1, 4, 2))
+    with pytest.raises(ValidationError, match="arch"):
+        ExpertEntry.model_validate({**entry, "arch": {**arch, field: twin}})
