@@ -15,6 +15,7 @@ import os
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
@@ -90,12 +91,20 @@ class StoreVersion:
         """This version's experts, indexed by expert id."""
         return self.model.experts
 
+    # Once per version, for GET /v1/experts: at K=100,000 each took 80-300 ms on the event
+    # loop per call (benchmarks/RESULTS.md, fifty-second session). Read only.
+    @cached_property
     def expert_ids(self) -> dict[str, list[int]]:
         """Content hash -> this version's expert ids with that content."""
         ids: dict[str, list[int]] = {}
         for ref in self.experts:
             ids.setdefault(ref.sha256, []).append(ref.expert_id)
         return ids
+
+    @cached_property
+    def expert_rows(self) -> list[tuple[int, int, int, str]]:
+        """(id, bytes, params, sha256) of each expert, in id order."""
+        return [(e.id, e.bytes, e.params, e.sha256) for e in self.manifest.experts]
 
     async def close(self) -> None:
         await self.batcher.close()
