@@ -2,7 +2,8 @@
 
 Each request body is parsed and checked once here (`_body.parse_inputs`) into typed rows and
 options; the layers below trust them. Each response is the pydantic model the schema
-documents, serialised by pydantic's own JSON encoder.
+documents, serialised by pydantic's own JSON encoder, but for /v1/experts' list of every
+expert: plain dicts of its model's shape (one model per expert is too slow at K=100,000).
 """
 
 from __future__ import annotations
