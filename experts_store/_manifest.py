@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from functools import cached_property
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -119,7 +118,7 @@ class ExpertEntry(BaseModel):
             raise ValueError(f"expert {self.id}: params does not match its arch")
         return self
 
-    @cached_property  # pydantic leaves it out of dumps and equality
+    @property  # not cached on the entry: model_copy(update=...) would keep a stale one
     def expert_arch(self) -> ExpertArch:
         return _checked_arch(self.arch)
 
