@@ -64,9 +64,17 @@ if TYPE_CHECKING:
         verify_hyper_files,
     )
     from experts_store._load import load_expert, load_frozen_expert
-    from experts_store._manifest import MANIFEST_FORMAT_VERSION, ExpertEntry, GateSpec, Manifest
+    from experts_store._manifest import (
+        MANIFEST_FORMAT_VERSION,
+        ExpertEntry,
+        GateSpec,
+        Manifest,
+        read_manifest,
+    )
     from experts_store._materialize import materialize_store
     from experts_store._model import ExpertMLP
+    from experts_store._pace import Pace, Pacer, no_pace
+    from experts_store._paced_json import decode_json
     from experts_store._pmoe import (
         PATCH_ALIGN,
         PMOE_ROUTER_TENSOR,
@@ -132,6 +140,11 @@ __all__ = [
     "Lease",
     "Manifest",
     "MANIFEST_FORMAT_VERSION",
+    "Pace",
+    "Pacer",
+    "no_pace",
+    "read_manifest",
+    "decode_json",
     "GateSpec",
     "ImageLayout",
     "PATCH_ALIGN",
@@ -195,6 +208,11 @@ _HOMES = {
     "Manifest": "experts_store._manifest",
     "MANIFEST_FORMAT_VERSION": "experts_store._manifest",
     "GateSpec": "experts_store._manifest",
+    "read_manifest": "experts_store._manifest",
+    "Pace": "experts_store._pace",
+    "Pacer": "experts_store._pace",
+    "no_pace": "experts_store._pace",
+    "decode_json": "experts_store._paced_json",
     "ExpertMLP": "experts_store._model",
     "PATCH_ALIGN": "experts_store._pmoe",
     "PMOE_ROUTER_TENSOR": "experts_store._pmoe",

@@ -5,12 +5,21 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from experts_store._arch import ExpertArch
 from experts_store._exceptions import UnknownExpert
 from experts_store._graph import GraphBlock
 from experts_store._hyper import HyperSpec
+from experts_store._pace import Pace, no_pace
+from experts_store._paced_json import decode_json
 from experts_store._pmoe import PMoESpec
 
 __all__ = [
@@ -19,6 +28,7 @@ __all__ = [
     "GateSpec",
     "Manifest",
     "expert_file_name",
+    "read_manifest",
     "router_file_name",
 ]
 
@@ -106,7 +116,8 @@ class ExpertEntry(BaseModel):
         return _checked_arch(value).to_dict()
 
     @model_validator(mode="after")
-    def _check_file(self) -> ExpertEntry:
+    def _check_file(self, info: ValidationInfo) -> ExpertEntry:
+        _pace_of(info)()  # once per row: a manifest's rows are its long loop
         # The exact derived name also rules out absolute paths and "..": nothing outside
         # the store's experts/ directory can be named.
         if self.file != expert_file_name(self.id, self.sha256):
@@ -226,7 +237,7 @@ class Manifest(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _check_experts(self) -> Manifest:
+    def _check_experts(self, info: ValidationInfo) -> Manifest:
         ids = [entry.id for entry in self.experts]
         if self.kind == "momlp" and not ids:
             raise ValueError("a store of kind 'momlp' needs at least one expert")
@@ -253,7 +264,9 @@ class Manifest(BaseModel):
             # Other kinds' experts map their own spaces (a graph node's inputs, a patch);
             # each kind's own block checks them.
             return self
+        pace = _pace_of(info)
         for entry in self.experts:
+            pace()
             arch = entry.expert_arch
             if arch.input_dim != self.input_dim or arch.output_dim != self.output_dim:
                 raise ValueError(
@@ -292,3 +305,25 @@ class Manifest(BaseModel):
         if isinstance(expert_id, bool) or not 0 <= expert_id < self.num_experts:
             raise UnknownExpert(expert_id=int(expert_id), num_experts=self.num_experts)
         return self.experts[expert_id]
+
+
+def read_manifest(raw: bytes, *, pace: Pace | None = None) -> Manifest:
+    """The manifest in `raw` (manifest.json's bytes), validated.
+
+    ValueError if it is not JSON; pydantic's ValidationError if it is not a valid manifest.
+    `pace`, when given, is called once per expert row while it is decoded and checked, so a
+    thread reading a large store beside a serving event loop hands the GIL over (`Pacer`).
+    """
+    data = decode_json(raw, pace)
+    context = None if pace is None else {_PACE: pace}
+    return Manifest.model_validate(data, context=context)
+
+
+# The key of the pace in pydantic's validation context (read_manifest puts it there).
+_PACE = "momlp.pace"
+
+
+def _pace_of(info: ValidationInfo) -> Pace:
+    context = info.context
+    pace = context.get(_PACE) if isinstance(context, dict) else None
+    return pace if pace is not None else no_pace

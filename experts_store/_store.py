@@ -28,8 +28,9 @@ from experts_store._frozen import FrozenExpert
 from experts_store._hostbuf import HostBufferPool
 from experts_store._hypernet import verify_hyper_files
 from experts_store._load import load_expert, load_frozen_expert
-from experts_store._manifest import ExpertEntry, Manifest
+from experts_store._manifest import ExpertEntry, Manifest, read_manifest
 from experts_store._model import ExpertMLP
+from experts_store._pace import Pace, no_pace
 from experts_store._ref import ExpertRef
 from experts_store._writer import MANIFEST_NAME, REPORT_NAME
 
@@ -61,7 +62,12 @@ class Store:
     """
 
     def __init__(
-        self, root: Path, manifest: Manifest, *, host_pool: HostBufferPool | None = None
+        self,
+        root: Path,
+        manifest: Manifest,
+        *,
+        host_pool: HostBufferPool | None = None,
+        pace: Pace = no_pace,
     ) -> None:
         # Absolute: expert paths leave this process for Ray actors, whose working directory
         # is not ours on another node, and `./store` would name another folder there.
@@ -70,13 +76,12 @@ class Store:
         self.host_pool = host_pool
         self._verified: set[int] = set()
         self._lock = threading.Lock()
-        unknown = sorted(
-            {
-                e.checksum.partition(":")[0]
-                for e in manifest.experts
-                if e.checksum is not None and not known_checksum(e.checksum)
-            }
-        )
+        algos: set[str] = set()
+        for e in manifest.experts:
+            pace()
+            if e.checksum is not None and not known_checksum(e.checksum):
+                algos.add(e.checksum.partition(":")[0])
+        unknown = sorted(algos)
         if unknown:
             logger.warning(
                 "store %s: checksum algorithm(s) %s unknown to this reader; those experts are "
@@ -86,9 +91,13 @@ class Store:
             )
 
     @classmethod
-    def open(cls, root: Path | str, *, host_pool_bytes: int | None = None) -> Store:
+    def open(
+        cls, root: Path | str, *, host_pool_bytes: int | None = None, pace: Pace | None = None
+    ) -> Store:
         """Read ``root``'s manifest. ``host_pool_bytes`` bounds the freed expert buffers kept
-        for reuse (default: two of the store's largest experts; 0 disables the pool)."""
+        for reuse (default: two of the store's largest experts; 0 disables the pool).
+        ``pace`` is called once per expert in each pass over the manifest's rows (`Pacer`:
+        a server opening a new version beside its event loop)."""
         root = Path(root)
         path = root / MANIFEST_NAME
         try:
@@ -96,13 +105,15 @@ class Store:
         except (FileNotFoundError, NotADirectoryError) as exc:
             raise StoreNotFound(root=root) from exc
         try:
-            manifest = Manifest.model_validate_json(raw)
+            manifest = read_manifest(raw, pace=pace)
         except ValidationError as exc:
             raise ManifestError(root=root, message=str(exc)) from exc
+        except ValueError as exc:  # not UTF-8 JSON
+            raise ManifestError(root=root, message=f"not valid JSON: {exc}") from exc
         if host_pool_bytes is None:
             host_pool_bytes = 2 * manifest.max_expert_bytes
         pool = HostBufferPool(host_pool_bytes) if host_pool_bytes > 0 else None
-        return cls(root, manifest, host_pool=pool)
+        return cls(root, manifest, host_pool=pool, pace=pace or no_pace)
 
     @property
     def version(self) -> str:
@@ -130,7 +141,9 @@ class Store:
 
     def expert_ref(self, expert_id: int) -> ExpertRef:
         """The content-addressed handle a serving actor loads this expert by."""
-        entry = self.expert_entry(expert_id)
+        return self._ref(self.expert_entry(expert_id))
+
+    def _ref(self, entry: ExpertEntry) -> ExpertRef:
         return ExpertRef(
             sha256=entry.sha256,
             # A string join, not pathlib's (a third of this call's cost; a K=100,000 store
@@ -141,6 +154,14 @@ class Store:
             expert_id=entry.id,
             checksum=entry.checksum,
         )
+
+    def expert_refs(self, pace: Pace = no_pace) -> list[ExpertRef]:
+        """`expert_ref` of every expert, in id order; `pace` is called once per expert."""
+        refs = []
+        for entry in self.manifest.experts:
+            pace()
+            refs.append(self._ref(entry))
+        return refs
 
     def expert_nbytes(self, expert_id: int) -> int:
         """Bytes the expert's parameters and buffers occupy on a device once loaded."""

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from experts_store import ExpertRef, GraphBlock, Manifest, Store, node_ref
+from experts_store import ExpertRef, GraphBlock, Manifest, Pace, Store, no_pace, node_ref
 from router import PrototypeTree
 from server._exceptions import InvalidRequest
 from server._settings import Settings
@@ -155,13 +155,13 @@ class GraphModel:
         self.outputs = tuple(node_ref(r) for r in graph.outputs)
 
     @classmethod
-    def open(cls, store: Store) -> GraphModel:
+    def open(cls, store: Store, pace: Pace = no_pace) -> GraphModel:
         """Read every node's router (blocking); experts stay files until the pool loads them."""
         graph = store.manifest.graph
         if graph is None:
             raise ValueError("a store of kind 'graph' without a graph block")
         trees = {n.name: PrototypeTree.load(store.node_router_path(n.name)) for n in graph.nodes}
-        experts = [store.expert_ref(e.id) for e in store.manifest.experts]
+        experts = store.expert_refs(pace)
         return cls(graph, trees, experts, store.manifest)
 
     @property

@@ -27,10 +27,12 @@ from experts_store import (
     GeneratedRef,
     GeneratorRef,
     HyperSpec,
+    Pace,
     Store,
     condition_bytes,
     condition_key,
     load_conditions,
+    no_pace,
     theta_file_bytes,
 )
 from server._exceptions import CapExceeded, InvalidRequest
@@ -139,9 +141,9 @@ class HyperModel:
         self._local_lock = threading.Lock()
 
     @classmethod
-    def open(cls, store: Store) -> HyperModel:
+    def open(cls, store: Store, pace: Pace = no_pace) -> HyperModel:
         """Read the manifest block and the conditions table (verified); f stays a file
-        until an actor pins it."""
+        until an actor pins it. A hyper store has no expert rows: nothing to pace."""
         spec = store.manifest.hyper
         if spec is None:
             raise InvalidRequest("the store has no hyper block", field="store")

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from experts_store import ExpertRef, GateSpec, Manifest, Store
+from experts_store import ExpertRef, GateSpec, Manifest, Pace, Store, no_pace
 from router import (
     Gate,
     GateRouting,
@@ -72,13 +72,13 @@ class MomlpModel:
         self._lifted = self.gate_spec.lift == "linear"
 
     @classmethod
-    def open(cls, store: Store) -> MomlpModel:
+    def open(cls, store: Store, pace: Pace = no_pace) -> MomlpModel:
         """Read the store's router (blocking); experts stay files until the pool loads them."""
         router: GateRouter = PrototypeTree.load(store.router_path)
         if store.manifest.gate_spec.lift == "linear":
             # Takes input-space rows and lifts them itself; exact top-k by logit bounds.
             router = LinearGateRouter(router)
-        experts = [store.expert_ref(e.id) for e in store.manifest.experts]
+        experts = store.expert_refs(pace)
         return cls(router, experts, store.manifest)
 
     @property

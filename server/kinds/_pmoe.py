@@ -21,7 +21,14 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from experts_store import PMOE_ROUTER_TENSOR, ExpertRef, PMoESpec, Store
+from experts_store import (
+    PMOE_ROUTER_TENSOR,
+    ExpertRef,
+    Pace,
+    PMoESpec,
+    Store,
+    no_pace,
+)
 from router import PrototypeTree
 from server._exceptions import InvalidRequest
 from server._settings import Settings
@@ -173,12 +180,12 @@ class PatchModel:
             raise ValueError(f"token choice needs a tree of {k} prototypes in R^d")
 
     @classmethod
-    def open(cls, store: Store) -> PatchModel:
+    def open(cls, store: Store, pace: Pace = no_pace) -> PatchModel:
         """Read the store's router file (blocking); experts stay files until the pool loads."""
         manifest = store.manifest
         if manifest.pmoe is None:
             raise ValueError("a pmoe store without its pmoe block")
-        experts = [store.expert_ref(e.id) for e in manifest.experts]
+        experts = store.expert_refs(pace)
         if manifest.pmoe.routing == "token_choice":
             tree = PrototypeTree.load(store.router_path)
             return cls(manifest.pmoe, experts, tree=tree, default_mode=manifest.routing)

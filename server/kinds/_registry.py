@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from experts_store import Store
+from experts_store import Pace, Store, no_pace
 from server._exceptions import UnknownStoreKind
 from server.kinds._graph import GraphModel
 from server.kinds._hyper import HyperModel
@@ -15,7 +15,7 @@ from server.kinds._types import ServedModel
 __all__ = ["KINDS", "open_model"]
 
 # One entry per kind; a kind is its planner/combiner (a ServedModel), opened from its store.
-KINDS: dict[str, Callable[[Store], ServedModel]] = {
+KINDS: dict[str, Callable[[Store, Pace], ServedModel]] = {
     MomlpModel.kind: MomlpModel.open,
     HyperModel.kind: HyperModel.open,
     PatchModel.kind: PatchModel.open,
@@ -23,9 +23,10 @@ KINDS: dict[str, Callable[[Store], ServedModel]] = {
 }
 
 
-def open_model(store: Store) -> ServedModel:
-    """The served form of `store` (blocking reads); UnknownStoreKind naming its kind."""
+def open_model(store: Store, pace: Pace = no_pace) -> ServedModel:
+    """The served form of `store` (blocking reads); UnknownStoreKind naming its kind. `pace`
+    is called once per expert in its passes over the store's experts (`Pacer`)."""
     opener = KINDS.get(store.manifest.kind)
     if opener is None:
         raise UnknownStoreKind(kind=store.manifest.kind, known=sorted(KINDS))
-    return opener(store)
+    return opener(store, pace)

@@ -20,12 +20,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from experts_store import Clock, ExpertRef, Store
+from experts_store import Clock, ExpertRef, Pace, Pacer, Store, no_pace
 from server._exceptions import NotReady, PoolStartFailed
 from server._settings import Settings
 from server.batching import OpenConnections, RouteRunner
 from server.kinds import ServedModel, check_kind_budget, open_model
 from server.pool import ActorInfo, ExpertPool, Group, GroupResult, check_budget
+from server.serving._collect import collections_deferred, thaw
 from server.serving._version import (
     BatcherFactory,
     StoreVersion,
@@ -47,6 +48,12 @@ _MAX_WATCH_BACKOFF_S = 300.0
 # How long a swap waits for the actors to reset their popularity counts: a busy or stuck actor
 # must not keep a new version from going live (it only admits the new experts more slowly).
 _FORGET_TIMEOUT_S = 2.0
+# A swap opens the new version beside requests that are being served: its passes over the
+# store's experts give the GIL back for 1 ms after each 2 ms of work (experts_store.Pacer). At
+# K=100,000 under 16 clients the slowest request during a reload fell from 1.9-2.7 s to 0.23 s,
+# and the reload took ~9 s instead of ~3.4 (benchmarks/RESULTS.md, fifty-third session).
+_SWAP_PACE_WORK_S = 0.002
+_SWAP_PACE_REST_S = 0.001
 
 
 def in_daemon_thread(fn: Callable[..., R], *args: Any) -> asyncio.Future[R]:
@@ -146,11 +153,26 @@ class ObservedPool:
         """Nothing: the pool belongs to the server, not to a version's batcher."""
 
 
-def _open_version_files(root: Path) -> tuple[Store, ServedModel]:
+def _open_version_files(
+    root: Path, budget_bytes: int, pace: Pace | None
+) -> tuple[Store, ServedModel]:
     # A kind this server does not know is refused here, naming it (UnknownStoreKind): at
     # startup the server does not start, on a reload the old version keeps serving.
-    store = Store.open(root)
-    return store, open_model(store)
+    with collections_deferred(freeze=True):
+        store = Store.open(root, pace=pace)
+        model = open_model(store, pace or no_pace)
+        check_budget(model.experts, budget_bytes)  # a pass over every expert: off the loop too
+    return store, model
+
+
+def _read_on_disk(reader: StoreVersionReader, pace: Pace) -> str | None:
+    # A changed manifest is parsed whole: as many objects as the open's, if short-lived.
+    with collections_deferred(freeze=False):
+        return reader.store_version(pace)
+
+
+def _swap_pacer() -> Pacer:
+    return Pacer(_SWAP_PACE_WORK_S, _SWAP_PACE_REST_S)
 
 
 class ServingState:
@@ -192,7 +214,7 @@ class ServingState:
         made = self.pool_factory(self.settings)
         self.pool = await made if inspect.isawaitable(made) else made
         try:
-            self.version = await self._open_version()
+            self.version = await self._open_version(pace=None)  # nothing is served yet
         except BaseException:
             await self._close_pool()
             raise
@@ -218,6 +240,7 @@ class ServingState:
                 await version.close()
         finally:
             await self._close_pool()
+            thaw()
 
     async def _close_pool(self) -> None:
         pool, self.pool = self.pool, None
@@ -228,12 +251,13 @@ class ServingState:
         except TimeoutError:
             logger.error("the actor pool did not close within %s s", _CLOSE_TIMEOUT_S)
 
-    async def _open_version(self) -> StoreVersion:
+    async def _open_version(self, pace: Pace | None) -> StoreVersion:
         pool = self.pool
         if pool is None:
             raise NotReady(reason="the actor pool is not up")
-        store, model = await in_daemon_thread(_open_version_files, Path(self.settings.store))
-        check_budget(model.experts, pool.budget_bytes)
+        store, model = await in_daemon_thread(
+            _open_version_files, Path(self.settings.store), pool.budget_bytes, pace
+        )
         check_kind_budget(model, pool.budget_bytes)
         observed = ObservedPool(pool, self._on_batch, self._on_generated)
         batcher = self.batcher_factory(model, observed, self.settings, self.clock)
@@ -282,11 +306,11 @@ class ServingState:
         old = self.version
         if old is None or self.stopping:
             return None
-        on_disk = await in_daemon_thread(self._version_on_disk.store_version)
+        on_disk = await in_daemon_thread(_read_on_disk, self._version_on_disk, _swap_pacer())
         self._tried = on_disk
         if on_disk == old.version:
             return None
-        new = await self._open_version()
+        new = await self._open_version(pace=_swap_pacer())
         if new.version == old.version or self.stopping:
             await new.close()
             return None
@@ -314,6 +338,10 @@ class ServingState:
         # Requests that entered the old version finish on it; then its batcher is closed.
         await self._drain(old)
         await old.close()
+        if old.in_flight == 0:
+            # Freed at once, its per-expert objects would be ~0.1 s of the event loop at
+            # K=100,000; a request still in it (past its drain) keeps it whole instead.
+            await in_daemon_thread(old.release, _swap_pacer())
 
     async def _watch(self) -> None:
         interval = self.settings.watch_interval_s
@@ -329,7 +357,9 @@ class ServingState:
             try:
                 if refused:
                     # Only while a version is refused: a healthy poll reads the manifest once.
-                    on_disk = await in_daemon_thread(self._version_on_disk.store_version)
+                    on_disk = await in_daemon_thread(
+                        _read_on_disk, self._version_on_disk, _swap_pacer()
+                    )
                     if refused == [on_disk] and self.clock.now() < retry_at:
                         continue
                 await self.swap()

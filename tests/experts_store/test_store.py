@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -8,11 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
+from experts_store_helpers import publish
 
 from experts_store import (
     ExpertChecksumError,
     ExpertFileMissing,
     ExpertFormatError,
+    Manifest,
     ManifestError,
     Store,
     StoreExpertLoader,
@@ -245,3 +248,57 @@ def test_a_store_opened_by_a_relative_path_hands_out_paths_that_hold_elsewhere(
     path = Path(store.expert_ref(0).path)
     assert path.is_absolute() and path.is_file()
     assert store.root == store_root.absolute()
+
+
+class CountingPace:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+
+
+def test_a_paced_open_reads_what_an_unpaced_one_reads(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    publish(root, num_experts=7)
+    pace = CountingPace()
+    paced = Store.open(root, pace=pace)
+    plain = Store.open(root)
+    assert paced.manifest == plain.manifest
+    assert paced.manifest == Manifest.model_validate_json((root / "manifest.json").read_bytes())
+    # Decoded, checked as a row, checked against the store, and seen by Store: 4 per expert.
+    assert pace.calls == 4 * 7
+    refs = CountingPace()
+    by_refs = [dataclasses.astuple(ref) for ref in paced.expert_refs(refs)]
+    # All of each ref, not its equality (the sha256 alone).
+    assert by_refs == [dataclasses.astuple(plain.expert_ref(i)) for i in range(7)]
+    assert refs.calls == 7
+
+
+@pytest.mark.parametrize("paced", [False, True])
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ('{"store_version": "v", ', "not valid JSON"),
+        ('{"temperature": NaN}', "NaN"),
+        ("[]", "valid dictionary"),
+    ],
+)
+def test_a_manifest_that_is_not_json_names_why(
+    tmp_path: Path, paced: bool, text: str, says: str
+) -> None:
+    (tmp_path / "manifest.json").write_text(text)
+    with pytest.raises(ManifestError, match=says):
+        Store.open(tmp_path, pace=CountingPace() if paced else None)
+
+
+@pytest.mark.parametrize("paced", [False, True])
+def test_a_bad_row_is_named_by_its_place_paced_or_not(tmp_path: Path, paced: bool) -> None:
+    root = tmp_path / "store"
+    publish(root, num_experts=3)
+    data = json.loads((root / "manifest.json").read_text())
+    data["experts"][1]["sha256"] = "F" * 64
+    (root / "manifest.json").write_text(json.dumps(data, indent=2))
+    with pytest.raises(ManifestError, match=r"experts\.1\.sha256") as info:
+        Store.open(root, pace=CountingPace() if paced else None)
+    assert "64 lowercase hex digits" in str(info.value)

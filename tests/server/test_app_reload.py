@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -151,9 +152,9 @@ async def test_a_refused_version_is_logged_once_and_retried_less_often(
     opened: list[Path] = []
     open_files = state._open_version_files
 
-    def counting_open(root: Path) -> Any:
+    def counting_open(root: Path, *args: Any) -> Any:
         opened.append(root)
-        return open_files(root)
+        return open_files(root, *args)
 
     def publish_broken(version: str) -> None:
         # A published manifest whose router file does not exist.
@@ -259,8 +260,8 @@ def test_the_watchers_reader_parses_the_manifest_again_only_when_its_file_change
     parses: list[str | None] = []
     parse = _version._store_version_of
 
-    def counted(fh: Any) -> str | None:
-        parses.append(version := parse(fh))
+    def counted(raw: bytes, pace: Any) -> str | None:
+        parses.append(version := parse(raw, pace))
         return version
 
     monkeypatch.setattr(_version, "_store_version_of", counted)
@@ -283,3 +284,77 @@ def test_the_watchers_reader_parses_the_manifest_again_only_when_its_file_change
     assert reader.store_version() is None
     path.write_text(edited)
     assert reader.store_version() == second + "-edited" and len(parses) == 5
+
+
+async def test_a_swap_opens_at_a_pace_and_frees_the_old_version_when_it_is_empty(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import server.serving._state as state
+    from experts_store import Pacer
+
+    store = build_small_store(tmp_path / "store")
+    paces: list[Any] = []
+    open_files = state._open_version_files
+
+    def recording_open(root: Path, budget_bytes: int, pace: Any) -> Any:
+        paces.append(pace)
+        return open_files(root, budget_bytes, pace)
+
+    monkeypatch.setattr(state, "_open_version_files", recording_open)
+    app = create_app(app_settings(store), pool_factory=fake_pool)
+    async with running(app):
+        serving: ServingState = app.state.serving
+        old = serving.version
+        assert old is not None and old.experts and old.manifest.experts
+        republish(store, seed=5)
+        assert await serving.reload()
+        await asyncio.gather(*serving._retiring)
+        new = serving.version
+        assert new is not None and new is not old
+        assert gc.get_freeze_count() > 0  # the versions opened, out of the collector's scans
+    assert gc.get_freeze_count() == 0  # handed back when the server stopped
+    # The start had nobody to wait beside it; the swap had the requests being served.
+    assert paces[0] is None and isinstance(paces[1], Pacer)
+    # The retired version's per-expert rows are gone; the serving one's are whole.
+    assert old.experts == [] and old.manifest.experts == []
+    assert len(new.experts) == len(new.manifest.experts) == new.manifest.num_experts > 0
+
+
+async def test_a_version_still_in_use_past_its_drain_is_not_emptied(tmp_path: Path) -> None:
+    store = build_small_store(tmp_path / "store")
+    app = create_app(app_settings(store, request_timeout_s=0.2), pool_factory=fake_pool)
+    async with running(app):
+        serving: ServingState = app.state.serving
+        async with serving.use() as old:  # a request that outstays its drain
+            republish(store, seed=6)
+            assert await serving.reload()
+            await asyncio.gather(*serving._retiring)
+            assert len(old.experts) == old.manifest.num_experts > 0
+            assert len(old.manifest.experts) == old.manifest.num_experts
+
+
+def test_releasing_a_version_frees_its_rows_a_slice_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import server.serving._version as _version
+    from experts_store import Store
+    from server.kinds import open_model
+    from server.serving import StoreVersion
+
+    monkeypatch.setattr(_version, "_RELEASE_SLICE", 2)
+    store = Store.open(build_small_store(tmp_path / "store"))
+    k = store.manifest.num_experts
+    assert k >= 3
+    model = open_model(store)
+    version = StoreVersion(store, model, batcher=None, route_runner=None)  # type: ignore[arg-type]
+    assert version.expert_rows and version.expert_ids  # the cached views, made
+    rows, refs = version.manifest.experts, version.experts
+    seen: list[tuple[int, int]] = []
+    version.release(lambda: seen.append((len(refs), len(rows))))
+    assert rows == [] and refs == [] and version.manifest.experts == []
+    assert "expert_rows" not in version.__dict__ and "expert_ids" not in version.__dict__
+    # Two rows per slice, a pace after each: the refs go down 2 by 2, then the rows.
+    slices = -(-k // 2)
+    assert seen[-2 * slices :] == [(max(k - 2 * i, 0), k) for i in range(1, slices + 1)] + [
+        (0, max(k - 2 * i, 0)) for i in range(1, slices + 1)
+    ]

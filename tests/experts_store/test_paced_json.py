@@ -1,0 +1,96 @@
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from experts_store import decode_json
+
+pytestmark = pytest.mark.unit
+
+DOCUMENTS = [
+    '{"experts": [{"id": 0, "arch": {"widths": [2, 3]}}, {"id": 1}], "store_version": "v1"}',
+    ' \n{ "a" : [ ] , "b":[1,[2,[3]],{"c":[4]}],\t"d":{}, "e":null }\r\n',
+    '{"experts": [1, 2.5, -3e2, true, false, null, "x", [], {}]}',
+    "{}",
+    '{"k": "\\u00e9\\n\\"", "\\u00e9": ["\\ud83d\\ude00"]}',
+    '{"dup": [1], "dup": [2, 3], "other": 1}',  # the last of a repeated key, as json.loads
+    '{"big": 123456789012345678901234567890, "deep": [[[[[[1]]]]]]}',
+    '[1, 2, {"a": [3]}]',  # not an object: decoded in one piece
+    '"just a string"',
+]
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+
+
+@pytest.mark.parametrize("text", DOCUMENTS)
+def test_the_paced_decoder_gives_what_json_loads_gives(text: str) -> None:
+    expected = json.loads(text)
+    assert decode_json(text.encode()) == expected
+    assert decode_json(text.encode(), Counter()) == expected
+
+
+def test_the_pace_is_called_after_each_item_of_a_top_level_array() -> None:
+    pace = Counter()
+    decode_json(DOCUMENTS[0].encode(), pace)
+    assert pace.calls == 2
+    pace = Counter()
+    decode_json(DOCUMENTS[1].encode(), pace)
+    assert pace.calls == 3  # b's three items; a is empty and nested arrays are one item
+    pace = Counter()
+    decode_json(b'{"experts": ' + json.dumps(list(range(1000))).encode() + b"}", pace)
+    assert pace.calls == 1000
+
+
+BAD = [
+    '{"a": [1, 2,]}',
+    '{"a": [1 2]}',
+    '{"a": [1, 2}',
+    '{"a" 1}',
+    '{"a": 1,}',
+    "{'a': 1}",
+    '{"a": 1} {"b": 2}',
+    '{"a": 1} x',
+    '{"a": [1]',
+    '{"a": NaN}',
+    '{"a": [Infinity]}',
+    '{"a": [-Infinity]}',
+    "",
+    "{",
+]
+
+
+@pytest.mark.parametrize("text", BAD)
+@pytest.mark.parametrize("paced", [False, True])
+def test_what_is_not_json_is_a_value_error_paced_or_not(text: str, paced: bool) -> None:
+    with pytest.raises(ValueError):
+        decode_json(text.encode(), Counter() if paced else None)
+
+
+@pytest.mark.parametrize("paced", [False, True])
+def test_bytes_that_are_not_utf8_are_a_value_error(paced: bool) -> None:
+    with pytest.raises(ValueError):
+        decode_json(b'{"a": "\xff"}', Counter() if paced else None)
+
+
+def test_a_refused_number_names_itself() -> None:
+    with pytest.raises(ValueError, match="NaN"):
+        decode_json(b'{"temperature": NaN}')
+
+
+def _nested(depth: int) -> Any:
+    return [] if depth == 0 else [_nested(depth - 1)]
+
+
+def test_arrays_below_the_top_level_are_items_not_paced() -> None:
+    pace = Counter()
+    doc = {"a": [_nested(50), _nested(3)]}
+    assert decode_json(json.dumps(doc).encode(), pace) == doc
+    assert pace.calls == 2

@@ -1,0 +1,77 @@
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from server.serving._collect import collections_deferred, thaw
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(autouse=True)
+def collector_restored() -> Iterator[None]:
+    enabled = gc.isenabled()
+    yield
+    thaw()
+    if enabled:
+        gc.enable()
+    else:
+        gc.disable()
+
+
+def test_no_collection_inside_and_the_collector_back_on_after() -> None:
+    gc.enable()
+    with collections_deferred(freeze=False):
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def test_a_collector_that_was_off_stays_off() -> None:
+    gc.disable()
+    with collections_deferred(freeze=False):
+        assert not gc.isenabled()
+    assert not gc.isenabled()
+
+
+def test_overlapping_callers_leave_it_off_until_the_last_is_out() -> None:
+    gc.enable()
+    inside, leave = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with collections_deferred(freeze=False):
+            inside.set()
+            leave.wait(5)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    assert inside.wait(5)
+    with collections_deferred(freeze=False):
+        pass
+    assert not gc.isenabled()  # the other thread is still inside
+    leave.set()
+    thread.join(5)
+    assert gc.isenabled()
+
+
+def test_freeze_sets_aside_what_is_alive_and_thaw_hands_it_back() -> None:
+    thaw()
+    kept = [[i] for i in range(1000)]
+    with collections_deferred(freeze=True):
+        pass
+    frozen = gc.get_freeze_count()
+    assert frozen >= len(kept)
+    with collections_deferred(freeze=False):
+        pass
+    assert gc.get_freeze_count() == frozen  # only a freezing caller freezes
+    thaw()
+    assert gc.get_freeze_count() == 0
+
+
+def test_an_error_inside_still_turns_the_collector_back_on() -> None:
+    gc.enable()
+    with pytest.raises(RuntimeError), collections_deferred(freeze=True):
+        raise RuntimeError("open failed")
+    assert gc.isenabled()
