@@ -50,8 +50,8 @@ _MAX_WATCH_BACKOFF_S = 300.0
 _FORGET_TIMEOUT_S = 2.0
 # A swap opens the new version beside requests that are being served: its passes over the
 # store's experts give the GIL back for 1 ms after each 2 ms of work (experts_store.Pacer). At
-# K=100,000 under 16 clients the slowest request during a reload fell from 1.9-2.7 s to 0.23 s,
-# and the reload took ~9 s instead of ~3.4 (benchmarks/RESULTS.md, fifty-third session).
+# K=100,000 under 16 clients the slowest request during a reload fell from 1.9-3.1 s to
+# 0.23-0.26 s, and the reload took ~9 s instead of 3.4-4.6 (RESULTS.md, fifty-third session).
 _SWAP_PACE_WORK_S = 0.002
 _SWAP_PACE_REST_S = 0.001
 
