@@ -4,11 +4,16 @@ Opening a K=100,000 store version makes ~1.3 million objects that outlive it. Ma
 collector on, they set off full collections of everything the process holds: 250-520 ms
 each, four of them per open, each holding the GIL, so the event loop stood still that long
 (benchmarks/RESULTS.md, fifty-third session). Inside `collections_deferred` there is no
-cyclic collection (reference counting still frees nearly everything); with `freeze`, what is
-alive at its end (the version just opened among it) is moved where later collections do not
-scan it, as `gc.freeze` does for a pre-forking server. Such an object that later dies in a
-reference cycle is not reclaimed until `thaw()`, which the server calls when it stops; a
-version's own objects hold no cycles, so a retired version is freed all the same.
+cyclic collection (reference counting still frees nearly everything). With `freeze_from`,
+once at least that many tracked objects were made inside, what is alive at its end (the
+version just opened among it) is moved where later collections do not scan it, as
+`gc.freeze` does for a pre-forking server; otherwise turning the collector back on would
+start with a collection of all of them. An object frozen this way that later dies in a
+reference cycle is not reclaimed until `thaw()`, which the server calls when it stops, so
+only opens that need it freeze: the start (a process holding the server's modules and the
+issue store's version had ~180,000 objects, and a full collection of them took 77 ms) and
+swaps of large stores. A version's own objects hold no cycles, so a
+retired version is freed all the same.
 """
 
 from __future__ import annotations
@@ -26,9 +31,11 @@ _was_enabled = False
 
 
 @contextlib.contextmanager
-def collections_deferred(*, freeze: bool) -> Iterator[None]:
+def collections_deferred(*, freeze_from: int | None) -> Iterator[None]:
     """No cyclic garbage collection in the process while any caller is inside (threads
-    overlap: the last one out turns it back on, if it was on)."""
+    overlap: the last one out turns it back on, if it was on). `freeze_from`: freeze at the
+    end when the youngest generation holds at least that many objects (0: always; None:
+    never)."""
     global _holders, _was_enabled
     with _lock:
         if _holders == 0:
@@ -39,7 +46,7 @@ def collections_deferred(*, freeze: bool) -> Iterator[None]:
         yield
     finally:
         with _lock:
-            if freeze:
+            if freeze_from is not None and gc.get_count()[0] >= freeze_from:
                 gc.freeze()
             _holders -= 1
             if _holders == 0 and _was_enabled:

@@ -54,6 +54,10 @@ _FORGET_TIMEOUT_S = 2.0
 # 0.23-0.26 s, and the reload took ~9 s instead of 3.4-4.6 (RESULTS.md, fifty-third session).
 _SWAP_PACE_WORK_S = 0.002
 _SWAP_PACE_REST_S = 0.001
+# A swap that made this many objects freezes them (server/serving/_collect.py): ~13 objects an
+# expert, so stores of ~4,000 experts and up; turning the collector back on with fewer costs a
+# young collection of ~20 ms at most (0.4 µs an object here).
+_SWAP_FREEZE_FROM_OBJECTS = 50_000
 
 
 def in_daemon_thread(fn: Callable[..., R], *args: Any) -> asyncio.Future[R]:
@@ -158,7 +162,8 @@ def _open_version_files(
 ) -> tuple[Store, ServedModel]:
     # A kind this server does not know is refused here, naming it (UnknownStoreKind): at
     # startup the server does not start, on a reload the old version keeps serving.
-    with collections_deferred(freeze=True):
+    # The start (no pace) always freezes what it made; a swap only when it made many objects.
+    with collections_deferred(freeze_from=0 if pace is None else _SWAP_FREEZE_FROM_OBJECTS):
         store = Store.open(root, pace=pace)
         model = open_model(store, pace or no_pace)
         check_budget(model.experts, budget_bytes)  # a pass over every expert: off the loop too
@@ -167,7 +172,7 @@ def _open_version_files(
 
 def _read_on_disk(reader: StoreVersionReader, pace: Pace) -> str | None:
     # A changed manifest is parsed whole: as many objects as the open's, if short-lived.
-    with collections_deferred(freeze=False):
+    with collections_deferred(freeze_from=None):
         return reader.store_version(pace)
 
 

@@ -24,14 +24,14 @@ def collector_restored() -> Iterator[None]:
 
 def test_no_collection_inside_and_the_collector_back_on_after() -> None:
     gc.enable()
-    with collections_deferred(freeze=False):
+    with collections_deferred(freeze_from=None):
         assert not gc.isenabled()
     assert gc.isenabled()
 
 
 def test_a_collector_that_was_off_stays_off() -> None:
     gc.disable()
-    with collections_deferred(freeze=False):
+    with collections_deferred(freeze_from=None):
         assert not gc.isenabled()
     assert not gc.isenabled()
 
@@ -41,14 +41,14 @@ def test_overlapping_callers_leave_it_off_until_the_last_is_out() -> None:
     inside, leave = threading.Event(), threading.Event()
 
     def other() -> None:
-        with collections_deferred(freeze=False):
+        with collections_deferred(freeze_from=None):
             inside.set()
             leave.wait(5)
 
     thread = threading.Thread(target=other)
     thread.start()
     assert inside.wait(5)
-    with collections_deferred(freeze=False):
+    with collections_deferred(freeze_from=None):
         pass
     assert not gc.isenabled()  # the other thread is still inside
     leave.set()
@@ -59,19 +59,30 @@ def test_overlapping_callers_leave_it_off_until_the_last_is_out() -> None:
 def test_freeze_sets_aside_what_is_alive_and_thaw_hands_it_back() -> None:
     thaw()
     kept = [[i] for i in range(1000)]
-    with collections_deferred(freeze=True):
+    with collections_deferred(freeze_from=0):
         pass
     frozen = gc.get_freeze_count()
     assert frozen >= len(kept)
-    with collections_deferred(freeze=False):
+    with collections_deferred(freeze_from=None):
         pass
     assert gc.get_freeze_count() == frozen  # only a freezing caller freezes
     thaw()
     assert gc.get_freeze_count() == 0
 
 
+def test_only_an_open_that_made_many_objects_freezes_them() -> None:
+    thaw()
+    gc.collect()  # the youngest generation starts empty
+    with collections_deferred(freeze_from=50_000):
+        few = [[i] for i in range(100)]
+    assert gc.get_freeze_count() == 0
+    with collections_deferred(freeze_from=50_000):
+        many = [[i] for i in range(60_000)]
+    assert gc.get_freeze_count() >= len(many) > len(few)
+
+
 def test_an_error_inside_still_turns_the_collector_back_on() -> None:
     gc.enable()
-    with pytest.raises(RuntimeError), collections_deferred(freeze=True):
+    with pytest.raises(RuntimeError), collections_deferred(freeze_from=0):
         raise RuntimeError("open failed")
     assert gc.isenabled()
