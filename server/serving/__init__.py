@@ -9,6 +9,7 @@ from server.serving._state import (
     ObservedPool,
     PoolFactory,
     ServingState,
+    background_pacer,
     in_daemon_thread,
     ray_pool,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "ServingState",
     "StoreVersion",
     "StoreVersionReader",
+    "background_pacer",
     "default_batcher",
     "in_daemon_thread",
     "ray_pool",

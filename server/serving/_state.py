@@ -34,7 +34,14 @@ from server.serving._version import (
     default_batcher,
 )
 
-__all__ = ["ObservedPool", "PoolFactory", "ServingState", "in_daemon_thread", "ray_pool"]
+__all__ = [
+    "ObservedPool",
+    "PoolFactory",
+    "ServingState",
+    "background_pacer",
+    "in_daemon_thread",
+    "ray_pool",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +183,8 @@ def _read_on_disk(reader: StoreVersionReader, pace: Pace) -> str | None:
         return reader.store_version(pace)
 
 
-def _swap_pacer() -> Pacer:
+def background_pacer() -> Pacer:
+    """The pace of a long run of Python on a thread beside the event loop (a swap's open)."""
     return Pacer(_SWAP_PACE_WORK_S, _SWAP_PACE_REST_S)
 
 
@@ -311,11 +319,11 @@ class ServingState:
         old = self.version
         if old is None or self.stopping:
             return None
-        on_disk = await in_daemon_thread(_read_on_disk, self._version_on_disk, _swap_pacer())
+        on_disk = await in_daemon_thread(_read_on_disk, self._version_on_disk, background_pacer())
         self._tried = on_disk
         if on_disk == old.version:
             return None
-        new = await self._open_version(pace=_swap_pacer())
+        new = await self._open_version(pace=background_pacer())
         if new.version == old.version or self.stopping:
             await new.close()
             return None
@@ -346,7 +354,7 @@ class ServingState:
         if old.in_flight == 0:
             # Freed at once, its per-expert objects would be ~0.1 s of the event loop at
             # K=100,000; a request still in it (past its drain) keeps it whole instead.
-            await in_daemon_thread(old.release, _swap_pacer())
+            await in_daemon_thread(old.release, background_pacer())
 
     async def _watch(self) -> None:
         interval = self.settings.watch_interval_s
@@ -363,7 +371,7 @@ class ServingState:
                 if refused:
                     # Only while a version is refused: a healthy poll reads the manifest once.
                     on_disk = await in_daemon_thread(
-                        _read_on_disk, self._version_on_disk, _swap_pacer()
+                        _read_on_disk, self._version_on_disk, background_pacer()
                     )
                     if refused == [on_disk] and self.clock.now() < retry_at:
                         continue

@@ -5,18 +5,23 @@ from __future__ import annotations
 import asyncio
 import io
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from app_support import (
+    app_settings,
+    build_small_store,
     expert_outputs,
     fake_app,
+    fake_pool,
     manifest,
     nearest_k,
     prototypes,
     running,
 )
 
+from server import create_app
 from server.http._models import ExpertsResponse
 
 pytestmark = pytest.mark.unit
@@ -293,3 +298,32 @@ async def test_settings_defaults_apply_when_a_request_gives_no_top_k_or_mode(sto
         one = (await client.post("/v1/route", json={"inputs": x.tolist(), "top_k": 1})).json()
     assert routed["experts"] == nearest.tolist()
     assert one["experts"] == nearest[:, :1].tolist()
+
+
+async def test_the_experts_listing_is_built_off_the_event_loop_inside_its_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    import server.http._routes as routes
+    from server.serving import ServingState
+
+    store = build_small_store(tmp_path / "store")
+    app = create_app(app_settings(store), pool_factory=fake_pool)
+    seen: list[tuple[str, int]] = []
+    build = routes._experts_body
+
+    def watched(version: Any, *args: Any) -> str:
+        seen.append((threading.current_thread().name, version.in_flight))
+        return build(version, *args)
+
+    monkeypatch.setattr(routes, "_experts_body", watched)
+    async with running(app) as client:
+        answer = await client.get("/v1/experts")
+        serving: ServingState = app.state.serving
+        assert serving.version is not None and serving.version.in_flight == 0
+    assert answer.status_code == 200
+    assert [e["id"] for e in answer.json()["experts"]] == list(range(8))
+    # On a thread of its own, while the version counted it as a request in it (a swap then
+    # waits for it before freeing the version's rows).
+    assert seen == [(seen[0][0], 1)] and seen[0][0] != threading.main_thread().name
