@@ -3,7 +3,7 @@
 A thread that runs Python without a system call keeps the GIL until the interpreter's switch
 interval (5 ms) forces it out, and every other thread then waits up to that long after each
 of its own system calls. Opening a K=100,000 store version on a daemon thread is ~3 s of such
-Python, and under load it stalled requests for up to 1.6 s (benchmarks/RESULTS.md,
+Python, and under load it stalled requests for up to 1.6-3.1 s (benchmarks/RESULTS.md,
 fifty-second and fifty-third sessions). Its loops call a `Pace` once per item; a `Pacer`
 sleeps briefly after each slice of work, so the event loop waits at most one slice for the
 GIL, and the open takes (work + rest) / work as long.
@@ -28,8 +28,8 @@ class Pacer:
 
     def __init__(
         self,
-        work_s: float = 0.002,
-        rest_s: float = 0.001,
+        work_s: float,
+        rest_s: float,
         *,
         clock: Callable[[], float] = time.perf_counter,
         sleep: Callable[[float], None] = time.sleep,

@@ -165,12 +165,11 @@ class ObservedPool:
 
 
 def _open_version_files(
-    root: Path, budget_bytes: int, pace: Pace | None
+    root: Path, budget_bytes: int, pace: Pace | None, freeze_from: int
 ) -> tuple[Store, ServedModel]:
     # A kind this server does not know is refused here, naming it (UnknownStoreKind): at
     # startup the server does not start, on a reload the old version keeps serving.
-    # The start (no pace) always freezes what it made; a swap only when it made many objects.
-    with collections_deferred(freeze_from=0 if pace is None else _SWAP_FREEZE_FROM_OBJECTS):
+    with collections_deferred(freeze_from=freeze_from):
         store = Store.open(root, pace=pace)
         model = open_model(store, pace or no_pace)
         check_budget(model.experts, budget_bytes)  # a pass over every expert: off the loop too
@@ -227,7 +226,7 @@ class ServingState:
         made = self.pool_factory(self.settings)
         self.pool = await made if inspect.isawaitable(made) else made
         try:
-            self.version = await self._open_version(pace=None)  # nothing is served yet
+            self.version = await self._open_version(beside_serving=False)
         except BaseException:
             await self._close_pool()
             raise
@@ -264,12 +263,18 @@ class ServingState:
         except TimeoutError:
             logger.error("the actor pool did not close within %s s", _CLOSE_TIMEOUT_S)
 
-    async def _open_version(self, pace: Pace | None) -> StoreVersion:
+    async def _open_version(self, *, beside_serving: bool) -> StoreVersion:
+        """Open the store on disk. `beside_serving` (a swap): at a pace, and freezing what it
+        made only when that is many objects; the start, with nothing served yet, does neither
+        pace nor spare its freeze."""
         pool = self.pool
         if pool is None:
             raise NotReady(reason="the actor pool is not up")
+        pace, freeze_from = (
+            (background_pacer(), _SWAP_FREEZE_FROM_OBJECTS) if beside_serving else (None, 0)
+        )
         store, model = await in_daemon_thread(
-            _open_version_files, Path(self.settings.store), pool.budget_bytes, pace
+            _open_version_files, Path(self.settings.store), pool.budget_bytes, pace, freeze_from
         )
         check_kind_budget(model, pool.budget_bytes)
         observed = ObservedPool(pool, self._on_batch, self._on_generated)
@@ -323,7 +328,7 @@ class ServingState:
         self._tried = on_disk
         if on_disk == old.version:
             return None
-        new = await self._open_version(pace=background_pacer())
+        new = await self._open_version(beside_serving=True)
         if new.version == old.version or self.stopping:
             await new.close()
             return None

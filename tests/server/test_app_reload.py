@@ -296,9 +296,9 @@ async def test_a_swap_opens_at_a_pace_and_frees_the_old_version_when_it_is_empty
     paces: list[Any] = []
     open_files = state._open_version_files
 
-    def recording_open(root: Path, budget_bytes: int, pace: Any) -> Any:
+    def recording_open(root: Path, budget_bytes: int, pace: Any, freeze_from: int) -> Any:
         paces.append(pace)
-        return open_files(root, budget_bytes, pace)
+        return open_files(root, budget_bytes, pace, freeze_from)
 
     monkeypatch.setattr(state, "_open_version_files", recording_open)
     app = create_app(app_settings(store), pool_factory=fake_pool)
