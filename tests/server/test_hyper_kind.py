@@ -166,6 +166,7 @@ def test_generate_returns_a_plain_expert_file_with_identical_outputs(
     sha = Store.open(root).manifest.hyper.hypernetwork.sha256  # type: ignore[union-attr]
     assert key == condition_key(sha, condition)
     assert by_id["experts"] == [[1]] * len(x)  # the table's index of "b"
+    assert served["experts"] == [[]] * len(x)  # values the table does not hold
 
 
 @pytest.mark.parametrize(
