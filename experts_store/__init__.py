@@ -82,12 +82,15 @@ if TYPE_CHECKING:
         PatchLayout,
         PMoESpec,
     )
+    from experts_store._progress import LOG_INTERVAL_S, progress_bar
     from experts_store._ref import ExpertRef, ExpertRefLoader
     from experts_store._store import Store, StoreExpertLoader, StoreProblem
     from experts_store._writer import StoreWriter
 
 __all__ = [
     "materialize_store",
+    "LOG_INTERVAL_S",
+    "progress_bar",
     "ConditionTable",
     "HyperFile",
     "HyperSpec",
@@ -168,6 +171,8 @@ __all__ = [
 ]
 
 _HOMES = {
+    "LOG_INTERVAL_S": "experts_store._progress",
+    "progress_bar": "experts_store._progress",
     "ACTIVATIONS": "experts_store._arch",
     "Activation": "experts_store._arch",
     "ExpertArch": "experts_store._arch",

@@ -252,12 +252,11 @@ def _verify(args: argparse.Namespace) -> int:
 
 @contextmanager
 def _bytes_bar(total: int, enabled: bool) -> Iterator[Callable[[int], None]]:
-    """A tqdm bar on stderr over `total` bytes; yields the function that advances it."""
-    from tqdm import tqdm
+    """A progress bar on stderr over `total` bytes; yields the function that advances it."""
+    from experts_store._progress import progress_bar
 
-    with tqdm(
-        total=total, desc="verify", unit="B", unit_scale=True, unit_divisor=1024,
-        file=sys.stderr, disable=not enabled or total == 0,
+    with progress_bar(
+        total, "verify", "B", enabled=enabled and total > 0, unit_scale=True, unit_divisor=1024
     ) as bar:
         yield bar.update
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -20,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+from experts_store import progress_bar
 
 from ._baseline import baseline_arch
 from ._config import BuildConfig, ResolvedTraining
@@ -146,10 +147,7 @@ class _Progress:
     """The build's progress bar: jobs finished, the latest and mean expert losses."""
 
     def __init__(self, total: int, enabled: bool) -> None:
-        from tqdm import tqdm
-
-        self._bar = tqdm(total=total, desc="experts", unit="task", file=sys.stderr,
-                         disable=not enabled)
+        self._bar = progress_bar(total, "experts", "task", enabled=enabled)
         self.results: dict[int, dict[str, Any]] = {}
         self.baseline: dict[str, Any] | None = None
 

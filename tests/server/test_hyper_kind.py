@@ -4,7 +4,6 @@ batch invariance, the pinned hypernetwork, caps and /v1/generate."""
 from __future__ import annotations
 
 import asyncio
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +37,11 @@ M1, M2, OUT = 4, 5, 2
 
 
 @pytest.fixture(scope="module")
-def hyper() -> tuple[Path, HyperNetwork]:
+def hyper(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, HyperNetwork]:
     """A random (untrained) f: 5 → 32 → 32 → |θ| for g: 4 → 8 → 2, and 3 named conditions."""
     torch.manual_seed(0)
     f = HyperNetwork(M2, PrimarySpec(M1, (8,), OUT), depth=1, width=32)
-    root = Path(tempfile.mkdtemp(prefix="momlp-hyper-")) / "store"
+    root = tmp_path_factory.mktemp("hyper") / "store"
     table = torch.randn(3, M2, generator=torch.Generator().manual_seed(1))
     publish_hypernetwork(root, f, conditions=table, condition_ids=["a", "b", "c"])
     return root, f

@@ -11,7 +11,6 @@ again against the experts' archs before anything is published.
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 import time
 from collections.abc import Mapping
@@ -22,7 +21,14 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from experts_store import ExpertMLP, GraphBlock, GraphNodeEntry, Manifest, StoreWriter
+from experts_store import (
+    ExpertMLP,
+    GraphBlock,
+    GraphNodeEntry,
+    Manifest,
+    StoreWriter,
+    progress_bar,
+)
 
 from .._exceptions import ConfigError, DataError
 from ._exceptions import GraphSpecError
@@ -170,10 +176,7 @@ class _EpochBar:
     """The build's progress bar: epochs (or nodes) done, the phase and its latest loss."""
 
     def __init__(self, total: int, enabled: bool, unit: str) -> None:
-        from tqdm import tqdm
-
-        self._bar = tqdm(total=total, desc="graph", unit=unit, file=sys.stderr,
-                         disable=not enabled)
+        self._bar = progress_bar(total, "graph", unit, enabled=enabled)
 
     def epoch(self, phase: str, epoch: int, loss: float) -> None:
         self._bar.set_postfix(phase=phase, loss=f"{loss:.4g}")

@@ -11,7 +11,6 @@ ids `test-0`, `test-1`, ...) and report.json with the test error of both models.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from experts_store import (
     ThetaSlotSpec,
     conditions_file_name,
     hypernetwork_file_name,
+    progress_bar,
     save_conditions,
     save_hypernetwork,
 )
@@ -129,20 +129,14 @@ def hypernetwork_layers(model: HyperNetwork) -> list[tuple[torch.Tensor, torch.T
 
 class _Progress:
     def __init__(self, enabled: bool, total: int, desc: str) -> None:
-        self._bar: Any = None
-        if enabled:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total, desc=desc, unit="epoch", file=sys.stderr)
+        self._bar = progress_bar(total, desc, "epoch", enabled=enabled)
 
     def __call__(self, epoch: int, loss: float) -> None:
-        if self._bar is not None:
-            self._bar.set_postfix(loss=f"{loss:.4g}")
-            self._bar.update(1)
+        self._bar.set_postfix(loss=f"{loss:.4g}")
+        self._bar.update(1)
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
+        self._bar.close()
 
 
 def _train(model: torch.nn.Module, data: HyperDataset, settings: TrainSettings,

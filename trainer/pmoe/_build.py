@@ -13,7 +13,6 @@ images [N, H, W, C] with `patch_shape`, and integer labels y [N] in 0..c-1 (c >=
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,7 +23,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from experts_store import ImageLayout, Manifest
+from experts_store import ImageLayout, Manifest, progress_bar
 from router import PrototypeTree
 
 from ._data import DIGITS_PATCH_SHAPE, digits_patches, image_to_patches
@@ -173,9 +172,7 @@ def _model(config: PMoEBuildConfig, data: _Data) -> PatchMoE:
 
 @contextmanager
 def _progress(enabled: bool, total: int) -> Iterator[Any]:
-    from tqdm import tqdm
-
-    bar = tqdm(total=total, desc="pmoe", unit="epoch", file=sys.stderr, disable=not enabled)
+    bar = progress_bar(total, "pmoe", "epoch", enabled=enabled)
     try:
         yield bar
     finally:
