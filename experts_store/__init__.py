@@ -74,7 +74,7 @@ if TYPE_CHECKING:
     from experts_store._materialize import materialize_store
     from experts_store._model import ExpertMLP
     from experts_store._pace import Pace, Pacer, no_pace
-    from experts_store._paced_json import decode_json
+    from experts_store._paced_json import decode_json, decode_json_member
     from experts_store._pmoe import (
         PATCH_ALIGN,
         PMOE_ROUTER_TENSOR,
@@ -148,6 +148,7 @@ __all__ = [
     "no_pace",
     "read_manifest",
     "decode_json",
+    "decode_json_member",
     "GateSpec",
     "ImageLayout",
     "PATCH_ALIGN",
@@ -218,6 +219,7 @@ _HOMES = {
     "Pacer": "experts_store._pace",
     "no_pace": "experts_store._pace",
     "decode_json": "experts_store._paced_json",
+    "decode_json_member": "experts_store._paced_json",
     "ExpertMLP": "experts_store._model",
     "PATCH_ALIGN": "experts_store._pmoe",
     "PMOE_ROUTER_TENSOR": "experts_store._pmoe",

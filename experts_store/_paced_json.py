@@ -4,7 +4,8 @@
 a `Pace`, each array under the top-level object (the experts) is decoded an item at a time,
 calling the pace after each: the same scanner, the same result and the same errors as one
 `loads`, in slices. NaN and ±Infinity, which `json` would accept and no writer of a store
-emits, are refused either way.
+emits, are refused either way. `decode_json_member` decodes a top-level object only up to one
+member (the store watcher's `store_version`, near the top).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 from experts_store._pace import Pace
 
-__all__ = ["decode_json"]
+__all__ = ["decode_json", "decode_json_member"]
 
 
 def _refuse_constant(name: str) -> Any:
@@ -41,6 +42,31 @@ def decode_json(raw: bytes, pace: Pace | None = None) -> Any:
     return obj
 
 
+def decode_json_member(raw: bytes, key: str, pace: Pace | None = None) -> Any:
+    """The value of member `key` of the object that UTF-8 `raw` holds, decoding only the
+    members before it: a manifest's `store_version` (its second member) without its 100,000
+    experts. `raw` may be the start of a longer document, as long as it runs past the member.
+
+    KeyError: the object has no such member (first come, where `json.loads` keeps the last
+    of two). ValueError: `raw` is not an object, or not JSON up to and just past the member.
+    """
+    text = raw.decode("utf-8")
+    at = _skip(text, 0)
+    if text[at : at + 1] != "{":
+        raise json.JSONDecodeError("Expecting an object", text, at)
+    at = _skip(text, at + 1)
+    if text[at : at + 1] == "}":
+        raise KeyError(key)
+    while True:
+        # `_member` reads the ',' or '}' after the value: a value cut short by the end of a
+        # prefix (a number's first digits) is refused, not taken.
+        name, value, closed, at = _member(text, at, pace)
+        if name == key:
+            return value
+        if closed:
+            raise KeyError(key)
+
+
 def _skip(text: str, at: int) -> int:
     end: int = WHITESPACE.match(text, at).end()
     return end
@@ -53,22 +79,28 @@ def _paced_object(text: str, at: int, pace: Pace) -> tuple[dict[str, Any], int]:
     if text[at : at + 1] == "}":
         return obj, at + 1
     while True:
-        if text[at : at + 1] != '"':
-            raise json.JSONDecodeError(
-                "Expecting property name enclosed in double quotes", text, at
-            )
-        key, at = scanstring(text, at + 1, True)
-        at = _skip(text, at)
-        if text[at : at + 1] != ":":
-            raise json.JSONDecodeError("Expecting ':' delimiter", text, at)
-        at = _skip(text, at + 1)
-        if text[at : at + 1] == "[":
-            obj[key], at = _paced_array(text, at + 1, pace)
-        else:
-            obj[key], at = _DECODER.raw_decode(text, at)
-        closed, at = _after_item(text, at, "}")
+        key, value, closed, at = _member(text, at, pace)
+        obj[key] = value
         if closed:
             return obj, at
+
+
+def _member(text: str, at: int, pace: Pace | None) -> tuple[str, Any, bool, int]:
+    """The member of an object at `at` (its key's '"'): key, value, and as `_after_item`.
+    With a `pace`, an array value is decoded an item at a time."""
+    if text[at : at + 1] != '"':
+        raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text, at)
+    key, at = scanstring(text, at + 1, True)
+    at = _skip(text, at)
+    if text[at : at + 1] != ":":
+        raise json.JSONDecodeError("Expecting ':' delimiter", text, at)
+    at = _skip(text, at + 1)
+    if pace is not None and text[at : at + 1] == "[":
+        value, at = _paced_array(text, at + 1, pace)
+    else:
+        value, at = _DECODER.raw_decode(text, at)
+    closed, at = _after_item(text, at, "}")
+    return key, value, closed, at
 
 
 def _paced_array(text: str, at: int, pace: Pace) -> tuple[list[Any], int]:

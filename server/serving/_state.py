@@ -177,7 +177,8 @@ def _open_version_files(
 
 
 def _read_on_disk(reader: StoreVersionReader, pace: Pace) -> str | None:
-    # A changed manifest is parsed whole: as many objects as the open's, if short-lived.
+    # A changed manifest whose start lacks the version is parsed up to it, maybe whole: then
+    # as many objects as the open's, if short-lived.
     with collections_deferred(freeze_from=None):
         return reader.store_version(pace)
 

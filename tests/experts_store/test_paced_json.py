@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-from experts_store import decode_json
+from experts_store import decode_json, decode_json_member
 
 pytestmark = pytest.mark.unit
 
@@ -94,3 +94,51 @@ def test_arrays_below_the_top_level_are_items_not_paced() -> None:
     doc = {"a": [_nested(50), _nested(3)]}
     assert decode_json(json.dumps(doc).encode(), pace) == doc
     assert pace.calls == 2
+
+
+@pytest.mark.parametrize("text", [d for d in DOCUMENTS if d.lstrip().startswith("{")])
+@pytest.mark.parametrize("paced", [False, True])
+def test_a_member_is_what_json_loads_gives_for_it(text: str, paced: bool) -> None:
+    def first_of_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        kept: dict[str, Any] = {}
+        for key, value in pairs:
+            kept.setdefault(key, value)
+        return kept
+
+    # The first of a repeated key ("dup"); no document repeats a key below the top level.
+    firsts = json.loads(text, object_pairs_hook=first_of_each)
+    for key, expected in firsts.items():
+        assert decode_json_member(text.encode(), key, Counter() if paced else None) == expected
+    with pytest.raises(KeyError):
+        decode_json_member(text.encode(), "no such member")
+
+
+def test_a_member_is_decoded_without_what_comes_after_it() -> None:
+    experts = json.dumps([{"id": i} for i in range(1000)])
+    text = '{"format_version": 2, "store_version": "v7", "experts": ' + experts + "}"
+    pace = Counter()
+    assert decode_json_member(text.encode(), "store_version", pace) == "v7"
+    assert pace.calls == 0
+    # The start of the document is enough; a value the start cuts short is refused.
+    head = text.encode()[: text.index('"experts"') + 20]
+    assert decode_json_member(head, "store_version") == "v7"
+    with pytest.raises(ValueError):
+        decode_json_member(head, "experts")
+    with pytest.raises(ValueError):
+        decode_json_member(b'{"format_version": 12', "format_version")
+    assert decode_json_member(b'{"format_version": 12}', "format_version") == 12
+
+
+def test_members_after_the_experts_are_reached_at_a_pace() -> None:
+    text = '{"experts": ' + json.dumps(list(range(100))) + ', "store_version": "v8"}'
+    pace = Counter()
+    assert decode_json_member(text.encode(), "store_version", pace) == "v8"
+    assert pace.calls == 100
+
+
+@pytest.mark.parametrize(
+    "text", ['{"a": [1, 2,], "v": 1}', '{"a" 1, "v": 1}', "[1, 2]", '"v"', "", "{", '{"v": NaN}']
+)
+def test_a_document_that_is_not_an_object_up_to_the_member_is_a_value_error(text: str) -> None:
+    with pytest.raises(ValueError):
+        decode_json_member(text.encode(), "v")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 from pathlib import Path
 from typing import Any
 
@@ -252,19 +253,25 @@ async def test_a_pool_slow_to_reset_its_counts_does_not_hold_back_the_new_versio
     assert "did not reset their popularity counts" in caplog.text
 
 
-def test_the_watchers_reader_parses_the_manifest_again_only_when_its_file_changed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def parses(monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
+    """What each whole-file parse of the watcher's reader found, in order."""
     from server.serving import _version
 
-    parses: list[str | None] = []
+    found: list[str | None] = []
     parse = _version._store_version_of
 
     def counted(raw: bytes, pace: Any) -> str | None:
-        parses.append(version := parse(raw, pace))
+        found.append(version := parse(raw, pace))
         return version
 
     monkeypatch.setattr(_version, "_store_version_of", counted)
+    return found
+
+
+def test_the_watchers_reader_parses_the_manifest_again_only_when_its_file_changed(
+    tmp_path: Path, parses: list[str | None]
+) -> None:
     store = build_small_store(tmp_path / "store")
     first = manifest(store)["store_version"]
     reader = StoreVersionReader(store)
@@ -284,6 +291,23 @@ def test_the_watchers_reader_parses_the_manifest_again_only_when_its_file_change
     assert reader.store_version() is None
     path.write_text(edited)
     assert reader.store_version() == second + "-edited" and len(parses) == 5
+
+
+def test_the_watchers_reader_reads_a_large_manifest_only_to_its_version(
+    tmp_path: Path, parses: list[str | None]
+) -> None:
+    experts = json.dumps([{"id": i, "file": f"experts/{i}.safetensors"} for i in range(5000)])
+    assert len(experts) > 3 * 65536
+    path = tmp_path / "manifest.json"
+    reader = StoreVersionReader(tmp_path)
+    # As a store's writer orders it: the version in the first bytes, the experts after.
+    path.write_text('{"format_version": 2, "store_version": "v1", "experts": ' + experts + "}")
+    assert reader.store_version() == "v1" and parses == []  # the 200 KB after it unread
+    # A version after the experts (a hand-written manifest): the whole file, once.
+    path.write_text('{"experts": ' + experts + ', "store_version": "v2"}')
+    assert reader.store_version() == "v2" and parses == ["v2"]
+    path.write_text('{"format_version": 2, "experts": ' + experts + "}")
+    assert reader.store_version() is None and parses == ["v2", None]
 
 
 async def test_a_swap_opens_at_a_pace_and_frees_the_old_version_when_it_is_empty(
