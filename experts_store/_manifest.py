@@ -62,21 +62,44 @@ def router_file_name(sha256: str) -> str:
 # K=100,000 manifest's rows three times took 3.8 of the 6.5 s that opening it cost (cProfile;
 # benchmarks/RESULTS.md, fifty-second session). repr tells apart what from_dict does (1, 1.0,
 # True, "1"). Bounded: a hostile manifest could give every row its own arch.
-_ARCHS: dict[str, ExpertArch] = {}
+_ARCHS: dict[str, tuple[ExpertArch, dict[str, Any]]] = {}
 _MAX_ARCHS = 4096
+# Each memoised arch's own dict (`to_dict`), which every entry of that arch is given as its
+# `arch`; by the dict's id, the arch it checked to. An entry's later look-ups (`expert_arch`,
+# three a row while a version opens) are then one hit instead of a repr each (fifty-fifth
+# session), and a K=100,000 manifest holds a few arch dicts instead of 100,000. Nothing
+# mutates an entry's `arch`; a `model_copy` that replaces it brings a dict of its own, which
+# is checked by its repr.
+_BY_ID: dict[int, tuple[dict[str, Any], ExpertArch]] = {}
 
 
 def _checked_arch(data: Any) -> ExpertArch:
     """`ExpertArch.from_dict(data)`, from the memo when the same values were checked before."""
     if type(data) is not dict:
         return ExpertArch.from_dict(data)
+    shared = _BY_ID.get(id(data))
+    if shared is not None and shared[0] is data:
+        return shared[1]
+    return _memo(data)[0]
+
+
+def _shared_arch_dict(data: Any) -> dict[str, Any]:
+    """The checked arch of `data` as its shared dict (a dict of its own past the memo's bound)."""
+    if type(data) is not dict:
+        return ExpertArch.from_dict(data).to_dict()
+    return _memo(data)[1]
+
+
+def _memo(data: dict[str, Any]) -> tuple[ExpertArch, dict[str, Any]]:
     key = repr(data)
-    arch = _ARCHS.get(key)
-    if arch is None:
+    known = _ARCHS.get(key)
+    if known is None:
         arch = ExpertArch.from_dict(data)
+        known = (arch, arch.to_dict())
         if len(_ARCHS) < _MAX_ARCHS:
-            _ARCHS[key] = arch
-    return arch
+            _ARCHS[key] = known
+            _BY_ID[id(known[1])] = (known[1], arch)
+    return known
 
 
 class ExpertEntry(BaseModel):
@@ -113,7 +136,7 @@ class ExpertEntry(BaseModel):
     @field_validator("arch")
     @classmethod
     def _check_arch(cls, value: dict[str, Any]) -> dict[str, Any]:
-        return _checked_arch(value).to_dict()
+        return _shared_arch_dict(value)
 
     @model_validator(mode="after")
     def _check_file(self, info: ValidationInfo) -> ExpertEntry:

@@ -144,3 +144,22 @@ def test_an_arch_equal_in_python_but_not_in_json_is_still_refused(
     assert ExpertEntry.model_validate(entry).expert_arch == ExpertArch(widths=(1, 4, 2))
     with pytest.raises(ValidationError, match="arch"):
         ExpertEntry.model_validate({**entry, "arch": {**arch, field: twin}})
+
+
+def test_entries_of_one_arch_share_its_dict_and_a_replaced_arch_is_its_own() -> None:
+    """A K=100,000 manifest holds one dict per distinct arch, and each entry's arch is looked
+    up by that dict; an entry whose `arch` is replaced (model_copy) reports the new one."""
+    archs = [ExpertArch(widths=(2, 8, 1)), ExpertArch(widths=(2, 16, 1))]
+    archs.append(archs[0])
+    entries = [
+        ExpertEntry.model_validate({
+            "id": i, "file": expert_file_name(i, sha), "sha256": sha, "bytes": 100,
+            "params": arch.num_parameters(), "arch": arch.to_dict(),
+        })
+        for i, (arch, sha) in enumerate(zip(archs, ["ab" * 32, "cd" * 32, "ef" * 32], strict=True))
+    ]
+    assert entries[0].arch is entries[2].arch and entries[0].arch is not entries[1].arch
+    assert [entry.expert_arch for entry in entries] == archs
+    assert all(entry.arch == arch.to_dict() for entry, arch in zip(entries, archs, strict=True))
+    replaced = entries[0].model_copy(update={"arch": archs[1].to_dict()})
+    assert replaced.expert_arch == archs[1] and entries[0].expert_arch == archs[0]
