@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -120,6 +121,10 @@ def runtime(config: BuildConfig) -> Any:
 @contextmanager
 def ray_runtime(address: str | None, num_cpus: int | None) -> Iterator[None]:
     """Use a running Ray, or start one (embedded, or joining --ray-address); stop only ours."""
+    if address is None:
+        # Read once, when `ray` is first imported: an embedded Ray then stays on loopback
+        # (else Ray advertises the machine's outward address; `momlp` sets it first thing too).
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
     started = False

@@ -8,6 +8,7 @@ always does.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
 import time
@@ -18,9 +19,17 @@ __all__ = ["ray_session", "start_ray", "stop_ray"]
 
 logger = logging.getLogger(__name__)
 
+# Ray maps 127.0.0.1 to the machine's outward address unless this says it runs on one machine,
+# and reads it once, when `ray` is first imported.
+_ONE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
 
 def start_ray(*, address: str | None = None, num_cpus: int | None = None) -> bool:
     """Start an embedded Ray, or join `address`; False (and nothing done) if Ray is up."""
+    if not address:
+        # Before the import, at run time (never at module import), so that an embedded Ray
+        # talks over loopback only; `momlp` sets it first thing too.
+        os.environ.setdefault(_ONE_MACHINE, "0")
     import ray
 
     if ray.is_initialized():
@@ -29,9 +38,6 @@ def start_ray(*, address: str | None = None, num_cpus: int | None = None) -> boo
         logger.info("connecting to the Ray cluster at %s", address)
         ray.init(address=address, configure_logging=False, log_to_driver=False)
         return True
-    # Ray maps 127.0.0.1 to the machine's outward address unless told it runs on one machine;
-    # set at run time (never at import) so an embedded Ray talks over loopback only.
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     logger.info("starting an embedded Ray")
     # address="local": a bare ray.init() would attach to any cluster `ray start` left behind.
     try:
@@ -50,7 +56,21 @@ def start_ray(*, address: str | None = None, num_cpus: int | None = None) -> boo
         with contextlib.suppress(Exception):
             ray.shutdown()
         raise
+    node = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+    if not _is_loopback(node):
+        logger.warning(
+            "the embedded Ray listens on %s, not on loopback (ray was imported before momlp "
+            "started it, or %s is not 0); set %s=0 before ray is imported to keep it local",
+            node, _ONE_MACHINE, _ONE_MACHINE,
+        )
     return True
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name, not an address
+        return host == "localhost"
 
 
 def stop_ray() -> None:
