@@ -145,6 +145,13 @@ def run_task(
             "validation_samples": [e["validation_samples"] for e in report["experts"]],
             "validation_metric": [e["validation_metric"] for e in report["experts"]],
             "best_epoch": [e["best_epoch"] for e in report["experts"]],
+            # Where a seed's time goes (the build's phases, each expert's and the baseline's
+            # training): what a GPU lease must hold for the next seed.
+            "timings_s": {k: round(v, 1) for k, v in report["timings"].items()},
+            "expert_train_s": [round(e["train_s"], 1) for e in report["experts"]],
+            "baseline_train_s": (
+                round(report["baseline"]["train_seconds"], 1) if with_baseline else None
+            ),
         })
         print(f"{task}: {json.dumps(per_seed[-1])}", file=sys.stderr, flush=True)
     # What both kinds of record carry: the run's shape, each seed's figures, its time.
@@ -233,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_baseline and "digits" in args.tasks:
         parser.error("--no-baseline: the digits goal is measured against the baseline")
     logging.basicConfig(level=logging.WARNING)
+    # The build's phase lines: a full-scale seed runs for minutes, and a log cut off by a
+    # lease's end still says how far each seed got.
+    logging.getLogger("trainer").setLevel(logging.INFO)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     name = "quick" if args.quick else args.scale
     scale = SCALES[name]

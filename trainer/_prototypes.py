@@ -82,12 +82,15 @@ def run_joint_epochs(
 ) -> None:
     """Minibatch epochs of a joint phase (gate and small networks together), in train mode."""
     rows = int(x.shape[0])
+    # The epoch's loss only feeds a debug line. Reading a step's loss waits for the step, so
+    # a GPU could never run ahead of the Python loop: it is summed on the device, if at all.
+    log_loss = logger.isEnabledFor(logging.DEBUG)
     mixture.train()
     for epoch in range(epochs):
         if before_epoch is not None:
             before_epoch(epoch)
         order = torch.randperm(rows, generator=generator).to(x.device)
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=x.device)
         for begin in range(0, rows, batch_size):
             idx = order[begin : begin + batch_size]
             if idx.numel() < 2:
@@ -98,8 +101,10 @@ def run_joint_epochs(
             opt.step()
             if after_step is not None:
                 after_step()
-            total += float(loss.detach()) * idx.numel()
-        logger.debug("joint epoch %s: loss %.6g", epoch, total / max(rows, 1))
+            if log_loss:
+                total += loss.detach().double() * idx.numel()
+        if log_loss:
+            logger.debug("joint epoch %s: loss %.6g", epoch, float(total) / max(rows, 1))
 
 
 def learned_prototypes(

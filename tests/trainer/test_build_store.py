@@ -303,3 +303,26 @@ def test_the_local_executor_retries_a_failing_job_and_publishes_nothing_when_it_
         build_store(failing, progress=False)
     assert info.value.expert_id == 2 and calls[2] == 2
     assert not (failing.out / "manifest.json").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_joint_phase_trains_on_it_like_the_experts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Until the fifty-sixth session the prototypes' phase ran on the CPU beside a GPU: at full
+    # scale on one thread it outlasted a 470 s device call on its own (benchmarks/RESULTS.md).
+    import trainer._build as build_module
+
+    seen: list[torch.device] = []
+    real = build_module.learned_prototypes
+
+    def spy(x: torch.Tensor, y: torch.Tensor, networks: Any, **options: Any) -> torch.Tensor:
+        seen.append(x.device)
+        return real(x, y, networks, **options)
+
+    monkeypatch.setattr(build_module, "learned_prototypes", spy)
+    config = tiny(tmp_path / "store", "ackley2d", baseline=False, executor="local")
+    build_store(config, progress=False)
+    assert [d.type for d in seen] == ["cuda"]
+    assert Store.open(config.out).verify() == []
