@@ -106,7 +106,10 @@ def measure(device: str, widths: tuple[int, ...], folder: Path, inner: int, repe
         with torch.inference_mode():
             for name, fn in parts.items():
                 line[name] = _median_us(fn, sync, inner, repeats)
-        line.update(machine=machine, torch=torch.__version__,
+        # Which path a bias GEMM took: cuBLASLt (torch's default) or, with
+        # DISABLE_ADDMM_CUDA_LT=1 (read once per process), a plain GEMM after a bias copy.
+        line.update(addmm_cublaslt=os.environ.get("DISABLE_ADDMM_CUDA_LT") != "1",
+                    machine=machine, torch=torch.__version__,
                     date=datetime.now(UTC).isoformat(timespec="seconds"))  # fmt: skip
         print(json.dumps(line), flush=True)
         activities = [torch.profiler.ProfilerActivity.CPU]

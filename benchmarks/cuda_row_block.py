@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                         "us": {str(m): round(statistics.median(samples[(b, m)]), 1)
                                for m in SIZES},
                         "invariant": invariant(core, ref, x, rng),
+                        "addmm_cublaslt": os.environ.get("DISABLE_ADDMM_CUDA_LT") != "1",
                         "repeats": repeats,
                         "machine": machine,
                         "torch": torch.__version__,

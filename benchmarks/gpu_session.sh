@@ -17,8 +17,10 @@
 # `run PART` writes every figure as JSON lines to $OUT/figures.jsonl (or ./gpu-out here), and
 # the steps' logs and the load test's report to $OUT/logs-PART.tar.gz (a call returns 8 files).
 # core: pytest -m gpu, expert_load (with the host tier), pool --only cuda, the row block A/B,
-# the CUDA call's parts, serve_loadtest (without and with the host tier, and on CPU),
-# grouped_forward (~6 min; ~4.5 min with SKIP="pipelined_load grouped_forward");
+# the CUDA call's parts (both again with addmm's cuBLASLt path off), serve_loadtest (without
+# and with the host tier, and on CPU), grouped_forward (~6 min; ~4.5 min with
+# SKIP="pipelined_load grouped_forward"; 163 s on an H200 with SKIP="pipelined_load
+# grouped_forward row_block serve_loadtest_cpu", before the two cuBLASLt steps);
 # table4: the paper's Table 4 at full scale, the five tasks side by side, as many seeds as
 # TABLE4_BUDGET_S (default 420) allows (TABLE4_TASKS picks tasks; on an H200 one 1-D seed
 # took 181 s and no 2-D or 3-D seed ended in 470 s while the prototypes' phase ran on one CPU
@@ -123,6 +125,13 @@ run() {  # one part (core, table4, swap or suite); each step logs and goes on if
       step row_block "$python" benchmarks/cuda_row_block.py --device "$device" "${quick[@]}"
       # Where a CUDA actor's fixed ~0.6 ms a call goes: its parts timed apart, and a profile.
       step call_cost "$python" benchmarks/cuda_call_cost.py --device "$device" "${quick[@]}"
+      # The same two with addmm's cuBLASLt path off: on the H200 one addmm took 33-51 µs of
+      # host time, the largest op of a call. The row block's step says if bits stay batch
+      # invariant that way.
+      step call_cost_nolt env DISABLE_ADDMM_CUDA_LT=1 "$python" benchmarks/cuda_call_cost.py \
+        --device "$device" "${quick[@]}"
+      step row_block_nolt env DISABLE_ADDMM_CUDA_LT=1 "$python" benchmarks/cuda_row_block.py \
+        --device "$device" "${quick[@]}"
       # A real `momlp serve` on the device under `momlp loadtest`: VRAM per request.
       step serve_loadtest "$python" benchmarks/serve_loadtest.py --device "$device" \
         "${quick[@]}" --report "$OUT/loadtest"
@@ -189,7 +198,7 @@ dry_run() {  # the install (for the device's Python) and every part on this CPU 
   done
 }
 
-[ $# -gt 0 ] || { sed -n '2,27p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,29p' "$0"; exit 2; }
 while [ $# -gt 0 ]; do
   case $1 in
     prepare) prepare ;;
