@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from ._prototypes import run_joint_epochs
-from ._train import LossFn
+from ._train import LossFn, adam
 
 __all__ = ["LinearRouterMixture", "TemperatureSchedule", "learned_linear_router"]
 
@@ -92,12 +92,13 @@ def learned_linear_router(
     points = low + (high - low) * uniform.to(x.device)
     mixture = LinearRouterMixture(2.0 * points, -(points * points).sum(dim=1), networks)
     mixture = mixture.to(x.device)
-    opt_cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.Adam
-    opt = opt_cls(
+    opt = adam(
         [
             {"params": [mixture.weight, mixture.bias], "lr": router_lr},
             {"params": mixture.networks.parameters(), "lr": lr},
-        ]
+        ],
+        lr=lr,
+        optimizer=optimizer,
     )
     def set_temperature(epoch: int) -> None:
         mixture.temperature = schedule.at(epoch, epochs)

@@ -17,7 +17,7 @@ import numpy.typing as npt
 import torch
 from torch import Tensor, nn
 
-from ._train import LossFn
+from ._train import LossFn, adam
 
 __all__ = [
     "MixtureOfSmallNetworks", "kmeans_prototypes", "learned_prototypes", "run_joint_epochs",
@@ -131,12 +131,13 @@ def learned_prototypes(
     uniform = torch.rand(num_experts, x.shape[1], generator=generator, dtype=torch.float32)
     start = low + (high - low) * uniform.to(x.device)
     mixture = MixtureOfSmallNetworks(start, networks).to(x.device)
-    opt_cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.Adam
-    opt = opt_cls(
+    opt = adam(
         [
             {"params": [mixture.prototypes], "lr": prototype_lr},
             {"params": mixture.networks.parameters(), "lr": lr},
-        ]
+        ],
+        lr=lr,
+        optimizer=optimizer,
     )
 
     def keep_in_box() -> None:

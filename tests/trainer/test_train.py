@@ -122,3 +122,30 @@ def test_without_validation_rows_the_last_epoch_is_kept() -> None:
         batch_size=4, validation=(x[:0], x[:0, :1]),
     )
     assert result.best_epoch is None and result.epochs == 2
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamw"])
+def test_the_foreach_optimizer_computes_the_per_parameter_loops_bits(optimizer: str) -> None:
+    # `adam` takes torch's foreach path on CPU too, for speed alone: a build's weights must
+    # not change with it.
+    from experts_store import ExpertArch, ExpertMLP
+    from trainer._train import adam
+
+    arch = ExpertArch(widths=(4, 32, 32, 2), batchnorm=False, activation="prelu")
+    models = [ExpertMLP(arch, generator=torch.Generator().manual_seed(1)) for _ in range(2)]
+    reference_cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.Adam
+    optimizers = [
+        adam(models[0].parameters(), lr=1e-2, optimizer=optimizer),  # type: ignore[arg-type]
+        reference_cls(models[1].parameters(), lr=1e-2, foreach=False),
+    ]
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(25):
+        x, y = torch.randn(16, 4, generator=gen), torch.randn(16, 2, generator=gen)
+        for model, opt in zip(models, optimizers, strict=True):
+            opt.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(model(x), y).backward()  # type: ignore[no-untyped-call]
+            opt.step()
+    first, second = (m.state_dict() for m in models)
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    start = ExpertMLP(arch, generator=torch.Generator().manual_seed(1)).state_dict()
+    assert all(not torch.equal(first[k], start[k]) for k in first)  # every tensor trained
