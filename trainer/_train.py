@@ -56,8 +56,8 @@ def adam(
     """Adam (regression) or AdamW (classification), each step as one `foreach` pass.
 
     torch takes the `foreach` path by default only on CUDA. On CPU it computes the same bits
-    as the per-parameter loop (checked in tests/trainer/test_train.py) in fewer Python-level
-    steps: 10-20 % less time an expert's step, ~23 % a joint step of four small networks.
+    as the per-parameter loop (tests/trainer/test_train.py) in fewer Python-level steps: a
+    small-scale Table 4 build took 0.79-0.95x the time (benchmarks/RESULTS.md).
     """
     opt_cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.Adam
     return opt_cls(params, lr=lr, foreach=True)
