@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from .._executors import ray_runtime
+from .._train import adam
 from ._model import CompositionalMoMLP
 
 __all__ = [
@@ -84,7 +85,7 @@ def finetune_node_job(
         for param in params:
             param.requires_grad_(True)
         generator = torch.Generator().manual_seed(seed)
-        opt = torch.optim.Adam(params, lr=options.lr)
+        opt = adam(params, lr=options.lr)
         before = best = training_loss(model, x, y)
         best_state = _node_state(model, name)
         for _ in range(options.epochs):

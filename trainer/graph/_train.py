@@ -26,7 +26,7 @@ from experts_store import ExpertArch, ExpertMLP
 from router import Mode
 
 from .._prototypes import kmeans_prototypes, learned_prototypes
-from .._train import rescale_output, target_scaling, train_network
+from .._train import adam, rescale_output, target_scaling, train_network
 from ._model import CompositionalMoMLP, NodeMixture, node_tree
 from ._spec import INPUT, parse_ref
 
@@ -115,11 +115,12 @@ def train_end_to_end(
     internal = [n.name for n in model.spec.nodes if _is_internal(model, n.name)]
     prototypes = [model.node(n.name).prototypes for n in model.spec.nodes]
     expert_params = [p for n in model.spec.nodes for p in model.node(n.name).experts.parameters()]
-    opt = torch.optim.Adam(
+    opt = adam(
         [
             {"params": prototypes, "lr": settings.prototype_lr or settings.lr},
             {"params": expert_params, "lr": settings.lr},
-        ]
+        ],
+        lr=settings.lr,
     )
     for epoch in range(settings.soft_epochs):
         loss = _epoch(model, model.forward, x, y, opt, settings.batch_size, generator)
@@ -130,7 +131,7 @@ def train_end_to_end(
             refit_prototypes(model, sample, nodes=internal, seed=settings.seed + epoch)
             history.refits += 1
     model.harden(settings.routing, seed=settings.seed)
-    opt = torch.optim.Adam(expert_params, lr=settings.lr)
+    opt = adam(expert_params, lr=settings.lr)
 
     for epoch in range(settings.hard_epochs):
         loss = _epoch(model, model.forward_routed, x, y, opt, settings.batch_size, generator)
