@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from cuda_row_block import expert_ref
+from cuda_row_block import addmm_cublaslt, expert_ref
 
 from experts_store import FrozenExpert
 from server.pool import ActorCore, row_block
@@ -106,9 +106,7 @@ def measure(device: str, widths: tuple[int, ...], folder: Path, inner: int, repe
         with torch.inference_mode():
             for name, fn in parts.items():
                 line[name] = _median_us(fn, sync, inner, repeats)
-        # Which path a bias GEMM took: cuBLASLt (torch's default) or, with
-        # DISABLE_ADDMM_CUDA_LT=1 (read once per process), a plain GEMM after a bias copy.
-        line.update(addmm_cublaslt=os.environ.get("DISABLE_ADDMM_CUDA_LT") != "1",
+        line.update(addmm_cublaslt=addmm_cublaslt(),
                     machine=machine, torch=torch.__version__,
                     date=datetime.now(UTC).isoformat(timespec="seconds"))  # fmt: skip
         print(json.dumps(line), flush=True)

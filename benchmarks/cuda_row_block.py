@@ -39,6 +39,12 @@ from server.pool import ActorCore, row_block
 SIZES = (1, 3, 16, 40, 64)
 
 
+def addmm_cublaslt() -> bool:
+    """Whether a bias GEMM takes cuBLASLt, torch's default, or (DISABLE_ADDMM_CUDA_LT=1, as
+    gpu_session.sh sets it; torch reads it once per process) a plain GEMM after a bias copy."""
+    return os.environ.get("DISABLE_ADDMM_CUDA_LT") != "1"
+
+
 def expert_ref(folder: Path, widths: tuple[int, ...]) -> ExpertRef:
     arch = ExpertArch(widths=widths)
     expert = ExpertMLP(arch, generator=torch.Generator().manual_seed(sum(widths))).eval()
@@ -121,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                         "us": {str(m): round(statistics.median(samples[(b, m)]), 1)
                                for m in SIZES},
                         "invariant": invariant(core, ref, x, rng),
-                        "addmm_cublaslt": os.environ.get("DISABLE_ADDMM_CUDA_LT") != "1",
+                        "addmm_cublaslt": addmm_cublaslt(),
                         "repeats": repeats,
                         "machine": machine,
                         "torch": torch.__version__,

@@ -90,7 +90,7 @@ def run_joint_epochs(
         if before_epoch is not None:
             before_epoch(epoch)
         order = torch.randperm(rows, generator=generator).to(x.device)
-        total = torch.zeros((), dtype=torch.float64, device=x.device)
+        total = torch.zeros((), dtype=torch.float64, device=x.device) if log_loss else None
         for begin in range(0, rows, batch_size):
             idx = order[begin : begin + batch_size]
             if idx.numel() < 2:
@@ -101,9 +101,9 @@ def run_joint_epochs(
             opt.step()
             if after_step is not None:
                 after_step()
-            if log_loss:
+            if total is not None:
                 total += loss.detach().double() * idx.numel()
-        if log_loss:
+        if total is not None:
             logger.debug("joint epoch %s: loss %.6g", epoch, float(total) / max(rows, 1))
 
 

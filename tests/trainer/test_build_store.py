@@ -310,8 +310,8 @@ def test_the_local_executor_retries_a_failing_job_and_publishes_nothing_when_it_
 def test_on_a_gpu_the_joint_phase_trains_on_it_like_the_experts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Until the fifty-sixth session the prototypes' phase ran on the CPU beside a GPU: at full
-    # scale on one thread it outlasted a 470 s device call on its own (benchmarks/RESULTS.md).
+    # Until the fifty-sixth session the prototypes' phase ran on the CPU beside a GPU: with it
+    # on one thread, four full-scale tasks ended no seed in a 470 s call (benchmarks/RESULTS.md).
     import trainer._build as build_module
 
     seen: list[torch.device] = []
