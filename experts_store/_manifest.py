@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import marshal
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StringConstraints,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -37,10 +39,14 @@ __all__ = [
 MANIFEST_FORMAT_VERSION = 2
 _KIND = re.compile(r"[a-z][a-z0-9_-]{0,63}")
 
-_SHA256 = re.compile(r"[0-9a-f]{64}")
+# A row's string formats are checked by pydantic's own (Rust) regex, not by a Python validator
+# a row: with the file and params checks moved into the manifest's own pass, validating a
+# K=100,000 manifest's rows took 0.47-0.59 s instead of 0.81 s (benchmarks/RESULTS.md,
+# fifty-seventh session). Anchored: pydantic searches, where fullmatch matched whole.
+_Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 # "<algo>:<hex>"; the algorithm is not restricted here, so that a manifest a newer writer
 # recorded with another algorithm still opens (Store then falls back to sha256).
-_CHECKSUM = re.compile(r"[a-z0-9_]{1,32}:[0-9a-f]{8,128}")
+_Checksum = Annotated[str, StringConstraints(pattern=r"^[a-z0-9_]{1,32}:[0-9a-f]{8,128}$")]
 _EXPERT_FILE = re.compile(r"experts/(\d+)-([0-9a-f]{16})\.safetensors")
 _ROUTER_FILE = re.compile(r"router-([0-9a-f]{16})\.safetensors")
 
@@ -58,19 +64,31 @@ def router_file_name(sha256: str) -> str:
     return f"router-{sha256[:16]}.safetensors"
 
 
-# Checked archs by their JSON text: a store's experts share a few archs, and checking each of a
+# Checked archs by their value: a store's experts share a few archs, and checking each of a
 # K=100,000 manifest's rows three times took 3.8 of the 6.5 s that opening it cost (cProfile;
-# benchmarks/RESULTS.md, fifty-second session). repr tells apart what from_dict does (1, 1.0,
-# True, "1"). Bounded: a hostile manifest could give every row its own arch.
-_ARCHS: dict[str, tuple[ExpertArch, dict[str, Any]]] = {}
+# benchmarks/RESULTS.md, fifty-second session). The key tells apart what from_dict does (1,
+# 1.0, True, "1"), where == would not. Bounded: a hostile manifest could give every row its
+# own arch.
+_ARCHS: dict[bytes | str, tuple[ExpertArch, dict[str, Any]]] = {}
 _MAX_ARCHS = 4096
 # Each memoised arch's own dict (`to_dict`), which every entry of that arch is given as its
 # `arch`; by the dict's id, the arch it checked to. An entry's later look-ups (`expert_arch`,
 # three a row while a version opens) are then one hit instead of a repr each (fifty-fifth
 # session), and a K=100,000 manifest holds a few arch dicts instead of 100,000. Nothing
 # mutates an entry's `arch`; a `model_copy` that replaces it brings a dict of its own, which
-# is checked by its repr.
+# is checked by its key.
 _BY_ID: dict[int, tuple[dict[str, Any], ExpertArch]] = {}
+
+
+def _arch_key(data: dict[str, Any]) -> bytes | str:
+    """A key equal for two archs exactly when their values are, types and key order included:
+    marshal's bytes in format 2, which writes neither back-references nor interning, so equal
+    values give equal bytes whatever their reference counts; a third of repr's time. repr for
+    what marshal cannot write (nothing JSON decodes to)."""
+    try:
+        return marshal.dumps(data, 2)
+    except ValueError:
+        return repr(data)
 
 
 def _checked_arch(data: Any) -> ExpertArch:
@@ -91,7 +109,7 @@ def _shared_arch_dict(data: Any) -> dict[str, Any]:
 
 
 def _memo(data: dict[str, Any]) -> tuple[ExpertArch, dict[str, Any]]:
-    key = repr(data)
+    key = _arch_key(data)
     known = _ARCHS.get(key)
     if known is None:
         arch = ExpertArch.from_dict(data)
@@ -107,50 +125,31 @@ class ExpertEntry(BaseModel):
 
     ``checksum`` is the fast checksum ``"<algo>:<hex>"`` (``"xxh3_128:..."``) of the file,
     checked on every load; manifests written before it existed have None.
+
+    A row checks its own fields; that its ``file`` is the name derived from its id and
+    sha256, and its ``params`` its arch's, the manifest checks, in the one pass it makes over
+    its rows anyway.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     id: int = Field(ge=0)
     file: str
-    sha256: str
+    sha256: _Sha256
     bytes: int = Field(ge=0)
     params: int = Field(ge=0)
     arch: dict[str, Any]
-    checksum: str | None = None
+    checksum: _Checksum | None = None
 
-    @field_validator("sha256")
+    # "plain": the memo checks the value itself, and pydantic's own check of a dict[str, Any]
+    # would first copy each row's dict, only for the copy to be replaced by the shared one.
+    @field_validator("arch", mode="plain")
     @classmethod
-    def _check_sha256(cls, value: str) -> str:
-        if not _SHA256.fullmatch(value):
-            raise ValueError("sha256 must be 64 lowercase hex digits")
-        return value
-
-    @field_validator("checksum")
-    @classmethod
-    def _check_checksum(cls, value: str | None) -> str | None:
-        if value is not None and not _CHECKSUM.fullmatch(value):
-            raise ValueError("checksum must be '<algo>:<lowercase hex>', e.g. 'xxh3_128:0f3a...'")
-        return value
-
-    @field_validator("arch")
-    @classmethod
-    def _check_arch(cls, value: dict[str, Any]) -> dict[str, Any]:
+    def _check_arch(cls, value: Any, info: ValidationInfo) -> dict[str, Any]:
+        # Once per row: the rows are validated in one call into pydantic's Rust core, which
+        # holds the GIL throughout (0.3 s at K=100,000) but for this one Python call a row.
+        _pace_of(info)()
         return _shared_arch_dict(value)
-
-    @model_validator(mode="after")
-    def _check_file(self, info: ValidationInfo) -> ExpertEntry:
-        _pace_of(info)()  # once per row: a manifest's rows are its long loop
-        # The exact derived name also rules out absolute paths and "..": nothing outside
-        # the store's experts/ directory can be named.
-        if self.file != expert_file_name(self.id, self.sha256):
-            raise ValueError(
-                f"expert {self.id}: file {self.file!r} is not the derived name "
-                f"{expert_file_name(self.id, self.sha256)!r}"
-            )
-        if self.params != self.expert_arch.num_parameters():
-            raise ValueError(f"expert {self.id}: params does not match its arch")
-        return self
 
     @property  # not cached on the entry: model_copy(update=...) would keep a stale one
     def expert_arch(self) -> ExpertArch:
@@ -269,6 +268,33 @@ class Manifest(BaseModel):
                 f"expert ids must be exactly 0..{self.num_experts - 1} in order, got "
                 f"{ids[:10]}{'...' if len(ids) > 10 else ''}"
             )
+        pace = _pace_of(info)
+        momlp = self.kind == "momlp"
+        # Each arch and its parameter count by its dict, which rows of one arch share.
+        archs: dict[int, tuple[ExpertArch, int]] = {}
+        for entry in self.experts:
+            pace()  # once per row: a manifest's rows are its long loop
+            known = archs.get(id(entry.arch))
+            if known is None:
+                arch = entry.expert_arch
+                known = archs[id(entry.arch)] = (arch, arch.num_parameters())
+            arch, params = known
+            # The exact derived name also rules out absolute paths and "..": nothing outside
+            # the store's experts/ directory can be named.
+            if entry.file != expert_file_name(entry.id, entry.sha256):
+                raise ValueError(
+                    f"expert {entry.id}: file {entry.file!r} is not the derived name "
+                    f"{expert_file_name(entry.id, entry.sha256)!r}"
+                )
+            if entry.params != params:
+                raise ValueError(f"expert {entry.id}: params does not match its arch")
+            # Other kinds' experts map their own spaces (a graph node's inputs, a patch);
+            # each kind's own block checks them below.
+            if momlp and (arch.input_dim != self.input_dim or arch.output_dim != self.output_dim):
+                raise ValueError(
+                    f"expert {entry.id}: arch maps {arch.input_dim} -> {arch.output_dim}, "
+                    f"store maps {self.input_dim} -> {self.output_dim}"
+                )
         if self.kind == "pmoe" or self.pmoe is not None:
             if self.pmoe is None or self.kind != "pmoe":
                 raise ValueError("kind 'pmoe' and the pmoe block go together")
@@ -283,19 +309,6 @@ class Manifest(BaseModel):
             self.graph.check(
                 self.input_dim, self.output_dim, [e.expert_arch for e in self.experts]
             )
-        if self.kind != "momlp":
-            # Other kinds' experts map their own spaces (a graph node's inputs, a patch);
-            # each kind's own block checks them.
-            return self
-        pace = _pace_of(info)
-        for entry in self.experts:
-            pace()
-            arch = entry.expert_arch
-            if arch.input_dim != self.input_dim or arch.output_dim != self.output_dim:
-                raise ValueError(
-                    f"expert {entry.id}: arch maps {arch.input_dim} -> {arch.output_dim}, "
-                    f"store maps {self.input_dim} -> {self.output_dim}"
-                )
         return self
 
     @property
