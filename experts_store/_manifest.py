@@ -143,7 +143,7 @@ class ExpertEntry(BaseModel):
 
     # "plain": the memo checks the value itself, and pydantic's own check of a dict[str, Any]
     # would first copy each row's dict, only for the copy to be replaced by the shared one.
-    @field_validator("arch", mode="plain")
+    @field_validator("arch", mode="plain", json_schema_input_type=dict[str, Any])
     @classmethod
     def _check_arch(cls, value: Any, info: ValidationInfo) -> dict[str, Any]:
         # Once per row: the rows are validated in one call into pydantic's Rust core, which
