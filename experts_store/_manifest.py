@@ -272,6 +272,7 @@ class Manifest(BaseModel):
         momlp = self.kind == "momlp"
         # Each arch and its parameter count by its dict, which rows of one arch share.
         archs: dict[int, tuple[ExpertArch, int]] = {}
+        misfit: str | None = None  # the first momlp row whose arch maps other dims
         for entry in self.experts:
             pace()  # once per row: a manifest's rows are its long loop
             known = archs.get(id(entry.arch))
@@ -289,9 +290,12 @@ class Manifest(BaseModel):
             if entry.params != params:
                 raise ValueError(f"expert {entry.id}: params does not match its arch")
             # Other kinds' experts map their own spaces (a graph node's inputs, a patch);
-            # each kind's own block checks them below.
-            if momlp and (arch.input_dim != self.input_dim or arch.output_dim != self.output_dim):
-                raise ValueError(
+            # each kind's own block checks them below. Raised after those checks: for a pmoe
+            # manifest relabelled "momlp", the error to name is that kind and block disagree.
+            if misfit is None and momlp and (
+                arch.input_dim != self.input_dim or arch.output_dim != self.output_dim
+            ):
+                misfit = (
                     f"expert {entry.id}: arch maps {arch.input_dim} -> {arch.output_dim}, "
                     f"store maps {self.input_dim} -> {self.output_dim}"
                 )
@@ -309,6 +313,8 @@ class Manifest(BaseModel):
             self.graph.check(
                 self.input_dim, self.output_dim, [e.expert_arch for e in self.experts]
             )
+        if misfit is not None:
+            raise ValueError(misfit)
         return self
 
     @property
