@@ -106,6 +106,15 @@ def test_entry_arch_must_agree_with_params(store_root: Path) -> None:
         Manifest.model_validate(data)
 
 
+def test_a_momlp_row_must_map_the_stores_dims(store_root: Path) -> None:
+    data = manifest_dict(store_root)
+    # A consistent row (its params are its arch's) of an arch that takes 4 columns, not 3.
+    arch = ExpertArch(widths=(4, 8, 2))
+    data["experts"][1]["arch"], data["experts"][1]["params"] = arch.to_dict(), arch.num_parameters()
+    with pytest.raises(ValidationError, match=r"expert 1: arch maps 4 -> 2, store maps 3 -> 2"):
+        Manifest.model_validate(data)
+
+
 def test_a_manifest_without_checksums_still_loads(store_root: Path) -> None:
     data = manifest_dict(store_root)
     for entry in data["experts"]:
