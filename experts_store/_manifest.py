@@ -146,8 +146,10 @@ class ExpertEntry(BaseModel):
     @field_validator("arch", mode="plain", json_schema_input_type=dict[str, Any])
     @classmethod
     def _check_arch(cls, value: Any, info: ValidationInfo) -> dict[str, Any]:
-        # Once per row: the rows are validated in one call into pydantic's Rust core, which
-        # holds the GIL throughout (0.3 s at K=100,000) but for this one Python call a row.
+        # The rows' pace goes here: pydantic's Rust core validates all of them in one call
+        # that holds the GIL (0.3 s at K=100,000), and this is the one Python it calls a row.
+        # Without it a swap under load stalled requests for up to 0.76 s (benchmarks/
+        # RESULTS.md, fifty-seventh session).
         _pace_of(info)()
         return _shared_arch_dict(value)
 
