@@ -73,11 +73,22 @@ class ExpertArch:
     def num_parameters(self) -> int:
         """Trainable parameters: affine weights and biases, one γ per hidden neuron (PReLU),
         and BatchNorm's affine weight and bias when enabled."""
-        return _counts(self)[0]
+        return self._counts()[0]
 
     def nbytes(self) -> int:
         """Bytes of parameters and buffers as float32 (+ BatchNorm's int64 batch counters)."""
-        return _counts(self)[1]
+        return self._counts()[1]
+
+    def _counts(self) -> tuple[int, int]:
+        # Kept on the instance beside the fields (not one of them: eq, hash and repr ignore
+        # it): a store's rows share one arch object, so each row's ask is an attribute read,
+        # not the hash of the fields that `_counts`' cache is keyed by (benchmarks/RESULTS.md,
+        # fifty-seventh session).
+        counts: tuple[int, int] | None = self.__dict__.get("_known_counts")
+        if counts is None:
+            counts = _counts(self)
+            object.__setattr__(self, "_known_counts", counts)
+        return counts
 
     def deepened(self, extra_layers: int) -> ExpertArch:
         """The arch with ``extra_layers`` more hidden layers of width d_J before the output."""

@@ -272,16 +272,10 @@ class Manifest(BaseModel):
             )
         pace = _pace_of(info)
         momlp = self.kind == "momlp"
-        # Each arch and its parameter count by its dict, which rows of one arch share.
-        archs: dict[int, tuple[ExpertArch, int]] = {}
         misfit: str | None = None  # the first momlp row whose arch maps other dims
         for entry in self.experts:
             pace()  # once per row: a manifest's rows are its long loop
-            known = archs.get(id(entry.arch))
-            if known is None:
-                arch = entry.expert_arch
-                known = archs[id(entry.arch)] = (arch, arch.num_parameters())
-            arch, params = known
+            arch = entry.expert_arch
             # The exact derived name also rules out absolute paths and "..": nothing outside
             # the store's experts/ directory can be named.
             if entry.file != expert_file_name(entry.id, entry.sha256):
@@ -289,7 +283,7 @@ class Manifest(BaseModel):
                     f"expert {entry.id}: file {entry.file!r} is not the derived name "
                     f"{expert_file_name(entry.id, entry.sha256)!r}"
                 )
-            if entry.params != params:
+            if entry.params != arch.num_parameters():
                 raise ValueError(f"expert {entry.id}: params does not match its arch")
             # Other kinds' experts map their own spaces (a graph node's inputs, a patch);
             # each kind's own block checks them below. Raised after those checks: for a pmoe

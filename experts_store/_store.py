@@ -144,36 +144,22 @@ class Store:
 
     def expert_ref(self, expert_id: int) -> ExpertRef:
         """The content-addressed handle a serving actor loads this expert by."""
-        return self._ref(self.expert_entry(expert_id))
+        return self._ref(self.expert_entry(expert_id), f"{self.root}{os.sep}")
 
-    def _ref(self, entry: ExpertEntry) -> ExpertRef:
-        return ExpertRef(
-            sha256=entry.sha256,
-            # A string join, not pathlib's (a third of this call's cost; a K=100,000 store
-            # makes 100,000 of them per version): `file` is the manifest's derived
-            # "experts/<id>-<hash>.safetensors", checked when the manifest was read.
-            path=f"{self.root}{os.sep}{entry.file}",
-            nbytes=entry.expert_arch.nbytes(),
-            expert_id=entry.id,
-            checksum=entry.checksum,
-        )
+    def _ref(self, entry: ExpertEntry, prefix: str) -> ExpertRef:
+        # Positional, and the path a string join onto `prefix` (the root and a separator),
+        # not pathlib's: a K=100,000 store makes 100,000 refs per version. `file` is the
+        # manifest's derived "experts/<id>-<hash>.safetensors", checked when it was read.
+        nbytes = entry.expert_arch.nbytes()
+        return ExpertRef(entry.sha256, prefix + entry.file, nbytes, entry.id, entry.checksum)
 
     def expert_refs(self, pace: Pace = no_pace) -> list[ExpertRef]:
         """`expert_ref` of every expert, in id order; `pace` is called once per expert."""
-        # `_ref`'s work, with what rows share done once: the root's prefix, and each arch's
-        # bytes by its dict, which the manifest's rows of one arch share (a K=100,000 store
-        # makes 100,000 refs per version).
         prefix = f"{self.root}{os.sep}"
-        nbytes_by_arch: dict[int, int] = {}
         refs = []
         for entry in self.manifest.experts:
             pace()
-            nbytes = nbytes_by_arch.get(id(entry.arch))
-            if nbytes is None:
-                nbytes = nbytes_by_arch[id(entry.arch)] = entry.expert_arch.nbytes()
-            refs.append(
-                ExpertRef(entry.sha256, prefix + entry.file, nbytes, entry.id, entry.checksum)
-            )
+            refs.append(self._ref(entry, prefix))
         return refs
 
     def expert_nbytes(self, expert_id: int) -> int:
