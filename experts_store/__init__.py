@@ -69,12 +69,20 @@ if TYPE_CHECKING:
         ExpertEntry,
         GateSpec,
         Manifest,
+        ManifestRows,
         read_manifest,
+        read_manifest_rows,
     )
     from experts_store._materialize import materialize_store
     from experts_store._model import ExpertMLP
     from experts_store._pace import Pace, Pacer, no_pace
-    from experts_store._paced_json import decode_json, decode_json_member
+    from experts_store._paced_json import (
+        ItemSpans,
+        KnownItems,
+        decode_json,
+        decode_json_items,
+        decode_json_member,
+    )
     from experts_store._pmoe import (
         PATCH_ALIGN,
         PMOE_ROUTER_TENSOR,
@@ -147,8 +155,13 @@ __all__ = [
     "Pacer",
     "no_pace",
     "read_manifest",
+    "read_manifest_rows",
+    "ManifestRows",
     "decode_json",
+    "decode_json_items",
     "decode_json_member",
+    "ItemSpans",
+    "KnownItems",
     "GateSpec",
     "ImageLayout",
     "PATCH_ALIGN",
@@ -215,11 +228,16 @@ _HOMES = {
     "MANIFEST_FORMAT_VERSION": "experts_store._manifest",
     "GateSpec": "experts_store._manifest",
     "read_manifest": "experts_store._manifest",
+    "read_manifest_rows": "experts_store._manifest",
+    "ManifestRows": "experts_store._manifest",
     "Pace": "experts_store._pace",
     "Pacer": "experts_store._pace",
     "no_pace": "experts_store._pace",
     "decode_json": "experts_store._paced_json",
     "decode_json_member": "experts_store._paced_json",
+    "decode_json_items": "experts_store._paced_json",
+    "ItemSpans": "experts_store._paced_json",
+    "KnownItems": "experts_store._paced_json",
     "ExpertMLP": "experts_store._model",
     "PATCH_ALIGN": "experts_store._pmoe",
     "PMOE_ROUTER_TENSOR": "experts_store._pmoe",

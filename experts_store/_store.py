@@ -28,7 +28,7 @@ from experts_store._frozen import FrozenExpert
 from experts_store._hostbuf import HostBufferPool
 from experts_store._hypernet import verify_hyper_files
 from experts_store._load import load_expert, load_frozen_expert
-from experts_store._manifest import ExpertEntry, Manifest, read_manifest
+from experts_store._manifest import ExpertEntry, Manifest, ManifestRows, read_manifest_rows
 from experts_store._model import ExpertMLP
 from experts_store._pace import Pace, no_pace
 from experts_store._ref import ExpertRef
@@ -68,12 +68,18 @@ class Store:
         *,
         host_pool: HostBufferPool | None = None,
         pace: Pace = no_pace,
+        rows: ManifestRows | None = None,
     ) -> None:
         # Absolute: expert paths leave this process for Ray actors, whose working directory
         # is not ours on another node, and `./store` would name another folder there.
         self.root = Path(root).absolute()
         self.manifest = manifest
         self.host_pool = host_pool
+        self.manifest_rows = rows  # what `open(previous=self)` takes unchanged rows from
+        # `expert_refs`' refs, made once; and a previous store's rows and refs, to take the
+        # ref of each row taken from it (`open(previous=...)`), dropped once used.
+        self.refs: list[ExpertRef] | None = None
+        self._prior_refs: tuple[list[ExpertEntry], list[ExpertRef]] | None = None
         self._verified: set[int] = set()
         self._lock = threading.Lock()
         algos: set[str] = set()
@@ -95,12 +101,19 @@ class Store:
 
     @classmethod
     def open(
-        cls, root: Path | str, *, host_pool_bytes: int | None = None, pace: Pace | None = None
+        cls,
+        root: Path | str,
+        *,
+        host_pool_bytes: int | None = None,
+        pace: Pace | None = None,
+        previous: Store | None = None,
     ) -> Store:
         """Read ``root``'s manifest. ``host_pool_bytes`` bounds the freed expert buffers kept
         for reuse (default: two of the store's largest experts; 0 disables the pool).
         ``pace`` is called once per expert in each pass over the manifest's rows (`Pacer`:
-        a server opening a new version beside its event loop)."""
+        a server opening a new version beside its event loop). ``previous``: a store this one
+        replaces (the version a server serves), whose rows are taken where their text in the
+        manifest is unchanged (`read_manifest_rows`)."""
         root = Path(root)
         path = root / MANIFEST_NAME
         try:
@@ -108,7 +121,9 @@ class Store:
         except (FileNotFoundError, NotADirectoryError) as exc:
             raise StoreNotFound(root=root) from exc
         try:
-            manifest = read_manifest(raw, pace=pace)
+            manifest, rows = read_manifest_rows(
+                raw, pace=pace, previous=previous.manifest_rows if previous is not None else None
+            )
         except ValidationError as exc:
             raise ManifestError(root=root, message=str(exc)) from exc
         except ValueError as exc:  # not UTF-8 JSON
@@ -116,7 +131,11 @@ class Store:
         if host_pool_bytes is None:
             host_pool_bytes = 2 * manifest.max_expert_bytes
         pool = HostBufferPool(host_pool_bytes) if host_pool_bytes > 0 else None
-        return cls(root, manifest, host_pool=pool, pace=pace or no_pace)
+        store = cls(root, manifest, host_pool=pool, pace=pace or no_pace, rows=rows)
+        if previous is not None and previous.root == store.root and previous.refs is not None:
+            # Snapshots: a retired version's release empties the lists it holds.
+            store._prior_refs = (list(previous.manifest.experts), list(previous.refs))
+        return store
 
     @property
     def version(self) -> str:
@@ -154,13 +173,23 @@ class Store:
         return ExpertRef(entry.sha256, prefix + entry.file, nbytes, entry.id, entry.checksum)
 
     def expert_refs(self, pace: Pace = no_pace) -> list[ExpertRef]:
-        """`expert_ref` of every expert, in id order; `pace` is called once per expert."""
-        prefix = f"{self.root}{os.sep}"
-        refs = []
-        for entry in self.manifest.experts:
-            pace()
-            refs.append(self._ref(entry, prefix))
-        return refs
+        """`expert_ref` of every expert, in id order (a new list each call; the refs are made
+        once, and kept in `refs`). `pace` is called once per expert the first time. A row
+        taken from the store this one was opened after (`open(previous=...)`) takes its ref."""
+        if self.refs is None:
+            prior, self._prior_refs = self._prior_refs, None
+            prefix = f"{self.root}{os.sep}"
+            refs = []
+            entries, prior_refs = prior if prior is not None else ([], [])
+            known = min(len(entries), len(prior_refs))
+            for i, entry in enumerate(self.manifest.experts):
+                pace()
+                if i < known and entry is entries[i]:
+                    refs.append(prior_refs[i])
+                else:
+                    refs.append(self._ref(entry, prefix))
+            self.refs = refs
+        return list(self.refs)
 
     def expert_nbytes(self, expert_id: int) -> int:
         """Bytes the expert's parameters and buffers occupy on a device once loaded."""

@@ -165,12 +165,13 @@ class ObservedPool:
 
 
 def _open_version_files(
-    root: Path, budget_bytes: int, pace: Pace | None, freeze_from: int
+    root: Path, budget_bytes: int, pace: Pace | None, freeze_from: int, previous: Store | None
 ) -> tuple[Store, ServedModel]:
     # A kind this server does not know is refused here, naming it (UnknownStoreKind): at
-    # startup the server does not start, on a reload the old version keeps serving.
+    # startup the server does not start, on a reload the old version keeps serving. The
+    # served version's rows and refs are taken where the new manifest left them unchanged.
     with collections_deferred(freeze_from=freeze_from):
-        store = Store.open(root, pace=pace)
+        store = Store.open(root, pace=pace, previous=previous)
         model = open_model(store, pace or no_pace)
         check_budget(model.experts, budget_bytes)  # a pass over every expert: off the loop too
     return store, model
@@ -274,8 +275,14 @@ class ServingState:
         pace, freeze_from = (
             (background_pacer(), _SWAP_FREEZE_FROM_OBJECTS) if beside_serving else (None, 0)
         )
+        served = self.version.store if beside_serving and self.version is not None else None
         store, model = await in_daemon_thread(
-            _open_version_files, Path(self.settings.store), pool.budget_bytes, pace, freeze_from
+            _open_version_files,
+            Path(self.settings.store),
+            pool.budget_bytes,
+            pace,
+            freeze_from,
+            served,
         )
         check_kind_budget(model, pool.budget_bytes)
         observed = ObservedPool(pool, self._on_batch, self._on_generated)

@@ -122,6 +122,7 @@ class StoreVersion:
         slice. Only for a closed version no request can still use: its rows are emptied."""
         rows: list[object] = [self.__dict__.pop("expert_rows", None)]
         rows += [self.__dict__.pop("expert_ids", None), self.model.experts, self.manifest.experts]
+        rows.append(self.store.refs)  # the same refs as the model's, kept by the store
         for held in rows:
             if isinstance(held, dict):
                 while held:

@@ -1,11 +1,12 @@
 from __future__ import annotations
 
 import json
+from array import array
 from typing import Any
 
 import pytest
 
-from experts_store import decode_json, decode_json_member
+from experts_store import decode_json, decode_json_items, decode_json_member
 
 pytestmark = pytest.mark.unit
 
@@ -142,3 +143,66 @@ def test_members_after_the_experts_are_reached_at_a_pace() -> None:
 def test_a_document_that_is_not_an_object_up_to_the_member_is_a_value_error(text: str) -> None:
     with pytest.raises(ValueError):
         decode_json_member(text.encode(), "v")
+
+
+# decode_json_items: the same document, and where each item of one array lies in its text.
+
+
+@pytest.mark.parametrize("text", DOCUMENTS)
+@pytest.mark.parametrize("key", ["experts", "b", "dup", "absent"])
+def test_items_decode_as_json_loads_and_their_spans_hold_them(text: str, key: str) -> None:
+    expected = json.loads(text)
+    pace = Counter()
+    value, spans = decode_json_items(text.encode(), key, pace)
+    assert value == expected
+    paced_alone = Counter()
+    decode_json(text.encode(), paced_alone)
+    assert pace.calls == paced_alone.calls  # every top-level array's items, as decode_json
+    items = expected.get(key) if isinstance(expected, dict) else None
+    if not isinstance(items, list):
+        assert len(spans) == 0
+        return
+    assert len(spans) == len(items)  # of "dup", the last, as json.loads
+    for i, item in enumerate(items):
+        start, end = spans.span(i)
+        assert json.loads(spans.text[start:end]) == item
+        assert spans.bounds(i, i + 1).tolist() == [start, end]
+
+
+@pytest.mark.parametrize("text", BAD)
+def test_what_is_not_json_is_a_value_error_with_items_tracked(text: str) -> None:
+    with pytest.raises(ValueError):
+        decode_json_items(text.encode(), "a", Counter())
+
+
+def test_a_known_run_is_taken_as_given_and_the_rest_decoded() -> None:
+    text = '{"experts": [ {"id": 0},\n {"id": 1}, {"id": 2} ,{"id": 3} ], "v": 1}'
+    starts = [text.index(f'{{"id": {i}}}') for i in range(4)]
+    asked: list[tuple[int, int]] = []
+
+    def known(doc: str, index: int, at: int) -> tuple[list[Any], Any] | None:
+        asked.append((index, at))
+        if index != 1:
+            return None
+        # Items 1 and 2, stood in for by markers: the decoder takes the caller's word.
+        ends = [starts[1] + 9, starts[2] + 9]
+        return ["one", "two"], array("q", [starts[1], ends[0], starts[2], ends[1]])
+
+    pace = Counter()
+    value, spans = decode_json_items(text.encode(), "experts", pace, known)
+    assert value == {"experts": [{"id": 0}, "one", "two", {"id": 3}], "v": 1}
+    assert asked == [(0, starts[0]), (1, starts[1]), (3, starts[3])]
+    assert pace.calls == 3  # one per decoded item, one for the run
+    assert [json.loads(text[slice(*spans.span(i))]) for i in range(4)] == [
+        {"id": i} for i in range(4)
+    ]
+
+
+def test_after_a_known_run_the_text_must_still_go_on_as_json() -> None:
+    text = '{"experts": [{"id": 0} {"id": 1}]}'
+
+    def known(doc: str, index: int, at: int) -> tuple[list[Any], Any] | None:
+        return (["zero"], array("q", [at, at + 9])) if index == 0 else None
+
+    with pytest.raises(ValueError, match="delimiter"):
+        decode_json_items(text.encode(), "experts", Counter(), known)

@@ -320,9 +320,11 @@ async def test_a_swap_opens_at_a_pace_and_frees_the_old_version_when_it_is_empty
     paces: list[Any] = []
     open_files = state._open_version_files
 
-    def recording_open(root: Path, budget_bytes: int, pace: Any, freeze_from: int) -> Any:
+    def recording_open(
+        root: Path, budget_bytes: int, pace: Any, freeze_from: int, previous: Any
+    ) -> Any:
         paces.append(pace)
-        return open_files(root, budget_bytes, pace, freeze_from)
+        return open_files(root, budget_bytes, pace, freeze_from, previous)
 
     monkeypatch.setattr(state, "_open_version_files", recording_open)
     app = create_app(app_settings(store), pool_factory=fake_pool)
@@ -340,7 +342,7 @@ async def test_a_swap_opens_at_a_pace_and_frees_the_old_version_when_it_is_empty
     # The start had nobody to wait beside it; the swap had the requests being served.
     assert paces[0] is None and isinstance(paces[1], Pacer)
     # The retired version's per-expert rows are gone; the serving one's are whole.
-    assert old.experts == [] and old.manifest.experts == []
+    assert old.experts == [] and old.manifest.experts == [] and old.store.refs == []
     assert len(new.experts) == len(new.manifest.experts) == new.manifest.num_experts > 0
 
 
@@ -372,13 +374,62 @@ def test_releasing_a_version_frees_its_rows_a_slice_at_a_time(
     model = open_model(store)
     version = StoreVersion(store, model, batcher=None, route_runner=None)  # type: ignore[arg-type]
     assert version.expert_rows and version.expert_ids  # the cached views, made
-    rows, refs = version.manifest.experts, version.experts
-    seen: list[tuple[int, int]] = []
-    version.release(lambda: seen.append((len(refs), len(rows))))
-    assert rows == [] and refs == [] and version.manifest.experts == []
+    rows, refs, kept = version.manifest.experts, version.experts, store.refs
+    assert kept is not None and len(kept) == k  # the store keeps the refs it made
+    seen: list[tuple[int, int, int]] = []
+    version.release(lambda: seen.append((len(refs), len(rows), len(kept))))
+    assert rows == [] and refs == [] and kept == [] and version.manifest.experts == []
     assert "expert_rows" not in version.__dict__ and "expert_ids" not in version.__dict__
-    # Two rows per slice, a pace after each: the refs go down 2 by 2, then the rows.
+    # Two rows per slice, a pace after each: the model's refs go down 2 by 2, then the rows,
+    # then the store's refs (the last holder of each ref: where it is freed).
     slices = -(-k // 2)
-    assert seen[-2 * slices :] == [(max(k - 2 * i, 0), k) for i in range(1, slices + 1)] + [
-        (0, max(k - 2 * i, 0)) for i in range(1, slices + 1)
-    ]
+    left = [max(k - 2 * i, 0) for i in range(1, slices + 1)]
+    assert seen[-3 * slices :] == (
+        [(n, k, k) for n in left] + [(0, n, k) for n in left] + [(0, 0, n) for n in left]
+    )
+
+
+async def test_a_republish_that_keeps_experts_keeps_their_rows_and_refs(tmp_path: Path) -> None:
+    import shutil
+
+    import torch
+
+    from experts_store import ExpertArch, ExpertMLP, StoreWriter
+
+    store = build_small_store(tmp_path / "store")
+    old_rows = manifest(store)
+    app = create_app(app_settings(store), pool_factory=fake_pool)
+    x = np.random.default_rng(1).normal(size=(64, 4)).astype(np.float32)
+    async with running(app) as client:
+        serving: ServingState = app.state.serving
+        old = serving.version
+        assert old is not None
+        old_entries, old_refs = list(old.manifest.experts), list(old.experts)
+        # The same experts published again (hard links), but for expert 3's new weights.
+        with StoreWriter(store) as writer:
+            for row in old_rows["experts"]:
+                if row["id"] == 3:
+                    arch = ExpertArch.from_dict(row["arch"])
+                    fresh = ExpertMLP(arch, generator=torch.Generator().manual_seed(99))
+                    writer.add_expert(3, fresh)
+                else:
+                    writer.link_expert_file(row["id"], store / row["file"])
+            shutil.copyfile(store / old_rows["router_file"], writer.router_path)
+            writer.publish(task="regression", input_dim=4, output_dim=2, routing="tree",
+                           branching=4)
+        assert await serving.reload()
+        new = serving.version
+        assert new is not None and new is not old
+        kept = [i for i in range(8) if new.manifest.experts[i] is old_entries[i]]
+        refs_kept = [i for i in range(8) if new.experts[i] is old_refs[i]]
+        answer = (await client.post("/v1/predict", json={"inputs": x.tolist()})).json()
+    assert kept == refs_kept == [0, 1, 2, 4, 5, 6, 7]
+    assert new.experts[3].sha256 == manifest(store)["experts"][3]["sha256"]
+    assert new.experts[3].sha256 != old_refs[3].sha256
+    assert answer["store_version"] == new.version
+    experts = np.asarray(answer["experts"])[:, 0]
+    assert 3 in experts  # the changed expert is among those that answered
+    expected = np.stack(
+        [expert_outputs(store, int(e), x[i : i + 1])[0] for i, e in enumerate(experts)]
+    )
+    np.testing.assert_allclose(answer["outputs"], expected, rtol=1e-5, atol=1e-6)
