@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from experts_store_helpers import publish
+from experts_store_helpers import make_expert, publish
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from experts_store import ExpertArch, Manifest, Store, read_manifest_rows
+from experts_store import ExpertArch, Manifest, Store, StoreWriter, read_manifest_rows
 
 pytestmark = pytest.mark.unit
 
@@ -151,9 +151,15 @@ def test_a_store_opened_after_another_takes_its_rows_and_refs(tmp_path: Path) ->
     publish(root, num_experts=6, seed=1)
     served = Store.open(root)
     served_refs = served.expert_refs()
-    data = json.loads((root / "manifest.json").read_text())
-    data["experts"][2] = changed_row(data["experts"][2], 77)
-    (root / "manifest.json").write_text(json.dumps(data, indent=2) + "\n")  # the writer's layout
+    # Republished by the writer: five experts' files kept, expert 2 retrained.
+    with StoreWriter(root) as writer:
+        for entry in served.manifest.experts:
+            if entry.id == 2:
+                writer.add_expert(2, make_expert((3, 8, 2), seed=77))
+            else:
+                writer.link_expert_file(entry.id, root / entry.file)
+        writer.router_path.write_bytes(b"router seed 1")
+        writer.publish(task="regression", input_dim=3, output_dim=2, routing="tree", branching=2)
     second = Store.open(root, previous=served)
     refs = second.expert_refs()
     assert taken(second.manifest, served.manifest) == [0, 1, 3, 4, 5]
@@ -161,7 +167,8 @@ def test_a_store_opened_after_another_takes_its_rows_and_refs(tmp_path: Path) ->
         True, True, False, True, True, True
     ]
     assert [fields(r) for r in refs] == [fields(second.expert_ref(i)) for i in range(6)]
-    assert refs[2].sha256 == data["experts"][2]["sha256"] != served_refs[2].sha256
+    assert refs[2].sha256 == second.manifest.experts[2].sha256 != served_refs[2].sha256
+    assert second.load_expert(2).arch == served.manifest.experts[2].expert_arch
     # Another root: the rows are taken, each ref made anew with its own path.
     other = tmp_path / "copy"
     other.mkdir()
