@@ -165,11 +165,12 @@ class Store:
         """The content-addressed handle a serving actor loads this expert by."""
         return self._ref(self.expert_entry(expert_id), f"{self.root}{os.sep}")
 
-    def _ref(self, entry: ExpertEntry, prefix: str) -> ExpertRef:
+    def _ref(self, entry: ExpertEntry, prefix: str, nbytes: int | None = None) -> ExpertRef:
         # Positional, and the path a string join onto `prefix` (the root and a separator),
         # not pathlib's: a K=100,000 store makes 100,000 refs per version. `file` is the
         # manifest's derived "experts/<id>-<hash>.safetensors", checked when it was read.
-        nbytes = entry.expert_arch.nbytes()
+        if nbytes is None:
+            nbytes = entry.expert_arch.nbytes()
         return ExpertRef(entry.sha256, prefix + entry.file, nbytes, entry.id, entry.checksum)
 
     def expert_refs(self, pace: Pace = no_pace) -> list[ExpertRef]:
@@ -182,12 +183,17 @@ class Store:
             refs = []
             entries, prior_refs = prior if prior is not None else ([], [])
             known = min(len(entries), len(prior_refs))
+            # Rows of one arch share its dict: its bytes are asked when the dict changes.
+            arch_dict: dict[str, object] | None = None
+            nbytes = 0
             for i, entry in enumerate(self.manifest.experts):
                 pace()
                 if i < known and entry is entries[i]:
                     refs.append(prior_refs[i])
-                else:
-                    refs.append(self._ref(entry, prefix))
+                    continue
+                if entry.arch is not arch_dict:
+                    arch_dict, nbytes = entry.arch, entry.expert_arch.nbytes()
+                refs.append(self._ref(entry, prefix, nbytes))
             self.refs = refs
         return list(self.refs)
 
