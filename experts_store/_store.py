@@ -132,7 +132,12 @@ class Store:
             host_pool_bytes = 2 * manifest.max_expert_bytes
         pool = HostBufferPool(host_pool_bytes) if host_pool_bytes > 0 else None
         store = cls(root, manifest, host_pool=pool, pace=pace or no_pace, rows=rows)
-        if previous is not None and previous.root == store.root and previous.refs is not None:
+        if (
+            manifest.experts  # a store without rows (kind hyper) would keep them for nothing
+            and previous is not None
+            and previous.root == store.root
+            and previous.refs is not None
+        ):
             # Snapshots: a retired version's release empties the lists it holds.
             store._prior_refs = (list(previous.manifest.experts), list(previous.refs))
         return store

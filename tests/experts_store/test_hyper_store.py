@@ -116,3 +116,17 @@ def test_a_momlp_store_still_needs_its_router(tmp_path: Path) -> None:
     with StoreWriter(tmp_path / "s") as writer, pytest.raises(Exception, match="router"):
         writer.publish(task="regression", input_dim=2, output_dim=1, routing="tree",
                        branching=2)
+
+
+def test_a_hyper_version_opened_after_a_momlp_one_keeps_none_of_its_rows(tmp_path: Path) -> None:
+    from experts_store_helpers import publish
+
+    root = tmp_path / "s"
+    publish(root, num_experts=4)
+    served = Store.open(root)
+    assert len(served.expert_refs()) == 4
+    hyper.publish_hypernetwork(root, _f(), conditions=torch.randn(2, 3), condition_ids=["a", "b"])
+    store = Store.open(root, previous=served)
+    # Nothing of the momlp version is held for refs that a store without rows never makes.
+    assert store._prior_refs is None
+    assert store.manifest.kind == "hyper" and store.expert_refs() == []
