@@ -71,14 +71,7 @@ def decode_json(raw: bytes, pace: Pace | None = None) -> Any:
     text = raw.decode("utf-8")
     if pace is None:
         return _DECODER.decode(text)
-    start = _skip(text, 0)
-    if text[start : start + 1] != "{":
-        return _DECODER.decode(text)
-    obj, end = _paced_object(text, start + 1, pace)
-    end = _skip(text, end)
-    if end != len(text):
-        raise json.JSONDecodeError("Extra data", text, end)
-    return obj
+    return _paced_document(text, pace, None)
 
 
 def decode_json_items(
@@ -93,14 +86,19 @@ def decode_json_items(
     called once after the run."""
     text = raw.decode("utf-8")
     tracked = _Tracked(key, text, known)
+    return _paced_document(text, pace, tracked), tracked.spans
+
+
+def _paced_document(text: str, pace: Pace | None, tracked: _Tracked | None) -> Any:
+    """The document in `text`, a top-level object's arrays an item at a time (`_member`)."""
     start = _skip(text, 0)
     if text[start : start + 1] != "{":
-        return _DECODER.decode(text), tracked.spans
+        return _DECODER.decode(text)
     obj, end = _paced_object(text, start + 1, pace, tracked)
     end = _skip(text, end)
     if end != len(text):
         raise json.JSONDecodeError("Extra data", text, end)
-    return obj, tracked.spans
+    return obj
 
 
 def decode_json_member(raw: bytes, key: str, pace: Pace | None = None) -> Any:
@@ -161,7 +159,7 @@ def _member(
         raise json.JSONDecodeError("Expecting ':' delimiter", text, at)
     at = _skip(text, at + 1)
     if tracked is not None and key == tracked.key and text[at : at + 1] == "[":
-        value, at = _tracked_array(text, at + 1, pace or no_pace, tracked)
+        value, at = _paced_array(text, at + 1, pace or no_pace, tracked)
     elif pace is not None and text[at : at + 1] == "[":
         value, at = _paced_array(text, at + 1, pace)
     else:
@@ -170,35 +168,23 @@ def _member(
     return key, value, closed, at
 
 
-def _paced_array(text: str, at: int, pace: Pace) -> tuple[list[Any], int]:
-    """The array whose '[' precedes `at`, and the index after its ']'."""
-    items: list[Any] = []
-    at = _skip(text, at)
-    if text[at : at + 1] == "]":
-        return items, at + 1
-    while True:
-        item, at = _DECODER.raw_decode(text, at)
-        items.append(item)
-        pace()
-        closed, at = _after_item(text, at, "]")
-        if closed:
-            return items, at
-
-
-def _tracked_array(text: str, at: int, pace: Pace, tracked: _Tracked) -> tuple[list[Any], int]:
-    """`_paced_array`, recording each item's span and taking the runs `tracked.known` knows.
-    Its loop is most of a K=100,000 manifest's decode: the scanner is called directly and the
-    separator found by one regex, 0.47 s where `_paced_array`'s loop takes 0.53 s (benchmarks/
-    RESULTS.md, fifty-ninth session)."""
+def _paced_array(
+    text: str, at: int, pace: Pace, tracked: _Tracked | None = None
+) -> tuple[list[Any], int]:
+    """The array whose '[' precedes `at`, and the index after its ']', `pace` called after each
+    item. The `tracked` array also records each item's span and takes the runs its `known`
+    knows. This loop is most of a K=100,000 manifest's decode: the scanner is called directly
+    and the separator found by one regex, 0.47 s where a `raw_decode` and a separator check an
+    item took 0.53 s (benchmarks/RESULTS.md, fifty-ninth session)."""
     items: list[Any] = []
     bounds: array[int] = array("q")
-    known = tracked.known
+    known = tracked.known if tracked is not None else None
     scan = _DECODER.scan_once  # type: ignore[attr-defined]  # set by JSONDecoder.__init__
     at = _skip(text, at)
-    if text[at : at + 1] == "]":
-        tracked.spans = ItemSpans(text, bounds)
-        return items, at + 1
-    while True:
+    closed = text[at : at + 1] == "]"
+    if closed:
+        at += 1
+    while not closed:
         run = known(text, len(items), at) if known is not None else None
         if run is None or not run[0]:
             try:
@@ -217,9 +203,10 @@ def _tracked_array(text: str, at: int, pace: Pace, tracked: _Tracked) -> tuple[l
         if after is None:
             raise json.JSONDecodeError("Expecting ',' delimiter", text, _skip(text, end))
         at = after.end()
-        if after.group(1) is None:  # the array's ']'
-            tracked.spans = ItemSpans(text, bounds)  # a key given again replaces the first's
-            return items, at
+        closed = after.group(1) is None  # the array's ']'
+    if tracked is not None:
+        tracked.spans = ItemSpans(text, bounds)  # a key given again replaces the first's
+    return items, at
 
 
 # After an array's item: a comma and the whitespace after it (group 1), or the closing ']'.
