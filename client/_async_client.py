@@ -24,9 +24,9 @@ class AsyncClient(BaseClient):
     ...     prediction = await momlp.predict([[0.1, 0.2]], return_stats=True)
 
     Connect errors, 429 and 503 are retried up to `max_retries` times, after the answer's
-    Retry-After (at most `max_backoff`) or else exponential back-off with jitter; a 503
-    `ExpertUnavailable` whose Retry-After exceeds `max_backoff` is raised at once (the server
-    will not read that expert again sooner). `sleep` is injectable so tests never wait.
+    Retry-After or else exponential back-off with jitter (at most `max_backoff`); a 429 or 503
+    whose Retry-After exceeds `max_backoff` is raised at once (a retry sooner would go against
+    the server's word). `sleep` is injectable so tests never wait.
     """
 
     def __init__(

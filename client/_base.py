@@ -88,6 +88,7 @@ class BaseClient:
     ) -> None:
         if max_retries < 0:
             raise ValueError("max_retries must be >= 0")
+        _check_base_url(base_url)
         self.base_url = base_url
         self.max_retries = max_retries
         self.backoff = backoff
@@ -180,7 +181,7 @@ class BaseClient:
         except httpx.HTTPStatusError as exc:
             raise self._status_error(exc.response) from exc
         except (httpx.HTTPError, httpx.InvalidURL, httpx.CookieConflict, httpx.StreamError) as exc:
-            raise _transport_error(exc, f"{spec.method} {spec.path}") from exc
+            raise _transport_error(exc, f"{spec.method} {spec.path}", self._timeout) from exc
 
     def _check_status(self, response: httpx.Response) -> httpx.Response:
         if response.is_success:
@@ -224,9 +225,10 @@ class BaseClient:
         retryable = isinstance(error, ConnectError | RateLimited | ServiceUnavailable)
         if not retryable:
             return None
-        if isinstance(error, ExpertUnavailable) and (error.retry_after or 0.0) > self.max_backoff:
-            # The server will not read that expert's file again before Retry-After: a retry
-            # within the wait this client allows gets the same answer.
+        if isinstance(error, HTTPStatusError) and (error.retry_after or 0.0) > self.max_backoff:
+            # The server asks for a longer wait than this client allows (for a 503 naming an
+            # expert: it will not read that file again before then): a retry sooner would be
+            # against its word, and gets the same answer.
             return None
         if isinstance(error, HTTPStatusError) and error.retry_after is not None:
             return min(max(error.retry_after, 0.0), self.max_backoff)
@@ -274,19 +276,48 @@ def _check_options(top_k: int, mode: str | None) -> None:
         raise InputError(f"mode must be 'tree', 'exact' or None, got {mode!r}", mode=mode)
 
 
-def _transport_error(exc: Exception, url: str) -> MomlpError:
-    message = f"{url}: {type(exc).__name__}: {exc}"
+def _check_base_url(base_url: str) -> None:
+    """A ProtocolError (the tree's "bad URL") now, not an httpx error on the first call."""
+    try:
+        url = httpx.URL(base_url)
+    except httpx.InvalidURL as exc:
+        raise ProtocolError(f"{base_url!r} is not a URL: {exc}", url=base_url) from None
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ProtocolError(
+            f"{base_url!r} is not an http:// or https:// URL with a host", url=base_url
+        )
+    if url.port is not None and not 0 < url.port < 65536:
+        raise ProtocolError(f"{base_url!r}: port {url.port} is not 1-65535", url=base_url)
+
+
+def _transport_error(exc: Exception, url: str, timeout: TimeoutTypes = None) -> MomlpError:
+    # httpx's async timeouts carry no text: say what ran out.
+    text = str(exc) or (
+        f"no answer within the timeout ({_timeout_text(timeout)})"
+        if isinstance(exc, httpx.TimeoutException) else "(no detail)"
+    )
+    message = f"{url}: {type(exc).__name__}: {text}"
     if isinstance(exc, httpx.ConnectTimeout):
         return ConnectTimeout(message, url=url)
     if isinstance(exc, httpx.ConnectError):
         return ConnectError(message, url=url)
     if isinstance(exc, httpx.TimeoutException):
         return TimeoutError(message, url=url)
-    if isinstance(exc, httpx.NetworkError):
+    if isinstance(exc, httpx.NetworkError | httpx.RemoteProtocolError):
+        # RemoteProtocolError is how httpx reports a server that closed the connection before
+        # or while answering: a broken connection, not malformed HTTP from this side.
         return NetworkError(message, url=url)
     if isinstance(exc, httpx.DecodingError):
         return DecodingError(message, url=url)
     return ProtocolError(message, url=url)
+
+
+def _timeout_text(timeout: TimeoutTypes) -> str:
+    if isinstance(timeout, httpx.Timeout):
+        parts = {"connect": timeout.connect, "read": timeout.read, "write": timeout.write,
+                 "pool": timeout.pool}
+        return ", ".join(f"{name} {value:g} s" for name, value in parts.items() if value)
+    return "none" if timeout is None else f"{timeout:g} s"
 
 
 def _retry_after(value: str | None) -> float | None:

@@ -133,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
             conditions=args.conditions,
             condition_distribution=args.condition_distribution,
         )
+        if args.report is not None:
+            _writable_directory(args.report)
         configs = [config] if len(gates) == 1 else [
             dataclasses.replace(
                 config,
@@ -148,6 +150,9 @@ def run(args: argparse.Namespace) -> int:
         reports = [_one(each, args) for each in configs]
     except MomlpError as exc:
         print(f"momlp loadtest: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # the report directory went away or filled up during the run
+        print(f"momlp loadtest: cannot write the report: {exc}", file=sys.stderr)
         return 1
     if len(configs) > 1:
         from ._compare import gate_rows, write_comparison
@@ -191,6 +196,17 @@ def _one(config: LoadTestConfig, args: argparse.Namespace) -> LoadTestReport:
         for name in report.plots:
             print(f"plot: {directory / name}")
     return report
+
+
+def _writable_directory(path: Path) -> None:
+    """`--report DIR` made (with its parents) and writable before any request is sent: a run
+    is not thrown away at its end for a path that could never hold its report."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--report {path}: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"--report {path}: the directory is not writable")
 
 
 def _parse_gate(text: str | None) -> dict[str, Any] | None:

@@ -69,9 +69,12 @@ def encode_inputs(
 def _encode_numpy(
     np: Any, inputs: Any, *, binary: bool | None, binary_min_values: int
 ) -> EncodedInputs:
+    if callable(getattr(inputs, "detach", None)):
+        # A torch tensor that requires grad refuses np.asarray; its values are what is sent.
+        inputs = inputs.detach().cpu()
     try:
         arr = np.asarray(inputs)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RuntimeError) as exc:
         raise InputError(f"inputs are not an array: {exc}") from exc
     if arr.dtype.kind not in "fiu":
         raise InputError(f"inputs must be numbers, got dtype {arr.dtype}", dtype=str(arr.dtype))
@@ -121,7 +124,10 @@ def _number(value: Any, row: int) -> float:
     # numpy scalars and similar expose __float__; strings, bools and None do not get through.
     if isinstance(value, str | bytes | bool) or not hasattr(value, "__float__"):
         raise InputError(f"row {row} holds a non-number {value!r}", row=row)
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int of hundreds of digits
+        raise InputError(f"row {row} holds a number beyond float range", row=row) from None
     if not math.isfinite(number):
         raise InputError(f"row {row} holds {number}; inputs must be finite", row=row)
     return number

@@ -133,7 +133,23 @@ class HTTPStatusError(MomlpError):
         self.url = url
 
     def __str__(self) -> str:
-        return f"{self.status_code} {self.code}: {self.message}"
+        text = f"{self.status_code} {self.code}: {self.message}"
+        problems = _schema_problems(self.detail)
+        return f"{text} ({problems})" if problems else text
+
+
+def _schema_problems(detail: Any, shown: int = 3) -> str:
+    """The server's schema errors (`[{"loc", "msg"}, ...]`) as "gate.temperature: Input
+    should be greater than 0", so that a traceback names the field, not only "does not match"."""
+    if not isinstance(detail, list):
+        return ""
+    parts = [
+        f"{'.'.join(str(part) for part in item.get('loc', ())) or 'body'}: {item['msg']}"
+        for item in detail
+        if isinstance(item, dict) and "msg" in item
+    ]
+    more = f"; {len(parts) - shown} more" if len(parts) > shown else ""
+    return "; ".join(parts[:shown]) + more
 
 
 class InvalidInput(HTTPStatusError):

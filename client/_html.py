@@ -77,7 +77,7 @@ def summary_rows(report: LoadTestReport) -> list[SummaryRow]:
         _bytes)
     add("vram_ratio", "per-request p99 / dense model", report.vram_ratio,
         lambda value: (f"{value:.4g}", ""))
-    add("max_expert_bytes", "largest expert", report.max_expert_bytes, _bytes)
+    add("max_expert_bytes", "largest expert file", report.max_expert_bytes, _bytes)
     add("experts_per_row", "experts per row (kept by the gate)", report.experts_per_row,
         fixed(3, ""))
     if report.conditions_served is not None:

@@ -39,6 +39,7 @@ from ._exceptions import (
 )
 from ._html import write_html
 from ._leases import ClientLeases
+from ._models import ModelInfo
 from ._plots import matplotlib_available, write_plots
 from ._report import (
     LoadTestReport,
@@ -125,6 +126,10 @@ class LoadTestConfig:
             raise ValueError("concurrency, batch and top_k must be >= 1")
         if self.rate is not None and self.rate <= 0:
             raise ValueError("rate must be > 0")
+        if not self.timeout_s > 0:
+            raise ValueError("timeout_s must be > 0")
+        if self.max_retries < 0:
+            raise ValueError("max_retries must be >= 0")
         # Unknown gate fields fail here (exit 2), not on every request of the run.
         _check_gate(self.gate)
 
@@ -245,7 +250,7 @@ async def arun_loadtest(
     report = build_report(
         records,
         duration_s=duration,
-        dense_equivalent_bytes=model.total_expert_bytes,
+        dense_equivalent_bytes=_dense_bytes(model),
         max_expert_bytes=model.max_expert_bytes,
         config=config.to_dict(),
         model=model.model_dump(exclude={"prototypes"}),
@@ -257,6 +262,13 @@ async def arun_loadtest(
     if config.report_dir is not None:
         report = _write(report, config, records)
     return report
+
+
+def _dense_bytes(model: ModelInfo) -> int:
+    """All experts resident at once, in the measure of `vram_bytes`: what an actor holds of
+    each, its float32 parameters (a file's bytes add its safetensors header, which for small
+    experts is as large as the weights)."""
+    return 4 * model.total_params if model.total_params > 0 else model.total_expert_bytes
 
 
 def _accuracy(

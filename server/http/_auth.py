@@ -1,4 +1,4 @@
-"""Bearer-key check for every endpoint but /healthz, when the settings hold a key."""
+"""Bearer-key check for every endpoint but the health probes, when the settings hold a key."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from server.http._body import HttpError
 
 __all__ = ["ApiKeyMiddleware", "OPEN_PATHS"]
 
-# Liveness probes use /healthz (open, as DESIGN.md says); everything else, /v2 included,
-# needs the key.
-OPEN_PATHS = frozenset({"/healthz"})
+# The probes stay open: an orchestrator's HTTP probe cannot read the key from a secret (a
+# Kubernetes httpGet probe's headers are literal text in the pod spec), and they tell nothing
+# but "up" and "ready". Everything else, the rest of /v2 included, needs the key.
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
 
 
 class ApiKeyMiddleware:

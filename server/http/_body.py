@@ -7,6 +7,7 @@ that lies about (or omits) the length is cut off at the limit instead of filling
 from __future__ import annotations
 
 import io
+import tokenize
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, TypeVar
@@ -227,7 +228,9 @@ def parse_npy(
             shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
         else:
             raise ValueError(f"unsupported npy version {version}")
-    except ValueError as exc:
+    except (ValueError, SyntaxError, tokenize.TokenError) as exc:
+        # numpy re-reads a 1.0 header that does not parse through `tokenize`, which raises
+        # its own error for an unclosed bracket.
         raise _invalid(f"not a valid .npy body: {exc}") from exc
     if dtype.str not in _NPY_DTYPES:
         raise _invalid(f"npy dtype {dtype.str} is not float32 or float64", {"dtype": dtype.str})
@@ -348,7 +351,8 @@ async def parse_inputs(
     if media == RAW_TYPE:
         # The row count is known from the header, so a too-large batch is refused unread.
         rows_header = headers.rows
-        if rows_header is not None and rows_header.strip().isdigit():
+        # isdecimal, not isdigit: "²" is a digit that int() refuses.
+        if rows_header is not None and rows_header.strip().isdecimal():
             check_rows(int(rows_header), input_dim, max_rows=max_rows, input_dim=input_dim)
     body = await read_body_limited(request, max_bytes, body_deadline, declared=headers.length)
     rows_header = headers.rows

@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -59,7 +59,24 @@ def _json(
     status: int, code: str, message: str, detail: Any = None, headers: dict[str, str] | None = None
 ) -> JSONResponse:
     body = {"error": {"code": code, "message": message, "detail": detail}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    try:
+        return JSONResponse(body, status_code=status, headers=headers)
+    except ValueError:
+        # A detail that echoes a refused value may hold NaN or an infinity, which JSON cannot
+        # carry: an error handler that raised would leave uvicorn to answer a bare 500.
+        body["error"]["detail"] = _json_safe(detail)
+        return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _json_safe(value: Any) -> Any:
+    """`value` with every non-finite float written as its repr ("nan", "inf")."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return {key: _json_safe(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(item) for item in value]
+    return value
 
 
 def _sanitized(errors: Any) -> list[dict[str, Any]]:
@@ -150,6 +167,11 @@ def _v1_error_response(exc: BaseException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else code.replace("_", " ")
         headers = dict(exc.headers) if exc.headers else None
         return _json(exc.status_code, code, message, None, headers)
+    if isinstance(exc, ClientDisconnect):
+        # Nobody reads this answer: its status is what /metrics and the access log count, a
+        # client's hang-up and not a server fault (499, as nginx names it).
+        logger.info("the client closed the connection before its request body was read")
+        return _json(499, "client_closed_request", "the client closed the connection")
     logger.error("unhandled %s while serving a request", type(exc).__name__, exc_info=exc)
     return _json(500, "internal", "internal server error")
 

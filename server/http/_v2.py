@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import math
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,7 @@ from server.http._v2_codec import (
     OutputTensor,
     encode_response,
     parse_infer,
+    wanted_outputs,
 )
 from server.http._v2_models import (
     LiveResponse,
@@ -41,12 +43,13 @@ from server.http._v2_models import (
     TensorMetadata,
     V2Error,
 )
-from server.kinds import GateRequest
+from server.kinds import GateRequest, check_attached_conditions
 from server.serving import ServingState, StoreVersion
 
 __all__ = ["INPUT_NAME", "add_v2_routes", "hot_v2_routes", "infer", "model_name"]
 
 INPUT_NAME = "input"
+_OUTPUT_NAMES = ("output", "experts", "weights")
 _INFER_PATH = "/v2/models/{name}/infer"
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": V2Error, "description": text}
@@ -90,6 +93,7 @@ def _version_for(serving: ServingState, name: str, version: str | None) -> Store
     return current
 
 
+_KIND_NAMES = {int: "an integer", float: "a number", str: "a string"}
 _GATE_PARAMETERS = {
     "top_k": int,
     "mode": str,
@@ -105,17 +109,8 @@ def _gate(parameters: dict[str, Any]) -> GateRequest:
     values: dict[str, Any] = {}
     for name, kind in _GATE_PARAMETERS.items():
         value = parameters.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int | float | str):
-            raise HttpError(422, "invalid_input", f"parameter {name} must be a {kind.__name__}")
-        if kind is int and not (isinstance(value, int) or float(value).is_integer()):
-            raise HttpError(422, "invalid_input", f"parameter {name} must be an integer")
-        try:
-            values[name] = kind(value)
-        except ValueError:
-            message = f"parameter {name} must be a {kind.__name__}"
-            raise HttpError(422, "invalid_input", message) from None
+        if value is not None:
+            values[name] = _parameter(name, value, kind)
     beam = parameters.get("beam")
     if beam is not None:
         try:
@@ -125,6 +120,30 @@ def _gate(parameters: dict[str, Any]) -> GateRequest:
                 422, "invalid_input", "parameter beam must be widths like '2,2'"
             ) from None
     return GateRequest(**values)
+
+
+def _parameter(name: str, value: Any, kind: type) -> Any:
+    """One gate parameter as `kind`: a number may come as a JSON number or a string (clients
+    differ), an integer as 3, 3.0 or "3"; NaN and infinities are refused (422)."""
+    message = f"parameter {name} must be {_KIND_NAMES[kind]}"
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise HttpError(422, "invalid_input", message)
+    if kind is str:
+        return str(value)
+    try:
+        number = value if isinstance(value, int) else float(value)
+        if kind is float:
+            number = float(number)
+    except (ValueError, OverflowError):
+        raise HttpError(422, "invalid_input", message) from None
+    if isinstance(number, float):
+        if not math.isfinite(number):
+            raise HttpError(422, "invalid_input", f"parameter {name} must be a finite number")
+        if kind is int:
+            if not number.is_integer():
+                raise HttpError(422, "invalid_input", message)
+            number = int(number)
+    return number
 
 
 def _metadata(current: StoreVersion, name: str) -> ModelMetadata:
@@ -161,8 +180,10 @@ async def infer(request: Request, name: str, version: str | None) -> Response:
             max_rows=settings.max_rows,
         )
         parsed = await parse_sized(len(body), parse)
+        wanted_outputs(parsed.request, list(_OUTPUT_NAMES))  # 422 before any work
         options = current.model.resolve(_gate(parsed.request.parameters), settings)
-        answer = await submit_in_time(current, parsed.x, options, deadlines.answer)
+        x = check_attached_conditions(current.model, parsed.x, settings)
+        answer = await submit_in_time(current, x, options, deadlines.answer)
     request.app.state.metrics.observe_prediction(
         parsed.x.shape[0], [(s.cache, s.load_ms) for s in answer.stats]
     )

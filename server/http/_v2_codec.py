@@ -25,6 +25,7 @@ __all__ = [
     "ParsedInfer",
     "encode_response",
     "parse_infer",
+    "wanted_outputs",
 ]
 
 HEADER_LENGTH = "inference-header-content-length"
@@ -118,17 +119,25 @@ def parse_infer(
     size = tensor.parameters.get("binary_data_size")
     if size is not None:
         expected = rows * cols * dtype.itemsize
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise _bad(f"binary_data_size must be an integer, got {size!r}")
         if size != expected or len(binary) != expected:
-            raise _bad(f"binary input of {len(binary)} bytes, its shape needs {expected}")
+            raise _bad(
+                f"binary input of {len(binary)} bytes (binary_data_size {size}), its shape "
+                f"needs {expected}"
+            )
         array = np.frombuffer(binary, dtype=dtype).reshape(rows, cols)
     else:
         if tensor.data is None:
             raise _bad("the input has neither data nor binary_data_size")
         try:
-            # Row-major flat data, or nested rows; either way the shape decides.
-            flat = np.asarray(tensor.data, dtype=np.float64).reshape(-1)
+            # Row-major flat data, or nested rows; either way the shape decides. No dtype
+            # asked for, so that strings, booleans and ints beyond int64 are seen, not cast.
+            flat = np.asarray(tensor.data).reshape(-1)
         except (TypeError, ValueError):
             raise _bad("input data must be numbers") from None
+        if flat.dtype.kind not in "iuf":
+            raise _bad("input data must be JSON numbers (no strings, booleans or huge integers)")
         if flat.size != rows * cols:
             raise _bad(f"input holds {flat.size} values, its shape needs {rows * cols}")
         array = flat.reshape(rows, cols)
@@ -143,6 +152,30 @@ def parse_infer(
     return ParsedInfer(request, x)
 
 
+def wanted_outputs(request: InferRequest, names: list[str]) -> dict[str, bool]:
+    """The outputs to answer with, in order, each with whether it goes in binary; 422 for an
+    output the model does not have or a flag that is not a boolean (checked before any work)."""
+    binary_all = _flag(request.parameters, "binary_data_output", False)
+    if request.outputs is None:
+        return {name: binary_all for name in names}
+    wanted = {out.name: _flag(out.parameters, "binary_data", binary_all) for out in request.outputs}
+    unknown = [name for name in wanted if name not in names]
+    if unknown:
+        raise _bad(f"unknown output(s) {unknown}; this model has {sorted(names)}")
+    return wanted
+
+
+def _flag(parameters: dict[str, Any], name: str, default: bool) -> bool:
+    # bool("false") is True: a flag must be a JSON boolean (or "true"/"false", as some clients
+    # write them).
+    value = parameters.get(name, default)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise _bad(f"parameter {name} must be true or false, got {value!r}")
+
+
 def encode_response(
     request: InferRequest,
     outputs: list[OutputTensor],
@@ -152,17 +185,8 @@ def encode_response(
     parameters: dict[str, Any],
 ) -> tuple[bytes, int | None]:
     """The response body, and the JSON header's length when binary data follows it."""
-    binary_all = bool(request.parameters.get("binary_data_output", False))
-    wanted: dict[str, bool] = {}
-    if request.outputs is not None:
-        for out in request.outputs:
-            wanted[out.name] = bool(out.parameters.get("binary_data", binary_all))
-    else:
-        wanted = {tensor.name: binary_all for tensor in outputs}
+    wanted = wanted_outputs(request, [tensor.name for tensor in outputs])
     by_name = {tensor.name: tensor for tensor in outputs}
-    unknown = [name for name in wanted if name not in by_name]
-    if unknown:
-        raise _bad(f"unknown output(s) {unknown}; this model has {sorted(by_name)}")
     described: list[dict[str, Any]] = []
     chunks: list[bytes] = []
     for name, binary in wanted.items():
@@ -187,7 +211,7 @@ def encode_response(
     }
     if request.id is not None:
         header["id"] = request.id
-    head = json.dumps(header, separators=(",", ":")).encode()
+    head = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
     if not chunks:
         return head, None
     return head + b"".join(chunks), len(head)

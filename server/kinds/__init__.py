@@ -7,7 +7,11 @@ The batching floor above calls a kind through `ServedModel`, never by its name.
 
 from __future__ import annotations
 
-from server.kinds._conditions import attach_conditions, check_kind_budget
+from server.kinds._conditions import (
+    attach_conditions,
+    check_attached_conditions,
+    check_kind_budget,
+)
 from server.kinds._graph import GraphModel, GraphOptions, GraphRouting
 from server.kinds._hyper import ConditionRequest, HyperModel, HyperOptions, HyperRouting
 from server.kinds._momlp import GateRouter, MomlpModel
@@ -37,6 +41,7 @@ __all__ = [
     "HyperOptions",
     "HyperRouting",
     "attach_conditions",
+    "check_attached_conditions",
     "check_kind_budget",
     "GateRequest",
     "GateRouter",

@@ -1,8 +1,9 @@
 """Kind-agnostic hooks for kinds that need more than rows: conditions, and a budget check.
 
-A kind that takes conditions (hyper) has `with_conditions(x, request, settings)`; one whose
-keys are not expert files has `check_budget(budget_bytes)`. Both are optional, so the other
-kinds need not know about them.
+A kind that takes conditions (hyper) has `with_conditions(x, request, settings)` and
+`check_attached(rows, settings)` for rows that carry them already; one whose keys are not
+expert files has `check_budget(budget_bytes)`. All are optional, so the other kinds need not
+know about them.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from server._exceptions import InvalidRequest
 from server._settings import Settings
 from server.kinds._hyper import ConditionRequest
 
-__all__ = ["attach_conditions", "check_kind_budget"]
+__all__ = ["attach_conditions", "check_attached_conditions", "check_kind_budget"]
 
 
 def attach_conditions(
@@ -31,6 +32,15 @@ def attach_conditions(
             )
         return x
     rows: np.ndarray = attach(x, request, settings)
+    return rows
+
+
+def check_attached_conditions(model: Any, rows: np.ndarray, settings: Settings) -> np.ndarray:
+    """`rows` that carry their conditions already ([x, I], as the v2 protocol sends them),
+    checked as `attach_conditions` checks a request's (the cap on distinct conditions)."""
+    check = getattr(model, "check_attached", None)
+    if check is not None:
+        check(rows, settings)
     return rows
 
 

@@ -227,13 +227,15 @@ class HyperModel:
         else:
             assert request.condition_ids is not None
             values = self._named(request.condition_ids, rows)
-        distinct = int(np.unique(values, axis=0).shape[0])
-        if distinct > settings.max_conditions:
-            raise CapExceeded(
-                cap="max_conditions", limit=settings.max_conditions, value=distinct, field=field
-            )
+        _check_distinct(values, field, settings)
         assert values.shape == (rows, m2)
         return np.ascontiguousarray(np.concatenate([x, values], axis=1), dtype=np.float32)
+
+    def check_attached(self, rows: np.ndarray, settings: Settings) -> None:
+        """Rows that came as [x, I] already (the v2 protocol's input): the same cap on
+        distinct conditions as `with_conditions`, since each one costs a θ generation."""
+        if self.router is None:
+            _check_distinct(rows[:, self.spec.input_dim :], "input", settings)
 
     def _rows(self, values: list[list[float]], rows: int, field: str) -> np.ndarray:
         if len(values) != rows:
@@ -351,9 +353,23 @@ class HyperModel:
             net = self._local
         tensor = torch.from_numpy(np.asarray(condition, dtype=np.float32).reshape(1, -1))
         flat = net.flat(tensor)[0]
+        if not bool(torch.isfinite(flat).all()):
+            raise InvalidRequest(
+                "the θ generated for this condition is not finite (a condition far outside "
+                "the store's range overflows float32)",
+                field="condition",
+            )
         with tempfile.TemporaryDirectory(prefix="momlp-theta-") as tmp:
             data = theta_file_bytes(flat, self.spec, Path(tmp_dir or tmp))
         return condition_key(self.generator.sha256, tensor[0]), data
+
+
+def _check_distinct(values: np.ndarray, field: str, settings: Settings) -> None:
+    distinct = int(np.unique(values, axis=0).shape[0])
+    if distinct > settings.max_conditions:
+        raise CapExceeded(
+            cap="max_conditions", limit=settings.max_conditions, value=distinct, field=field
+        )
 
 
 class _HyperRun(OneRoundRun):

@@ -105,3 +105,7 @@ async def test_loadtest_figures_match_the_server_metrics(app_transport):
     assert f"loaded {report.server_counts['loads']} experts" in report.summary()
     assert report.workload["experts_with_inputs"] == 16
     assert 0 < report.vram_ratio < 1
+    # The dense model in vram_bytes' measure: every expert's weights as a device holds them
+    # (16 experts of 3*8 + 8 + 8 + 8*2 + 2 float32 values), not their files, whose safetensors
+    # headers are as large as these tiny experts.
+    assert report.dense_equivalent_bytes == 16 * 4 * (3 * 8 + 8 + 8 + 8 * 2 + 2)

@@ -202,6 +202,46 @@ async def test_error_bodies_map_to_one_class_each(under, make_error, status, cod
         assert (error.expert_id, error.reason) == (7, "checksum")
 
 
+async def test_a_schema_error_names_its_field_in_the_message(under, make_error):
+    detail = [
+        {"loc": ["gate", "temperature"], "msg": "Input should be greater than 0", "type": "x"},
+        {"loc": ["top_k"], "msg": "Input should be a valid integer", "type": "y"},
+    ]
+    response = make_error(422, "invalid_input", "the request body does not match", detail)
+    with pytest.raises(client.InvalidInput) as caught:
+        await under(lambda request: response).call("predict", [[0, 0]])
+    assert str(caught.value) == (
+        "422 invalid_input: the request body does not match (gate.temperature: Input should "
+        "be greater than 0; top_k: Input should be a valid integer)"
+    )
+
+
+async def test_a_server_that_hangs_up_is_a_network_error(under):
+    def hang_up(request: httpx.Request) -> httpx.Response:
+        raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+
+    with pytest.raises(client.NetworkError):
+        await under(hang_up, max_retries=0).call("predict", [[0, 0]])
+
+
+async def test_a_timeout_without_text_says_what_ran_out(under):
+    def slow(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("")  # what httpx's async transports raise
+
+    with pytest.raises(client.TimeoutError) as caught:
+        await under(slow, timeout=1.5).call("predict", [[0, 0]])
+    assert "no answer within the timeout (1.5 s)" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "url", ["http://[::1", "http://127.0.0.1:99999", "ftp://host", "127.0.0.1:8000", "http://"]
+)
+def test_a_bad_base_url_is_a_protocol_error_at_construction(kind, url):
+    with pytest.raises(client.ProtocolError) as caught:
+        Client(url) if kind == "sync" else AsyncClient(url)
+    assert url in str(caught.value)
+
+
 async def test_non_json_error_bodies_still_map(under):
     response = httpx.Response(502, text="<html>bad gateway</html>")
     with pytest.raises(client.ServerError) as caught:
@@ -228,14 +268,18 @@ async def test_503_is_retried_with_growing_jittered_backoff(under, fake_server, 
         assert step / 2 <= delay <= step
 
 
-async def test_429_waits_retry_after_capped_by_max_backoff(under, fake_server, make_error):
+async def test_429_waits_retry_after_unless_it_exceeds_max_backoff(under, fake_server, make_error):
     fake_server.fail_next = [
         make_error(429, "pool_saturated", **{"Retry-After": "1.5"}),
         make_error(429, "pool_saturated", **{"Retry-After": "120"}),
     ]
-    one = under(max_retries=2, max_backoff=5.0)
-    await one.call("predict", [[0, 0]])
-    assert one.sleeps == [1.5, 5.0]
+    one = under(max_retries=3, max_backoff=5.0)
+    with pytest.raises(client.RateLimited) as caught:
+        await one.call("predict", [[0, 0]])
+    # 1.5 s were waited out; 120 s exceed what this client waits, and a retry sooner would
+    # go against the server's word: raised at once, not retried early.
+    assert caught.value.retry_after == 120.0
+    assert one.sleeps == [1.5] and fake_server.calls["/v1/predict"] == 2
 
 
 async def test_an_expert_the_server_will_not_reread_in_time_is_not_retried(
@@ -338,6 +382,7 @@ async def test_probes_answer_false_when_unreachable_or_unready(under, make_error
         (np.array([["a", "b"]]), {}),
         ([[0.1, 0.2]], {"top_k": 0}),
         ([[0.1, 0.2]], {"mode": "fast"}),
+        ([[10**400, 0.2]], {}),
     ],
     ids=[
         "1-D",
@@ -351,6 +396,7 @@ async def test_probes_answer_false_when_unreachable_or_unready(under, make_error
         "np-strings",
         "top_k-0",
         "bad-mode",
+        "beyond-float",
     ],
 )
 async def test_bad_inputs_are_refused_before_sending(under, fake_server, inputs, kwargs):

@@ -88,3 +88,35 @@ def test_unreachable_server_exits_1(monkeypatch, capsys):
     args = parser().parse_args(["loadtest", "--requests", "3", "--quiet"])
     assert args.handler(args) == 1
     assert "refused" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["a file", "under a file"])
+def test_a_report_path_that_cannot_be_a_directory_exits_2_before_any_request(
+    make_server, tmp_path, monkeypatch, capsys, case
+):
+    server = make_server(clock=None)
+    monkeypatch.setattr(
+        _loadtest,
+        "default_client_factory",
+        lambda config: AsyncClient(transport=httpx.MockTransport(server.handler)),
+    )
+    taken = tmp_path / "taken"
+    taken.write_text("not a directory")
+    report = taken if case == "a file" else taken / "report"
+    args = parser().parse_args(
+        ["loadtest", "--requests", "5", "--report", str(report), "--quiet"]
+    )
+    assert args.handler(args) == 2
+    assert f"--report {report}" in capsys.readouterr().err
+    assert server.predict_rows == 0  # nothing sent for a report that could not be written
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "words"),
+    [("--retries", "-1", "max_retries"), ("--timeout", "0", "timeout_s"),
+     ("--timeout", "-1", "timeout_s")],
+)
+def test_bad_retries_and_timeouts_exit_2(capsys, flag, value, words):
+    args = parser().parse_args(["loadtest", flag, value, "--quiet"])
+    assert args.handler(args) == 2
+    assert words in capsys.readouterr().err

@@ -62,3 +62,13 @@ def test_tolist_objects_without_numpy(monkeypatch):
     assert encoding.encode_inputs(Tensorish()).rows == [[1.0, 2.0], [3.0, 4.0]]
     with pytest.raises(InputError):
         encoding.encode_inputs([[1.0, float("inf")]])
+
+
+def test_a_tensor_that_requires_grad_is_sent_as_its_values():
+    # np.asarray refuses such a tensor (RuntimeError); the values are what the server needs.
+    torch = pytest.importorskip("torch")
+    tensor = torch.tensor([[0.5, -1.25], [3.0, 4.0]], requires_grad=True)
+    for binary in (False, True):
+        encoded = encoding.encode_inputs(tensor, binary=binary)
+        plain = encoding.encode_inputs(tensor.detach().numpy(), binary=binary)
+        assert (encoded.rows, encoded.npy) == (plain.rows, plain.npy)

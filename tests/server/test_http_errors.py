@@ -25,6 +25,7 @@ from fastapi import FastAPI
 
 from server import create_app
 from server._settings import Settings
+from server.batching import BatchAnswer
 from server.pool import ExpertPool
 
 pytestmark = pytest.mark.unit
@@ -42,6 +43,12 @@ def _npy(array: np.ndarray) -> bytes:
     buf = io.BytesIO()
     np.save(buf, array, allow_pickle=True)
     return buf.getvalue()
+
+
+def _npy_header(text: bytes) -> bytes:
+    """A version 1.0 .npy preamble around `text`, padded as numpy pads its own."""
+    text += b" " * (64 - (10 + len(text) + 1) % 64) + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text
 
 
 NPY = {"Content-Type": "application/x-npy"}
@@ -84,7 +91,7 @@ async def test_invalid_json_bodies_are_422(store: Path, case: str, body: bytes) 
             assert error_of(response)["code"] == "invalid_input"
 
 
-INVALID_BINARY: list[tuple[str, bytes, dict[str, str], str]] = [
+INVALID_BINARY: list[tuple[str, bytes, dict[str, str | bytes], str]] = [
     ("npy int64", _npy(np.ones((2, 4), dtype=np.int64)), NPY, ""),
     ("npy object (pickle)", _npy(np.array([[1.0, 2, 3, 4]], dtype=object)), NPY, ""),
     ("npy 3-D", _npy(np.ones((1, 2, 4), dtype=np.float32)), NPY, ""),
@@ -99,6 +106,12 @@ INVALID_BINARY: list[tuple[str, bytes, dict[str, str], str]] = [
     ("query top_k 0", np.ones(4, "<f4").tobytes(), {**RAW, "X-Momlp-Rows": "1"}, "?top_k=0"),
     ("query top_k text", np.ones(4, "<f4").tobytes(), {**RAW, "X-Momlp-Rows": "1"}, "?top_k=a"),
     ("query bad mode", np.ones(4, "<f4").tobytes(), {**RAW, "X-Momlp-Rows": "1"}, "?mode=x"),
+    # A digit int() refuses ("²".isdigit() is True): was a 500.
+    ("raw rows a superscript", np.ones(4, "<f4").tobytes(), {**RAW, "X-Momlp-Rows": b"\xb2"},
+     ""),
+    # A 1.0 header numpy re-reads through `tokenize`, which raises its own error: was a 500.
+    ("npy header unclosed", _npy_header(b"{'descr': '<f4', 'fortran_order': False, 'shape': (1, 4")
+     + bytes(16), NPY, ""),
 ]
 
 
@@ -106,7 +119,7 @@ INVALID_BINARY: list[tuple[str, bytes, dict[str, str], str]] = [
     ("case", "body", "headers", "query"), INVALID_BINARY, ids=[c[0] for c in INVALID_BINARY]
 )
 async def test_invalid_binary_bodies_are_422(
-    store: Path, case: str, body: bytes, headers: dict[str, str], query: str
+    store: Path, case: str, body: bytes, headers: dict[str, str | bytes], query: str
 ) -> None:
     async with running(fake_app(store)) as client:
         response = await client.post(f"/v1/predict{query}", content=body, headers=headers)
@@ -226,7 +239,7 @@ async def test_unknown_path_and_wrong_method(store: Path) -> None:
     assert "POST" in wrong.headers["allow"]
 
 
-async def test_api_key_is_required_except_on_healthz(
+async def test_api_key_is_required_except_on_the_probes(
     store: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG)
@@ -234,8 +247,11 @@ async def test_api_key_is_required_except_on_healthz(
     app = create_app(app_settings(store, api_key=key), pool_factory=fake_pool)
     async with running(app) as client:
         assert (await client.get("/healthz")).status_code == 200
+        # A Kubernetes readiness probe cannot send the key (deploy/kuberay/raycluster.yaml).
+        assert (await client.get("/readyz")).status_code == 200
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {key}"}):
-            for method, path in (("GET", "/readyz"), ("POST", "/v1/predict"), ("GET", "/metrics")):
+            for method, path in (("GET", "/v1/model"), ("POST", "/v1/predict"),
+                                 ("GET", "/metrics")):
                 response = await client.request(method, path, json={"inputs": X}, headers=headers)
                 assert response.status_code == 401, (headers, path)
                 assert error_of(response)["code"] == "unauthorized"
@@ -326,6 +342,73 @@ async def test_unexpected_errors_are_a_logged_500_without_traceback(
     }
     assert "secret internals" not in response.text
     assert "secret internals" in caplog.text
+
+
+async def test_a_non_finite_output_is_422_naming_the_row_not_a_null(store: Path) -> None:
+    # Finite inputs can overflow float32 inside an expert (or a hyper store's θ); the answer
+    # must not be `null` in JSON (v1) or a bare NaN token (v2, not JSON at all).
+    class Overflowing:
+        async def submit(self, x: Any, options: Any = None) -> BatchAnswer:
+            outputs = np.ones((x.shape[0], 2), np.float32)
+            outputs[-1, 1] = np.inf
+            return BatchAnswer(
+                outputs=outputs,
+                experts=np.zeros((x.shape[0], 1), np.int64),
+                weights=np.ones((x.shape[0], 1)),
+                stats=[],
+                device_bytes={},
+                distance_evals=np.zeros(x.shape[0], np.int64),
+            )
+
+        async def close(self) -> None:
+            return None
+
+    app = create_app(
+        app_settings(store), pool_factory=fake_pool, batcher_factory=lambda *args: Overflowing()
+    )
+    v2 = {"inputs": [{"name": "input", "shape": [3, 4], "datatype": "FP32", "data": [0.0] * 12}]}
+    async with running(app) as client:
+        v1_answer = await client.post("/v1/predict", json={"inputs": X * 3})
+        v2_answer = await client.post(f"/v2/models/{store.name}/infer", json=v2)
+    assert v1_answer.status_code == 422, v1_answer.text
+    error = error_of(v1_answer)
+    assert error["code"] == "invalid_input" and "row 2" in error["message"]
+    assert v2_answer.status_code == 400 and "row 2" in v2_answer.json()["error"]
+
+
+async def test_a_client_that_hangs_up_mid_body_is_no_server_error(
+    store: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = fake_app(store)
+    messages = [
+        {"type": "http.request", "body": b'{"inputs": [[0.1, ', "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0)
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": "/v1/predict", "raw_path": b"/v1/predict", "query_string": b"",
+        "root_path": "", "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000),
+        "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")],
+    }
+    async with running(app):
+        await app(scope, receive, send)
+        statuses = {
+            status: app.state.metrics.sample(
+                "momlp_requests_total", {"endpoint": "/v1/predict", "status": status}
+            )
+            for status in ("499", "500")
+        }
+    assert sent[0]["status"] == 499
+    assert statuses == {"499": 1.0, "500": None}
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 async def test_not_ready_before_startup(store: Path) -> None:

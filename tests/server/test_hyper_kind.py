@@ -334,6 +334,49 @@ def test_v2_infer_takes_x_and_condition_rows(hyper: tuple[Path, HyperNetwork]) -
                           np.asarray(v1["outputs"], dtype=np.float32))
 
 
+def test_v2_rows_obey_the_cap_on_distinct_conditions(hyper: tuple[Path, HyperNetwork]) -> None:
+    # Each new condition costs a θ generation and cache room: /v2 takes [x, I] rows whole,
+    # and its rows must meet /v1's cap.
+    root, _ = hyper
+    x, conditions = data(6, 3, seed=13)
+    rows = np.concatenate([x, conditions], axis=1)
+    distinct = len(np.unique(conditions, axis=0))
+
+    async def go(cap: int) -> Any:
+        async with running(fake_app(root, max_conditions=cap)) as client:
+            return await client.post(f"/v2/models/{root.name}/infer", json={"inputs": [
+                {"name": "input", "shape": list(rows.shape), "datatype": "FP32",
+                 "data": rows.reshape(-1).tolist()}]})
+
+    refused, served = asyncio.run(go(distinct - 1)), asyncio.run(go(distinct))
+    assert refused.status_code == 400, refused.text
+    assert "max_conditions" in refused.json()["error"]
+    assert served.status_code == 200, served.text
+
+
+def test_a_condition_that_overflows_theta_is_refused_not_nan(
+    hyper: tuple[Path, HyperNetwork]
+) -> None:
+    # Finite in float32, but f(I) overflows: the answers were `null` (v1) and a θ file of NaN.
+    root, _ = hyper
+    x = np.zeros((2, M1), dtype=np.float32)
+    huge = [3e38] * M2
+
+    async def go() -> tuple[Any, Any]:
+        async with running(fake_app(root)) as client:
+            predicted = await client.post(
+                "/v1/predict", json={"inputs": x.tolist(), "condition": huge}
+            )
+            generated = await client.post("/v1/generate", json={"condition": huge})
+            return predicted, generated
+
+    predicted, generated = asyncio.run(go())
+    assert predicted.status_code == 422, predicted.text
+    assert "not finite" in predicted.json()["error"]["message"]
+    assert generated.status_code == 422, generated.text
+    assert generated.json()["error"]["detail"]["field"] == "condition"
+
+
 def test_a_corrupt_hypernetwork_is_503_naming_its_file(tmp_path: Path) -> None:
     torch.manual_seed(3)
     f = HyperNetwork(M2, PrimarySpec(M1, (8,), OUT), depth=1, width=32)

@@ -147,8 +147,107 @@ async def test_errors_are_the_protocols_shape(
 
 async def test_the_key_guards_v2_like_v1(store: Path) -> None:
     async with running(fake_app(store, api_key="s3cret")) as client:
-        assert (await client.get("/v2/health/live")).status_code == 401
+        # The probes stay open (an orchestrator's probe cannot send the key).
+        assert (await client.get("/v2/health/live")).status_code == 200
+        assert (await client.get("/v2/health/ready")).status_code == 200
         refused = await client.get("/v2/models/mystore")
         allowed = await client.get("/v2/models/mystore", headers={"Authorization": "Bearer s3cret"})
     assert refused.status_code == 401 and isinstance(refused.json()["error"], str)
     assert allowed.status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("name", "edit", "words"),
+    [
+        # Each must be a 400 in the protocol's shape; every one of them was a bare 500 (or a
+        # 200 answering something else) before.
+        ("temperature nan string", {"parameters": {"temperature": "nan"}}, "finite"),
+        ("temperature inf string", {"parameters": {"temperature": "inf"}}, "finite"),
+        ("temperature NaN token", {"parameters": {"temperature": "@NaN"}}, "finite"),
+        ("temperature -Infinity token", {"parameters": {"temperature": "@-Infinity"}}, "finite"),
+        ("temperature 1e400", {"parameters": {"temperature": "@1e400"}}, "finite"),
+        ("top_k not a number", {"parameters": {"top_k": "abc"}}, "integer"),
+        ("top_k a fraction", {"parameters": {"top_k": 1.5}}, "integer"),
+        ("top_k 400 digits", {"parameters": {"top_k": "@" + "9" * 400}}, "top_k"),
+        ("data 400 digits", {"data": "@" + "9" * 400}, "numbers"),
+        ("data strings", {"data": ["1", "2", "3", "4", "5", "6", "7", "8"]}, "numbers"),
+        ("data booleans", {"data": [True] * 8}, "numbers"),
+        ("binary flag a string", {"parameters": {"binary_data_output": "yes"}}, "true or false"),
+    ],
+)
+async def test_bad_numbers_and_flags_are_400s_not_500s(
+    store: Path, name: str, edit: dict[str, object], words: str
+) -> None:
+    body = infer_body(np.zeros((2, N), np.float32))
+    tensor = body["inputs"][0]  # type: ignore[index]
+    tokens: dict[str, str] = {}
+    for key, value in edit.items():
+        if key == "data":
+            tensor[key] = value  # type: ignore[index]
+            if isinstance(value, str):
+                tensor[key] = [value, 0, 0, 0, 0, 0, 0, 0]  # type: ignore[index]
+            continue
+        body[key] = value
+    # "@..." marks a value written into the JSON text as it is (NaN, 400 digits).
+    content = json.dumps(body)
+    for marked in _marked(body):
+        tokens[json.dumps(marked)] = marked[1:]
+    for quoted, raw in tokens.items():
+        content = content.replace(quoted, raw)
+    async with running(fake_app(store)) as client:
+        answer = await client.post("/v2/models/mystore/infer", content=content)
+        again = await client.post(
+            "/v2/models/mystore/infer", json=infer_body(np.zeros((2, N), np.float32))
+        )
+    assert answer.status_code == 400, (name, answer.text)
+    error = answer.json()["error"]
+    assert isinstance(error, str) and words in error.lower(), (name, error)
+    assert again.status_code == 200  # the connection and the server serve on
+
+
+def _marked(node: object) -> list[str]:
+    if isinstance(node, str):
+        return [node] if node.startswith("@") else []
+    if isinstance(node, dict):
+        return [m for value in node.values() for m in _marked(value)]
+    if isinstance(node, list):
+        return [m for value in node for m in _marked(value)]
+    return []
+
+
+async def test_a_string_binary_data_size_is_named(store: Path) -> None:
+    x = np.zeros((2, N), np.float32)
+    header = {"inputs": [{"name": "input", "shape": [2, N], "datatype": "FP32",
+                          "parameters": {"binary_data_size": str(x.nbytes)}}]}
+    head = json.dumps(header).encode()
+    async with running(fake_app(store)) as client:
+        answer = await client.post(
+            "/v2/models/mystore/infer", content=head + x.tobytes(),
+            headers={"Inference-Header-Content-Length": str(len(head))},
+        )
+    assert answer.status_code == 400
+    assert "binary_data_size must be an integer" in answer.json()["error"]
+
+
+async def test_a_binary_flag_false_as_text_answers_json(store: Path) -> None:
+    x = np.zeros((2, N), np.float32)
+    async with running(fake_app(store)) as client:
+        answer = await client.post(
+            "/v2/models/mystore/infer",
+            json=infer_body(x, parameters={"binary_data_output": "false"}),
+        )
+    assert answer.status_code == 200
+    assert "inference-header-content-length" not in answer.headers
+    assert [o["name"] for o in answer.json()["outputs"]] == ["output", "experts", "weights"]
+
+
+async def test_an_unknown_output_is_refused_before_any_work(store: Path) -> None:
+    x = np.zeros((2, N), np.float32)
+    app = fake_app(store)
+    async with running(app) as client:
+        answer = await client.post(
+            "/v2/models/mystore/infer", json=infer_body(x, outputs=[{"name": "logits"}])
+        )
+        rows = app.state.metrics.sample("momlp_rows_total")
+    assert answer.status_code == 400 and "unknown output" in answer.json()["error"]
+    assert rows == 0.0

@@ -1,0 +1,42 @@
+"""deploy/kuberay's probes reach the server when its API key is set."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml  # Ray's own dependency
+
+from server.http._auth import OPEN_PATHS
+
+pytestmark = pytest.mark.unit
+
+MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "kuberay" / "raycluster.yaml"
+
+
+def _containers(node: Any) -> Iterator[dict[str, Any]]:
+    if isinstance(node, dict):
+        if "containers" in node:
+            yield from node["containers"]
+        for value in node.values():
+            yield from _containers(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _containers(value)
+
+
+def test_every_http_probe_of_a_keyed_container_is_an_open_path() -> None:
+    # A probe's headers are literal text in the pod spec: it cannot send the key from the
+    # secret, so a guarded probe path would keep the pod from ever being Ready.
+    probes = []
+    for document in yaml.safe_load_all(MANIFEST.read_text()):
+        for container in _containers(document):
+            keyed = any(env.get("name") == "MOMLP_API_KEY" for env in container.get("env", []))
+            for kind in ("readinessProbe", "livenessProbe", "startupProbe"):
+                get = container.get(kind, {}).get("httpGet")
+                if keyed and get is not None:
+                    probes.append(get["path"])
+    assert {"/readyz", "/healthz"} <= set(probes)
+    assert set(probes) <= OPEN_PATHS
