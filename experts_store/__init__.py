@@ -66,6 +66,7 @@ if TYPE_CHECKING:
     from experts_store._load import load_expert, load_frozen_expert
     from experts_store._manifest import (
         MANIFEST_FORMAT_VERSION,
+        STORE_KINDS,
         ExpertEntry,
         GateSpec,
         Manifest,
@@ -151,6 +152,7 @@ __all__ = [
     "Lease",
     "Manifest",
     "MANIFEST_FORMAT_VERSION",
+    "STORE_KINDS",
     "Pace",
     "Pacer",
     "no_pace",
@@ -226,6 +228,7 @@ _HOMES = {
     "ExpertEntry": "experts_store._manifest",
     "Manifest": "experts_store._manifest",
     "MANIFEST_FORMAT_VERSION": "experts_store._manifest",
+    "STORE_KINDS": "experts_store._manifest",
     "GateSpec": "experts_store._manifest",
     "read_manifest": "experts_store._manifest",
     "read_manifest_rows": "experts_store._manifest",

@@ -28,6 +28,7 @@ from experts_store._pmoe import PMoESpec
 
 __all__ = [
     "MANIFEST_FORMAT_VERSION",
+    "STORE_KINDS",
     "ExpertEntry",
     "GateSpec",
     "Manifest",
@@ -41,6 +42,9 @@ __all__ = [
 # Format 2 adds `kind` and `gate`; a format-1 manifest (neither) reads as kind "momlp" with
 # the default gate at its top-level temperature. Expert files keep their own FORMAT_VERSION.
 MANIFEST_FORMAT_VERSION = 2
+# The kinds of store momlp serves (server/kinds registers one model per kind; a test keeps the
+# two lists equal). A manifest of another kind still parses: a server refuses it, naming it.
+STORE_KINDS = frozenset({"momlp", "graph", "hyper", "pmoe"})
 _KIND = re.compile(r"[a-z][a-z0-9_-]{0,63}")
 
 # A row's string formats are checked by pydantic's own (Rust) regex, not by a Python validator
@@ -137,11 +141,12 @@ class ExpertEntry(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    id: int = Field(ge=0)
+    # Strict: JSON integers only (an id of true or "1" is not one of 0..K-1).
+    id: int = Field(ge=0, strict=True)
     file: str
     sha256: _Sha256
-    bytes: int = Field(ge=0)
-    params: int = Field(ge=0)
+    bytes: int = Field(ge=0, strict=True)
+    params: int = Field(ge=0, strict=True)
     arch: dict[str, Any]
     checksum: _Checksum | None = None
 
@@ -214,6 +219,16 @@ class Manifest(BaseModel):
     pmoe: PMoESpec | None = None  # kind "pmoe": patch layout, routing, gating
     graph: GraphBlock | None = None  # kind "graph" only: its DAG of nodes (_graph.py)
 
+    @field_validator("format_version")
+    @classmethod
+    def _check_format(cls, value: int) -> int:
+        if not 1 <= value <= MANIFEST_FORMAT_VERSION:
+            raise ValueError(
+                f"format_version {value} is not one this momlp reads (1 to "
+                f"{MANIFEST_FORMAT_VERSION}); was the store written by a newer momlp?"
+            )
+        return value
+
     @field_validator("kind")
     @classmethod
     def _check_kind(cls, value: str) -> str:
@@ -269,7 +284,8 @@ class Manifest(BaseModel):
         ids = [entry.id for entry in self.experts]
         if self.kind == "momlp" and not ids:
             raise ValueError("a store of kind 'momlp' needs at least one expert")
-        if ids != list(range(self.num_experts)):
+        # Lengths first: a num_experts of 10^9 must not build a list of 10^9 ints to compare.
+        if len(ids) != self.num_experts or ids != list(range(self.num_experts)):
             raise ValueError(
                 f"expert ids must be exactly 0..{self.num_experts - 1} in order, got "
                 f"{ids[:10]}{'...' if len(ids) > 10 else ''}"

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import torch
 from pydantic import ValidationError
+from safetensors import SafetensorError, safe_open
 
 from experts_store._checksum import FAST_CHECKSUM_ALGO, ExpectedDigest, known_checksum
 from experts_store._exceptions import (
@@ -28,7 +29,13 @@ from experts_store._frozen import FrozenExpert
 from experts_store._hostbuf import HostBufferPool
 from experts_store._hypernet import verify_hyper_files
 from experts_store._load import load_expert, load_frozen_expert
-from experts_store._manifest import ExpertEntry, Manifest, ManifestRows, read_manifest_rows
+from experts_store._manifest import (
+    STORE_KINDS,
+    ExpertEntry,
+    Manifest,
+    ManifestRows,
+    read_manifest_rows,
+)
 from experts_store._model import ExpertMLP
 from experts_store._pace import Pace, no_pace
 from experts_store._ref import ExpertRef
@@ -120,6 +127,8 @@ class Store:
             raw = path.read_bytes()
         except (FileNotFoundError, NotADirectoryError) as exc:
             raise StoreNotFound(root=root) from exc
+        except OSError as exc:  # unreadable, or a directory named manifest.json
+            raise ManifestError(root=root, message=f"cannot read {path.name}: {exc}") from exc
         try:
             manifest, rows = read_manifest_rows(
                 raw, pace=pace, previous=previous.manifest_rows if previous is not None else None
@@ -128,6 +137,8 @@ class Store:
             raise ManifestError(root=root, message=str(exc)) from exc
         except ValueError as exc:  # not UTF-8 JSON
             raise ManifestError(root=root, message=f"not valid JSON: {exc}") from exc
+        except RecursionError:
+            raise ManifestError(root=root, message="JSON nested too deeply") from None
         if host_pool_bytes is None:
             host_pool_bytes = 2 * manifest.max_expert_bytes
         pool = HostBufferPool(host_pool_bytes) if host_pool_bytes > 0 else None
@@ -253,8 +264,20 @@ class Store:
             # A graph store's nodes route with routers of their own: each is checked too.
             routers += [(f"node {n.name!r} router", n.router_file)
                         for n in self.manifest.graph.nodes]
+        if self.manifest.kind not in STORE_KINDS:
+            problems.append(StoreProblem(
+                None, f"store kind {self.manifest.kind!r} is not one momlp serves "
+                f"({', '.join(sorted(STORE_KINDS))})"
+            ))
         for who, name in routers:
-            problem = _check_router_file(self.root / name, who)
+            # The top router of a momlp store holds one prototype per expert, in input space.
+            expect = (
+                (self.manifest.num_experts, self.manifest.input_dim)
+                if who == "router" and self.manifest.kind == "momlp" else None
+            )
+            # A pmoe store's router may be a learned linear map, not a tree of prototypes.
+            tree = self.manifest.kind != "pmoe"
+            problem = _check_router_file(self.root / name, who, tree=tree, expect=expect)
             if problem is not None:
                 problems.append(problem)
         if self.manifest.hyper is not None:
@@ -273,6 +296,13 @@ class Store:
                     expert_id=entry.id,
                     digests=(sha256,) if fast is None else (sha256, fast.digest),
                 )
+                if buf.numel() != entry.bytes:
+                    # The budget and the pool's plans trust the manifest's figure.
+                    problems.append(StoreProblem(
+                        entry.id, f"manifest says {entry.bytes} bytes, the file holds "
+                        f"{buf.numel()}"
+                    ))
+                    continue
                 actual = sha256.hexdigest()
                 if actual != entry.sha256:
                     problems.append(
@@ -307,14 +337,39 @@ class Store:
         return data if isinstance(data, dict) else None
 
 
-def _check_router_file(path: Path, who: str) -> StoreProblem | None:
-    """A problem if the router file is missing or its content is not its name's hash."""
+def _check_router_file(
+    path: Path, who: str, *, tree: bool = True, expect: tuple[int, int] | None = None
+) -> StoreProblem | None:
+    """A problem if the router file is missing, unreadable, not its name's hash, not a
+    safetensors file, without a 2-D float32 `prototypes` array (`tree`: a prototype tree's
+    file), or (`expect`: [K, n]) of another shape than the manifest's experts and inputs."""
     try:
         sha = sha256_hex(path.read_bytes())
     except FileNotFoundError:
         return StoreProblem(None, f"{who} file missing: {path}")
+    except OSError as exc:
+        return StoreProblem(None, f"{who} file {path.name}: unreadable ({exc.strerror or exc})")
     if not path.name.endswith(f"-{sha[:16]}.safetensors"):
         return StoreProblem(None, f"{who} file {path.name}: checksum mismatch")
+    try:
+        # The header only (no array is read, nothing is unpickled).
+        with safe_open(str(path), framework="pt") as f:
+            prototypes = f.get_slice("prototypes") if "prototypes" in f.keys() else None
+            shape = tuple(prototypes.get_shape()) if prototypes is not None else None
+            dtype = prototypes.get_dtype() if prototypes is not None else None
+    except (SafetensorError, OSError) as exc:
+        return StoreProblem(None, f"{who} file {path.name}: not a readable router ({exc})")
+    if not tree:
+        return None
+    if shape is None or len(shape) != 2 or dtype != "F32":
+        return StoreProblem(
+            None, f"{who} file {path.name}: no 2-D float32 prototypes array (got {shape})"
+        )
+    if expect is not None and shape != expect:
+        return StoreProblem(
+            None, f"{who} file {path.name}: {shape[0]} prototypes of dimension {shape[1]}, the "
+            f"manifest has {expect[0]} experts of input_dim {expect[1]}"
+        )
     return None
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from ._build import TreeArrays
 from ._exceptions import RouterFileError
@@ -46,8 +46,15 @@ def write_router(
         # Only balanced trees carry the key, so default routers' files stay byte-identical.
         metadata["split"] = SPLIT_BALANCED
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    # Serialised in memory and written with open() rather than save_file, which creates
+    # its file 0600: on shared storage a server running as another user must read the
+    # router like the manifest and experts (0666 less the umask, as experts_store writes).
+    data = save(tensors, metadata=metadata)
     try:
-        save_file(tensors, str(tmp), metadata=metadata)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)

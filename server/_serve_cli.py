@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -15,30 +14,14 @@ logger = logging.getLogger(__name__)
 
 DEMO_STORE = Path("demo-store")
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "kib": 2**10,
-    "m": 10**6,
-    "mb": 10**6,
-    "mib": 2**20,
-    "g": 10**9,
-    "gb": 10**9,
-    "gib": 2**30,
-    "t": 10**12,
-    "tb": 10**12,
-    "tib": 2**40,
-}
-
-
 def parse_bytes(text: str) -> int:
-    """`268435456`, `256MiB`, `1.5GB` -> bytes."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    if match is None or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 268435456, 256MiB)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    """`268435456`, `256MiB`, `1.5GB` -> bytes (the settings' own parser, for argparse)."""
+    from server._settings import byte_size
+
+    try:
+        return byte_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _add_server_options(parser: argparse.ArgumentParser, *, store_help: str) -> None:
@@ -82,6 +65,12 @@ def _add_server_options(parser: argparse.ArgumentParser, *, store_help: str) -> 
         default=None,
         help="reload when the store's manifest.json changes (default on)",
     )
+    parser.add_argument(
+        "--watch-interval-s",
+        type=float,
+        metavar="S",
+        help="how often the watcher looks at manifest.json (default 2)",
+    )
 
 
 _FIELDS = (
@@ -99,6 +88,7 @@ _FIELDS = (
     "max_rows",
     "max_body_bytes",
     "watch_store",
+    "watch_interval_s",
 )
 
 
@@ -138,10 +128,19 @@ def _settings_or_none(args: argparse.Namespace) -> Any:
         return None
 
 
+def _has_manifest(store: Path) -> bool:
+    try:
+        return (store / "manifest.json").is_file()
+    except OSError:
+        # Unreadable (permissions): there is something; opening the store says what is wrong
+        # in one line, where is_file's own error was a traceback.
+        return True
+
+
 def _run(settings: Any) -> int:
     from server._runner import run_server
 
-    if not (Path(settings.store) / "manifest.json").is_file():
+    if not _has_manifest(Path(settings.store)):
         logger.error(
             "no store at %s (manifest.json missing): build one with `momlp build` or run "
             "`momlp demo`",
@@ -165,7 +164,7 @@ def _demo(args: argparse.Namespace) -> int:
     if settings is None:
         return 2
     store = Path(settings.store)
-    if not args.rebuild and (store / "manifest.json").is_file():
+    if not args.rebuild and _has_manifest(store):
         logger.info("using the demo store already in %s", store)
         return _run(settings)
     from trainer import build_store, quick_demo_config

@@ -2,15 +2,40 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import BeforeValidator, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from experts_store import CachePolicy
 
-__all__ = ["Settings"]
+__all__ = ["ByteSize", "Settings", "byte_size"]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "kib": 2**10,
+    "m": 10**6, "mb": 10**6, "mib": 2**20,
+    "g": 10**9, "gb": 10**9, "gib": 2**30,
+    "t": 10**12, "tb": 10**12, "tib": 2**40,
+}  # fmt: skip
+
+
+def byte_size(text: str) -> int:
+    """`268435456`, `256MiB`, `1.5GB` -> bytes (ValueError naming the text otherwise)."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a byte size: {text!r} (e.g. 268435456, 256MiB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _bytes_or_text(value: Any) -> Any:
+    # A MOMLP_*_BYTES variable takes what the CLI options take ("512MiB"); numbers pass.
+    return byte_size(value) if isinstance(value, str) else value
+
+
+ByteSize = Annotated[int, BeforeValidator(_bytes_or_text)]
 
 
 class Settings(BaseSettings):
@@ -46,10 +71,10 @@ class Settings(BaseSettings):
     actors: int = Field(
         default=1, ge=1, description="actors on CPU; on CUDA one actor per GPU of the cluster"
     )
-    cache_bytes: int = Field(
+    cache_bytes: ByteSize = Field(
         default=256 * 1024 * 1024, ge=1, description="expert cache budget per actor, bytes"
     )
-    host_cache_bytes: int = Field(
+    host_cache_bytes: ByteSize = Field(
         default=0,
         ge=0,
         description="CUDA actors: pinned host memory per actor that keeps loaded experts'"
@@ -127,7 +152,7 @@ class Settings(BaseSettings):
     )
 
     max_rows: int = Field(default=8192, ge=1, description="rows per request (413 above)")
-    max_body_bytes: int = Field(
+    max_body_bytes: ByteSize = Field(
         default=32 * 1024 * 1024, ge=1, description="request body size (413 above)"
     )
     body_timeout_s: float = Field(

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -82,7 +84,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of an embedded Ray")
     p.add_argument("--max-retries", type=int, default=None)
-    p.add_argument("--torch-threads", type=int, default=None)
+    p.add_argument("--torch-threads", type=_positive_int, default=None, metavar="N")
     p.add_argument(
         "--balanced-tree", action="store_true", default=None,
         help="build a balanced prototype tree: depth exactly ceil(log_nu K), so a tree-mode "
@@ -164,6 +166,60 @@ def _schedule(text: str) -> tuple[float, float]:
     return start, end
 
 
+def _positive_int(text: str) -> int:
+    # torch.set_num_threads raises on 0 or less, and only after the build has started.
+    error = argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    try:
+        value = int(text)
+    except ValueError:
+        raise error from None
+    if value < 1:
+        raise error
+    return value
+
+
+def _out_problem(out: Path) -> str | None:
+    """Why no store can be published at `out`, or None.
+
+    Checked before any training: StoreWriter only creates the directory after the
+    prototype phase, so a bad --out would otherwise cost that phase and end in a traceback.
+    """
+    existing = Path(os.path.abspath(out))
+    missing: list[Path] = []
+    while not os.path.exists(existing):
+        missing.append(existing)
+        existing = existing.parent
+    if not existing.is_dir():
+        return "exists and is not a directory" if not missing else f"{existing} is not a directory"
+    if not missing:
+        if not os.access(existing, os.W_OK | os.X_OK):
+            return "is not writable"
+        return None
+    return _creation_problem(missing[::-1])
+
+
+def _creation_problem(chain: list[Path]) -> str | None:
+    """Try to create `chain` (outermost first), then remove what was created.
+
+    A trial, because permission bits cannot tell (root passes every access check, yet
+    cannot create a directory under /proc or on a read-only mount).
+    """
+    created: list[Path] = []
+    try:
+        for directory in chain:
+            try:
+                os.mkdir(directory)
+            except OSError as exc:
+                return f"cannot create {directory}: {exc.strerror or exc}"
+            created.append(directory)
+    finally:
+        # Leave no trace: a build that fails later on its data must not leave an empty store.
+        for directory in reversed(created):
+            with contextlib.suppress(OSError):
+                os.rmdir(directory)
+    return None
+
+
 _PMOE_ONLY = (
     "patches_per_expert", "train", "pmoe_baseline", "patch_routing", "patch_shape",
     "router_epochs", "num_train", "num_test",
@@ -177,6 +233,10 @@ def _handle_build(args: argparse.Namespace) -> int:
     if baseline is not None and _BASELINE_KIND[baseline] != args.kind:
         print(f"momlp build: --baseline {baseline} applies to --kind {_BASELINE_KIND[baseline]}",
               file=sys.stderr)
+        return 2
+    problem = _out_problem(args.out)
+    if problem is not None:
+        print(f"momlp build: --out {args.out}: {problem}", file=sys.stderr)
         return 2
     args.hyper_baseline = baseline if args.kind == "hyper" else None
     args.pmoe_baseline = baseline if args.kind == "pmoe" else None

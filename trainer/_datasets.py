@@ -197,6 +197,8 @@ def load_data_file(
         )
     if x_raw.ndim != 2:
         raise DataError(f"X must be 2-D [rows, features], got shape {x_raw.shape}", source=source)
+    if x_raw.shape[0] == 0:
+        raise DataError(f"the file holds no rows (X has shape {x_raw.shape})", source=source)
     if y_raw.ndim not in (1, 2) or y_raw.shape[0] != x_raw.shape[0]:
         raise DataError(
             f"y must have one row per row of X ({x_raw.shape[0]}), got shape {y_raw.shape}",
@@ -242,6 +244,11 @@ def _read_table(
         frame = pd.read_csv(path) if path.suffix.lower() == ".csv" else pd.read_parquet(path)
     except (ValueError, OSError, ImportError) as exc:
         raise DataError(f"cannot read the table: {exc}", source=source) from exc
+    if len(frame) == 0:
+        # Checked first: a header-only CSV reads as text columns, which the checks below
+        # would misreport as non-numeric inputs.
+        raise DataError(f"the table holds no rows, only columns {list(frame.columns)}",
+                        source=source)
     if target not in frame.columns:
         raise DataError(
             f"no column {target!r}; columns are {list(frame.columns)}", source=source

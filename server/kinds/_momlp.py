@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from experts_store import ExpertRef, GateSpec, Manifest, Pace, Store, no_pace
+from experts_store import ExpertRef, GateSpec, Manifest, ManifestError, Pace, Store, no_pace
 from router import (
     Gate,
     GateRouting,
@@ -78,6 +78,14 @@ class MomlpModel:
         if store.manifest.gate_spec.lift == "linear":
             # Takes input-space rows and lifts them itself; exact top-k by logit bounds.
             router = LinearGateRouter(router)
+        if router.dim != store.manifest.input_dim:
+            # Else every request is refused by one check or the other (the router's columns,
+            # the manifest's): a store that cannot answer anything must not go live.
+            raise ManifestError(
+                root=store.root,
+                message=f"the router's prototypes have dimension {router.dim}, the manifest's "
+                f"input_dim is {store.manifest.input_dim}",
+            )
         experts = store.expert_refs(pace)
         return cls(router, experts, store.manifest)
 

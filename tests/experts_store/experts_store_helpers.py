@@ -6,10 +6,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors.torch import save
 
 from experts_store import ExpertArch, ExpertMLP, Manifest, StoreWriter
 
 PublishStore = Callable[..., Manifest]
+
+
+def stand_in_router(num_prototypes: int, dim: int, seed: int = 0) -> bytes:
+    """A router file as `store verify` reads one: safetensors with a [K, n] float32
+    `prototypes` array (these tests never route, so no tree arrays)."""
+    generator = torch.Generator().manual_seed(seed)
+    return save({"prototypes": torch.randn(num_prototypes, dim, generator=generator)})
 
 
 def make_expert(
@@ -33,7 +41,7 @@ def publish(
     with StoreWriter(root) as writer:
         for expert_id in range(num_experts):
             writer.add_expert(expert_id, make_expert(widths, seed=seed * 1000 + expert_id))
-        writer.router_path.write_bytes(f"router seed {seed}".encode())
+        writer.router_path.write_bytes(stand_in_router(num_experts, widths[0], seed))
         writer.write_report({"seed": seed})
         return writer.publish(
             task="regression",

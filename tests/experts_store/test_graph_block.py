@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from experts_store_helpers import stand_in_router
 
 from experts_store import (
     ExpertArch,
@@ -40,7 +41,7 @@ def publish(root: Path, nodes: dict[str, list[str]] | None = None, *,
                 writer.add_expert(2 * v + k, ExpertMLP(ExpertArch((width, 4, 1)),
                                                        generator=generator))
             router = root.parent / f"{root.name}-{name}.bin"
-            router.write_bytes(f"router of {name}".encode())
+            router.write_bytes(stand_in_router(2, width, seed=v))
             entries.append(GraphNodeEntry(name=name, inputs=inputs, output_dim=1, branching=2,
                                           router_file=writer.stage_router(router),
                                           experts=[2 * v, 2 * v + 1]))

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from experts_store_helpers import make_expert, publish
+from experts_store_helpers import make_expert, publish, stand_in_router
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
@@ -158,7 +158,7 @@ def test_a_store_opened_after_another_takes_its_rows_and_refs(tmp_path: Path) ->
                 writer.add_expert(2, make_expert((3, 8, 2), seed=77))
             else:
                 writer.link_expert_file(entry.id, root / entry.file)
-        writer.router_path.write_bytes(b"router seed 1")
+        writer.router_path.write_bytes(stand_in_router(6, 3, seed=1))
         writer.publish(task="regression", input_dim=3, output_dim=2, routing="tree", branching=2)
     second = Store.open(root, previous=served)
     refs = second.expert_refs()

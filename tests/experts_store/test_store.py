@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
-from experts_store_helpers import make_expert, publish
+from experts_store_helpers import make_expert, publish, stand_in_router
 
 from experts_store import (
     ExpertArch,
@@ -287,7 +287,7 @@ def test_refs_and_checks_of_rows_of_several_archs_are_each_rows_own(tmp_path: Pa
     with StoreWriter(root) as writer:
         for expert_id, arch in enumerate(widths):
             writer.add_expert(expert_id, make_expert(arch, seed=expert_id))
-        writer.router_path.write_bytes(b"router")
+        writer.router_path.write_bytes(stand_in_router(len(widths), 3))
         writer.publish(task="regression", input_dim=3, output_dim=2, routing="tree", branching=2)
     store = Store.open(root)
     refs = store.expert_refs()
@@ -332,3 +332,96 @@ def test_a_bad_row_is_named_by_its_place_paced_or_not(tmp_path: Path, paced: boo
     with pytest.raises(ManifestError, match=r"experts\.1\.sha256") as info:
         Store.open(root, pace=CountingPace() if paced else None)
     assert "[0-9a-f]{64}" in str(info.value)
+
+
+def _rewrite(root: Path, **fields: object) -> None:
+    data = json.loads((root / "manifest.json").read_text())
+    data.update(fields)
+    (root / "manifest.json").write_text(json.dumps(data))
+
+
+def _swap_router(root: Path, content: bytes) -> None:
+    """Put `content` in as the router, named by its own hash as the writer names one."""
+    import hashlib
+
+    name = f"router-{hashlib.sha256(content).hexdigest()[:16]}.safetensors"
+    (root / name).write_bytes(content)
+    _rewrite(root, router_file=name)
+
+
+@pytest.mark.parametrize(
+    ("case", "words"),
+    [
+        ("manifest is a directory", "cannot read manifest.json"),
+        ("nested too deeply", "nested too deeply"),
+        ("format 99", "format_version 99"),
+        ("format 0", "format_version 0"),
+        ("an id of true", "experts.1.id"),
+        ("an id of '1'", "experts.1.id"),
+        ("num_experts 10^12", "0..999999999999"),
+    ],
+)
+def test_a_manifest_momlp_cannot_read_is_a_manifest_error(
+    store_root: Path, case: str, words: str
+) -> None:
+    # Each was a traceback (IsADirectoryError, RecursionError, MemoryError) or was accepted.
+    manifest = store_root / "manifest.json"
+    data = json.loads(manifest.read_text())
+    if case == "manifest is a directory":
+        manifest.unlink()
+        manifest.mkdir()
+    elif case == "nested too deeply":
+        data["extra"] = None
+        deep = "[" * 10**5 + "]" * 10**5
+        manifest.write_text(json.dumps(data).replace('"extra": null', f'"extra": {deep}'))
+    elif case.startswith("format"):
+        _rewrite(store_root, format_version=int(case.split()[1]))
+    elif case.startswith("an id"):
+        data["experts"][1]["id"] = True if "true" in case else "1"
+        manifest.write_text(json.dumps(data))
+    else:
+        _rewrite(store_root, num_experts=10**12)
+    with pytest.raises(ManifestError) as info:
+        Store.open(store_root)
+    assert words in str(info.value), str(info.value)
+
+
+def test_verify_reads_the_router_as_the_server_would(store_root: Path) -> None:
+    # Each of these stores verified "ok" and then failed to start (or served nothing).
+    from safetensors.torch import save
+
+    store = Store.open(store_root)
+    assert store.verify() == []
+    cases = {
+        b"not a safetensors file at all": "not a readable router",
+        save({"weights": torch.zeros(3, 3)}): "no 2-D float32 prototypes",
+        save({"prototypes": torch.zeros(3, 5)}): "3 prototypes of dimension 5, the manifest has "
+        "3 experts of input_dim 3",
+        save({"prototypes": torch.zeros(4, 3)}): "4 prototypes",
+    }
+    for content, words in cases.items():
+        _swap_router(store_root, content)
+        problems = Store.open(store_root).verify()
+        assert [p.expert_id for p in problems] == [None], words
+        assert words in problems[0].message
+    router = store_root / Store.open(store_root).manifest.router_file  # type: ignore[operator]
+    router.unlink()
+    router.mkdir()
+    problems = Store.open(store_root).verify()
+    assert "unreadable" in problems[0].message
+
+
+def test_verify_names_a_kind_momlp_does_not_serve(store_root: Path) -> None:
+    _rewrite(store_root, kind="wizard")
+    problems = Store.open(store_root).verify()
+    assert [p.expert_id for p in problems] == [None]
+    assert "store kind 'wizard'" in problems[0].message
+
+
+def test_verify_names_an_expert_whose_byte_count_is_not_its_files(store_root: Path) -> None:
+    data = json.loads((store_root / "manifest.json").read_text())
+    data["experts"][1]["bytes"] = 10**40
+    (store_root / "manifest.json").write_text(json.dumps(data))
+    problems = Store.open(store_root).verify()
+    assert [p.expert_id for p in problems] == [1]
+    assert f"manifest says {10**40} bytes" in problems[0].message

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +60,36 @@ def test_file_is_plain_safetensors(tree: PrototypeTree, tmp_path: Path) -> None:
     assert set(header) - {"__metadata__"} == {
         "prototypes", "internal_points", "internal_radius", "children",
     }
+
+
+@pytest.fixture(params=[0o022, 0o027], ids=["umask022", "umask027"])
+def umask(request: pytest.FixtureRequest) -> Iterator[int]:
+    previous = os.umask(request.param)
+    try:
+        yield int(request.param)
+    finally:
+        os.umask(previous)
+
+
+def test_a_published_router_is_as_readable_as_the_store_s_experts(
+    tree: PrototypeTree, tmp_path: Path, umask: int
+) -> None:
+    # A server on shared storage may run as another user: it must read the router too.
+    from experts_store import ExpertArch, ExpertMLP, Store, StoreWriter
+
+    with StoreWriter(tmp_path / "store") as writer:
+        writer.add_expert(0, ExpertMLP(ExpertArch(widths=(5, 4, 1))))
+        tree.save(writer.router_path)
+        writer.publish(task="regression", input_dim=5, output_dim=1, routing="tree",
+                       branching=4)
+    store = Store.open(tmp_path / "store")
+    expert_file = store.root / store.manifest.experts[0].file
+
+    def mode(path: Path) -> int:
+        return stat.S_IMODE(path.stat().st_mode)
+
+    assert mode(expert_file) == 0o666 & ~umask
+    assert mode(store.router_path) == mode(expert_file)
 
 
 def _rewrite(src: Path, dst: Path, **changes: torch.Tensor) -> None:

@@ -4,6 +4,7 @@ refused at startup and on reload, naming it (server/kinds/_registry.py)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ from app_support import (
     running,
 )
 
+from experts_store import ManifestError
 from server import create_app
 from server._exceptions import UnknownStoreKind
 from server.kinds import KINDS
@@ -101,3 +103,48 @@ async def test_an_unknown_kind_is_refused_on_reload_and_the_old_version_serves(
         assert error["code"] == "reload_failed" and "'graph'" in error["detail"]["reason"]
         answer = await client.post("/v1/predict", json={"inputs": x})
         assert answer.status_code == 200 and answer.json()["store_version"] == served
+
+
+def _store_with_a_router_of_another_dimension(root: Path) -> Path:
+    """Experts and manifest for 2-D inputs, a router (valid, hash-named) of 5-D prototypes."""
+    import torch
+
+    from experts_store import ExpertArch, ExpertMLP, StoreWriter
+    from router import PrototypeTree
+
+    generator = torch.Generator().manual_seed(0)
+    with StoreWriter(root) as writer:
+        for expert_id in range(4):
+            expert = ExpertMLP(ExpertArch(widths=(2, 8, 1)), generator=generator)
+            writer.add_expert(expert_id, expert)
+        PrototypeTree.build(torch.randn(4, 5, generator=generator), branching=2, seed=0).save(
+            writer.router_path
+        )
+        writer.publish(task="regression", input_dim=2, output_dim=1, routing="tree", branching=2)
+    return root
+
+
+async def test_a_router_of_another_dimension_than_the_manifest_never_goes_live(
+    tmp_path: Path,
+) -> None:
+    # Every request would be refused by one check or the other (2 columns: the router's;
+    # 5: the manifest's), so such a store must fail to start, and fail a reload.
+    bad = _store_with_a_router_of_another_dimension(tmp_path / "bad")
+    with pytest.raises(ManifestError, match="dimension 5, the manifest.s input_dim is 2"):
+        async with running(create_app(app_settings(bad), pool_factory=fake_pool)):
+            pass
+    store = build_small_store(tmp_path / "s", n=2)
+    served = manifest(store)["store_version"]
+    async with running(fake_app(store)) as client:
+        shutil.copytree(bad, store, dirs_exist_ok=True)  # its manifest replaces the served one
+        response = await client.post("/v1/admin/reload")
+        assert response.status_code == 503, response.text
+        assert "input_dim is 2" in error_of(response)["detail"]["reason"]
+        answer = await client.post("/v1/predict", json={"inputs": [[0.0, 0.0]]})
+        assert answer.status_code == 200 and answer.json()["store_version"] == served
+
+
+def test_the_kinds_store_verify_knows_are_the_kinds_the_server_serves() -> None:
+    from experts_store import STORE_KINDS
+
+    assert set(STORE_KINDS) == set(KINDS)

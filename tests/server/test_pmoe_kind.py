@@ -204,3 +204,20 @@ def test_the_manifest_refuses_a_pmoe_block_that_does_not_fit(
         writer.router_path.write_bytes(b"x")
         writer.publish(task="classification", input_dim=3, output_dim=2, routing="exact",
                        branching=2, kind="pmoe")
+
+
+def test_a_pmoe_stores_files_are_all_as_readable_as_its_experts(
+    store: tuple[Path, PatchMoE],
+) -> None:
+    # safetensors' save_file creates 0600 files: a server or Ray worker running as another
+    # user on shared storage could read the experts but not a linear router written so.
+    from experts_store import Store
+
+    root, _ = store
+    opened = Store.open(root)
+    modes = {
+        path.name: path.stat().st_mode & 0o777
+        for path in (opened.router_path, root / opened.manifest.experts[0].file)
+    }
+    assert len(set(modes.values())) == 1, modes
+    assert Store.open(root).verify() == []  # a linear router is no prototype tree: no problem

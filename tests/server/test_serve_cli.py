@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -62,6 +63,8 @@ def test_options_become_settings_and_the_environment_fills_the_rest(
         "--ray-address",
         "10.0.0.1:6379",
         "--no-watch-store",
+        "--watch-interval-s",
+        "0.5",
     )
     settings = settings_from_args(args)
     assert settings.store == tmp_path and settings.port == 0
@@ -72,7 +75,37 @@ def test_options_become_settings_and_the_environment_fills_the_rest(
     defaults = settings_from_args(_args("--store", str(tmp_path)))
     assert defaults.cache_policy == "tinylfu" and defaults.host_cache_bytes == 0
     assert settings.ray_address == "10.0.0.1:6379" and settings.watch_store is False
+    assert settings.watch_interval_s == 0.5
     assert settings.host == "127.0.0.1" and settings.api_key is None
+
+
+def test_byte_sizes_in_the_environment_take_units_as_the_options_do(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # README: MOMLP_CACHE_BYTES takes "512MiB" and "2GB"; it was refused as not an integer.
+    monkeypatch.setenv("MOMLP_CACHE_BYTES", "256MiB")
+    monkeypatch.setenv("MOMLP_MAX_BODY_BYTES", "2GB")
+    monkeypatch.setenv("MOMLP_HOST_CACHE_BYTES", "1073741824")
+    settings = settings_from_args(_args("--store", str(tmp_path)))
+    assert settings.cache_bytes == 256 * 2**20 and settings.max_body_bytes == 2 * 10**9
+    assert settings.host_cache_bytes == 2**30
+    monkeypatch.setenv("MOMLP_CACHE_BYTES", "12 parsecs")
+    with pytest.raises(CliError, match="not a byte size"):
+        settings_from_args(_args("--store", str(tmp_path)))
+
+
+def test_every_option_the_readme_table_names_exists() -> None:
+    # The configuration table's second column: `momlp serve` options (the README once named
+    # --watch-interval-s, which did not exist).
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    named = set(re.findall(r"^\| `MOMLP_[A-Z0-9_]+` \| `(--[a-z0-9-]+)", readme, re.MULTILINE))
+    serve = next(
+        action.choices["serve"] for action in build_parser()._actions
+        if isinstance(action, argparse._SubParsersAction)
+    )
+    options = {flag for action in serve._actions for flag in action.option_strings}
+    assert "--watch-interval-s" in named and "--cache-bytes" in named
+    assert named - options == set()
 
 
 def test_api_key_comes_from_the_named_variable(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -135,4 +136,83 @@ def test_a_validation_fraction_outside_0_1_exits_2_naming_it(
     ])
     assert code == 2
     assert "--validation-fraction: must lie in (0, 1)" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
+class _TrainingReached(Exception):
+    pass
+
+
+@pytest.fixture
+def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the build's training entry fail the test if the handler gets that far."""
+    import trainer
+
+    def build_store(config: Any, **_: Any) -> None:
+        # The --out check must leave no directory behind for a build that fails later.
+        assert not Path(config.out).exists()
+        raise _TrainingReached
+
+    monkeypatch.setattr(trainer, "build_store", build_store)
+
+
+def _build_into(out: str) -> int:
+    return main(["build", "--dataset", "ackley2d", "--executor", "local", "--out", out,
+                 "--no-progress"])
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("out", "reason"),
+    [
+        ("afile", "exists and is not a directory"),
+        ("afile/sub", "afile is not a directory"),
+        pytest.param("/proc/nope", "cannot create /proc/nope",
+                     marks=pytest.mark.skipif(not Path("/proc").is_dir(), reason="no /proc")),
+    ],
+)
+def test_an_unusable_out_exits_2_before_any_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    no_training: None, out: str, reason: str,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("not a store")
+    assert _build_into(out) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [err.strip()]  # one line, no traceback
+    assert f"--out {out}: " in err and reason in err
+    assert (tmp_path / "afile").read_text() == "not a store"
+
+
+@pytest.mark.unit
+def test_a_creatable_out_reaches_training_without_being_created_yet(
+    tmp_path: Path, no_training: None
+) -> None:
+    with pytest.raises(_TrainingReached):
+        _build_into(str(tmp_path / "new" / "store"))
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("threads", ["0", "-2", "two"])
+def test_torch_threads_below_one_is_refused_by_the_parser(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], threads: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["build", "--dataset", "ackley2d", "--torch-threads", threads,
+              "--out", str(tmp_path / "s"), "--no-progress"])
+    assert exit_.value.code == 2
+    assert "--torch-threads: expected a positive integer" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.unit
+def test_a_data_file_without_rows_exits_2_saying_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    empty = tmp_path / "empty.npz"
+    np.savez(empty, X=np.zeros((0, 3)), y=np.zeros(0))
+    code = main(["build", "--data", str(empty), "--out", str(tmp_path / "s"), "--no-progress"])
+    assert code == 2
+    assert "holds no rows" in capsys.readouterr().err
     assert not (tmp_path / "s").exists()

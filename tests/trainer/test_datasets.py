@@ -156,6 +156,17 @@ def test_csv_needs_a_target_column_and_numeric_inputs(tmp_path: Path) -> None:
         assert (int(row[0]) % 2 == 1) == (label == 0)
 
 
+def test_a_file_without_rows_is_refused_as_holding_none(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.npz"
+    np.savez(empty, X=np.zeros((0, 3)), y=np.zeros(0))
+    with pytest.raises(DataError, match="holds no rows"):
+        load_data_file(empty)
+    header_only = tmp_path / "header.csv"
+    header_only.write_text("a,b,y\n")
+    with pytest.raises(DataError, match="holds no rows"):
+        load_data_file(header_only, target="y")
+
+
 def test_a_table_without_pandas_names_the_extra_to_install(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

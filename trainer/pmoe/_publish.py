@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from experts_store import (
     PATCH_ALIGN,
@@ -143,7 +143,9 @@ def publish_pmoe(
             tree.save(writer.router_path)
         else:
             weight = model.router.detach().to(torch.float32).contiguous()
-            save_file({PMOE_ROUTER_TENSOR: weight}, str(writer.router_path))
+            # Not save_file, which creates its file 0600: the router must be as readable as
+            # the store's other files (router/_io.py says why).
+            writer.router_path.write_bytes(save({PMOE_ROUTER_TENSOR: weight}))
         if report is not None:
             writer.write_report(report)
         return writer.publish(
