@@ -30,6 +30,7 @@ __all__ = [
     "parse_raw_float32",
     "parse_sized",
     "read_body_limited",
+    "require_json",
     "validation_detail",
 ]
 
@@ -105,6 +106,15 @@ def _body_headers(request: Request) -> _BodyHeaders:
         None if length is None else length.decode("latin-1"),
         None if rows is None else rows.decode("latin-1"),
     )
+
+
+def require_json(request: Request) -> None:
+    """415 unless the body is JSON (a missing Content-Type is taken as JSON, as predict's)."""
+    media = _body_headers(request).media
+    if media not in JSON_TYPES:
+        raise HttpError(
+            415, "unsupported_media_type", f"Content-Type {media!r} is not application/json"
+        )
 
 
 async def read_body_limited(

@@ -15,7 +15,7 @@ from pydantic import Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from server._exceptions import InvalidRequest
-from server.http._body import HttpError, read_body_limited, validation_detail
+from server.http._body import HttpError, read_body_limited, require_json, validation_detail
 from server.http._deadline import Deadlines
 from server.http._metrics import Metrics
 from server.http._models import ConditionId, FiniteNumber, _Strict
@@ -52,6 +52,7 @@ def add_hyper_routes(app: FastAPI) -> None:
         metrics: Metrics = request.app.state.metrics
         settings = serving.settings
         deadlines: Deadlines = request.app.state.deadlines
+        require_json(request)
         body = await read_body_limited(request, settings.max_body_bytes, deadlines.body)
         try:
             parsed = GenerateRequest.model_validate_json(body)

@@ -397,11 +397,15 @@ def add_routes(app: FastAPI) -> None:
             )
         return Response(body, media_type="application/json")
 
-    @app.get("/healthz", response_model=HealthResponse)
+    # HEAD too: load balancers and uptime monitors often probe with it.
+    @app.api_route("/healthz", methods=["GET", "HEAD"], response_model=HealthResponse)
     async def healthz() -> HealthResponse:
         return HealthResponse()
 
-    @app.get("/readyz", response_model=ReadyResponse, responses={503: ERROR_RESPONSES[503]})
+    @app.api_route(
+        "/readyz", methods=["GET", "HEAD"], response_model=ReadyResponse,
+        responses={503: ERROR_RESPONSES[503]},
+    )
     async def readyz(serving: Serving) -> ReadyResponse:
         version = serving.version
         if version is None or serving.stopping:

@@ -152,6 +152,13 @@ class RayExpertPool(DispatchingPool):
             cluster_gpus=gpus,
             local_gpus=_local_node_gpus(),
         )
+        if device.startswith("cuda") and gpus < 1 and settings.ray_address is None:
+            # An embedded Ray never gains a GPU: waiting out the start timeout (60 s) would
+            # only end in the same refusal. A cluster may yet (an autoscaler): it waits.
+            raise PoolStartFailed(
+                reason=f"device {settings.device!r} asks for GPUs, and this machine's Ray "
+                "counts none (use --device cpu or auto)"
+            )
         if device.startswith("cuda"):
             count = max(1, int(gpus))
             resources: dict[str, Any] = {"num_gpus": 1, "num_cpus": num_cpus_per_actor}

@@ -148,6 +148,9 @@ def test_report_agrees_with_the_server_counters_and_bounds_vram_per_request(
         largest_bound = max(largest_bound, *bounds.values())
 
     assert report.vram_bytes["max"] <= largest_bound
-    # Dense equivalent: every expert file of the store (what a dense model would hold at once).
-    assert report.dense_equivalent_bytes == sum(e.bytes for e in store.manifest.experts)
+    # Dense equivalent: every expert's weights as an actor holds them (vram_bytes' measure;
+    # a file adds its safetensors header).
+    assert report.dense_equivalent_bytes == sum(
+        store.expert_nbytes(e.id) for e in store.manifest.experts
+    )
     assert report.vram_bytes["p99"] < report.dense_equivalent_bytes / 4

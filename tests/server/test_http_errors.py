@@ -411,6 +411,13 @@ async def test_a_client_that_hangs_up_mid_body_is_no_server_error(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+async def test_the_probes_answer_head_as_monitors_send_it(store: Path) -> None:
+    async with running(fake_app(store)) as client:
+        for path in ("/healthz", "/readyz"):
+            answer = await client.head(path)
+            assert answer.status_code == 200, (path, answer.text)
+
+
 async def test_not_ready_before_startup(store: Path) -> None:
     app = fake_app(store)
     transport = httpx.ASGITransport(app=app)

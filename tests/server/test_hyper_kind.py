@@ -377,6 +377,21 @@ def test_a_condition_that_overflows_theta_is_refused_not_nan(
     assert generated.json()["error"]["detail"]["field"] == "condition"
 
 
+def test_generate_takes_json_only_as_predict_does(hyper: tuple[Path, HyperNetwork]) -> None:
+    root, _ = hyper
+
+    async def go() -> Any:
+        async with running(fake_app(root)) as client:
+            return await client.post(
+                "/v1/generate", content=b'{"condition_id": "a"}',
+                headers={"Content-Type": "text/plain"},
+            )
+
+    answer = asyncio.run(go())
+    assert answer.status_code == 415, answer.text
+    assert answer.json()["error"]["code"] == "unsupported_media_type"
+
+
 def test_a_corrupt_hypernetwork_is_503_naming_its_file(tmp_path: Path) -> None:
     torch.manual_seed(3)
     f = HyperNetwork(M2, PrimarySpec(M1, (8,), OUT), depth=1, width=32)

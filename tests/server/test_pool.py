@@ -235,6 +235,15 @@ async def test_actors_the_cluster_cannot_place_fail_the_start_naming_what_they_a
     assert "momlp-no-such-node" in message and "within 2 s" in message
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine's Ray counts a GPU")
+async def test_cuda_asked_of_an_embedded_ray_without_gpus_fails_at_once() -> None:
+    # It waited out the 60 s start timeout: an embedded Ray never gains a GPU.
+    settings = Settings(device="cuda", actor_start_timeout_s=60.0)
+    with pytest.raises(PoolStartFailed) as info:
+        await asyncio.to_thread(RayExpertPool.create, settings)
+    assert "counts none" in str(info.value) and "--device cpu" in str(info.value)
+
+
 async def test_an_actor_that_fails_to_start_fails_the_start_with_its_reason() -> None:
     # torch refuses 0 threads inside the actor's __init__: the start fails at once (not after
     # the 60 s start timeout), naming the actor's own error in one line.
