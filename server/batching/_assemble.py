@@ -10,9 +10,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from server._exceptions import ExpertUnavailable
+from server._exceptions import ExpertUnavailable, InvalidRequest, ServerError
 from server.batching._types import BatchAnswer, ExpertStat
 from server.kinds import Plan, RowRouting
 from server.pool import GroupResult
@@ -57,17 +58,32 @@ class BatchAnswers:
         # added up to more than the rest of a request's share).
         self._chosen = (self._experts >= 0).sum(axis=1).tolist()
         self._starts = list(itertools.accumulate((rows for rows, _ in requests), initial=0))
+        # Once per batch; a request's own rows are looked at only when this fails.
+        self._finite = bool(np.isfinite(self._outputs).all())
 
-    def failure(self, r: int) -> ExpertUnavailable | None:
-        """The error of the first group request `r` needed that failed, if one did."""
+    def failure(self, r: int) -> ServerError | None:
+        """The error of the first group request `r` needed that failed, if one did; else a
+        422 if one of its rows' outputs is not finite."""
         failed = next((use for use in self._uses[r] if use[0].error is not None), None)
         if failed is None:
-            return None
+            return None if self._finite else self._non_finite(r)
         return ExpertUnavailable(
             expert_id=failed[0].expert_id,
             reason=str(failed[0].error),
             node=failed[3] or None,
             retry_after_s=failed[0].retry_after_s,
+        )
+
+    def _non_finite(self, r: int) -> InvalidRequest | None:
+        # Finite inputs far outside the store's range can overflow float32 in an expert (or
+        # in a hyper store's θ): NaN would be `null` in a JSON answer, or not JSON at all.
+        bad = np.argwhere(~np.isfinite(self._outputs[self._starts[r] : self._starts[r + 1]]))
+        if len(bad) == 0:
+            return None
+        return InvalidRequest(
+            f"the output of row {int(bad[0][0])} is not finite: its input overflows float32 in "
+            "the store's experts (is it far outside the range they were trained on?)",
+            field="inputs",
         )
 
     def answer(self, r: int) -> BatchAnswer:

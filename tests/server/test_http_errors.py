@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import torch
 from app_support import (
     BlockingPool,
     app_settings,
@@ -25,7 +26,6 @@ from fastapi import FastAPI
 
 from server import create_app
 from server._settings import Settings
-from server.batching import BatchAnswer
 from server.pool import ExpertPool
 
 pytestmark = pytest.mark.unit
@@ -344,36 +344,47 @@ async def test_unexpected_errors_are_a_logged_500_without_traceback(
     assert "secret internals" in caplog.text
 
 
-async def test_a_non_finite_output_is_422_naming_the_row_not_a_null(store: Path) -> None:
+def _overflowing_store(root: Path) -> Path:
+    """Experts whose layers' weight matrices are scaled by 1e14: finite outputs for inputs
+    near the prototypes (~1e28), float32 overflow for an input of 1e13 (finite, routable)."""
+    from experts_store import ExpertArch, ExpertMLP, StoreWriter
+    from router import PrototypeTree
+
+    generator = torch.Generator().manual_seed(0)
+    with StoreWriter(root) as writer:
+        for expert_id in range(4):
+            expert = ExpertMLP(ExpertArch(widths=(4, 8, 2)), generator=generator)
+            with torch.no_grad():
+                for parameter in expert.parameters():
+                    if parameter.dim() == 2:
+                        parameter.mul_(1e14)
+            writer.add_expert(expert_id, expert)
+        prototypes = torch.randn(4, 4, generator=generator)
+        PrototypeTree.build(prototypes, branching=2, seed=0).save(writer.router_path)
+        writer.publish(task="regression", input_dim=4, output_dim=2, routing="tree", branching=2)
+    return root
+
+
+async def test_a_non_finite_output_is_422_naming_the_row_not_a_null(tmp_path: Path) -> None:
     # Finite inputs can overflow float32 inside an expert (or a hyper store's θ); the answer
-    # must not be `null` in JSON (v1) or a bare NaN token (v2, not JSON at all).
-    class Overflowing:
-        async def submit(self, x: Any, options: Any = None) -> BatchAnswer:
-            outputs = np.ones((x.shape[0], 2), np.float32)
-            outputs[-1, 1] = np.inf
-            return BatchAnswer(
-                outputs=outputs,
-                experts=np.zeros((x.shape[0], 1), np.int64),
-                weights=np.ones((x.shape[0], 1)),
-                stats=[],
-                device_bytes={},
-                distance_evals=np.zeros(x.shape[0], np.int64),
-            )
-
-        async def close(self) -> None:
-            return None
-
-    app = create_app(
-        app_settings(store), pool_factory=fake_pool, batcher_factory=lambda *args: Overflowing()
-    )
-    v2 = {"inputs": [{"name": "input", "shape": [3, 4], "datatype": "FP32", "data": [0.0] * 12}]}
-    async with running(app) as client:
-        v1_answer = await client.post("/v1/predict", json={"inputs": X * 3})
-        v2_answer = await client.post(f"/v2/models/{store.name}/infer", json=v2)
+    # must not be `null` in JSON (v1) or a bare NaN token (v2, not JSON at all), and a request
+    # batched beside it keeps its answer.
+    store = _overflowing_store(tmp_path / "big")
+    rows = [[0.1, 0.2, 0.3, 0.4], [0.0, 0.1, 0.0, 0.1], [1e13] * 4]
+    v2 = {"inputs": [{"name": "input", "shape": [3, 4], "datatype": "FP32",
+                      "data": [v for row in rows for v in row]}]}
+    async with running(fake_app(store)) as client:
+        v1_answer, v2_answer, fine = await asyncio.gather(
+            client.post("/v1/predict", json={"inputs": rows}),
+            client.post(f"/v2/models/{store.name}/infer", json=v2),
+            client.post("/v1/predict", json={"inputs": rows[:2]}),
+        )
     assert v1_answer.status_code == 422, v1_answer.text
     error = error_of(v1_answer)
     assert error["code"] == "invalid_input" and "row 2" in error["message"]
     assert v2_answer.status_code == 400 and "row 2" in v2_answer.json()["error"]
+    assert fine.status_code == 200
+    assert all(all(abs(v) < 3.4e38 for v in row) for row in fine.json()["outputs"])
 
 
 async def test_a_client_that_hangs_up_mid_body_is_no_server_error(
