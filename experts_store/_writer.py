@@ -50,6 +50,13 @@ logger = logging.getLogger(__name__)
 MANIFEST_NAME = "manifest.json"
 REPORT_NAME = "report.json"
 STAGING_PREFIX = ".staging-"
+# Files no manifest references any more, each with when it stopped being referenced: a publish
+# deletes one only after `retire_after_s`, not at once.
+RETIRED_NAME = "retired.json"
+# A server may serve a version older than the previous one (it refused the versions after
+# it, or publishes came faster than its watch interval): ten minutes covers its lag, its
+# in-flight requests and an operator's fix of a refused version.
+DEFAULT_RETIRE_AFTER_S = 600.0
 
 
 def _fsync_dir(path: Path) -> None:
@@ -76,12 +83,45 @@ def _referenced_files(root: Path) -> set[str] | None:
     return manifest.referenced_files
 
 
+def _read_retired(root: Path) -> dict[str, float]:
+    """The retired files and when each was retired; an unreadable ledger counts as empty
+    (its files are retired anew: deleted later, never sooner)."""
+    try:
+        data = json.loads((root / RETIRED_NAME).read_text(encoding="utf-8"))
+        return {str(name): float(since) for name, since in data["retired"].items()}
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        logger.warning("unreadable %s in %s (%s): retiring its files anew", RETIRED_NAME, root,
+                       exc)
+        return {}
+
+
+def _write_retired(root: Path, retired: dict[str, float]) -> None:
+    path = root / RETIRED_NAME
+    if not retired:
+        path.unlink(missing_ok=True)
+        return
+    tmp = path.with_name(f".{RETIRED_NAME}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps({"format": 1, "retired": retired}, indent=1, sort_keys=True),
+                       encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:  # the files stay: a later publish retires them again
+        logger.warning("cannot write %s in %s: %s", RETIRED_NAME, root, exc)
+        tmp.unlink(missing_ok=True)
+
+
 class StoreWriter:
     """Stage experts, router and report under ``root``, then :meth:`publish` them.
 
     Use as a context manager: leaving it without publishing (or with an exception)
     removes the staging directory and leaves the previous store untouched. One writer
     at a time per store root.
+
+    A publish keeps every file the new and the previous manifest reference; a file neither
+    references is retired (`retired.json` records when) and deleted by the first publish
+    `retire_after_s` after that, so a server serving an older version keeps its files.
     """
 
     def __init__(
@@ -90,12 +130,14 @@ class StoreWriter:
         *,
         now: Callable[[], datetime] | None = None,
         stale_staging_seconds: float = 3600.0,
+        retire_after_s: float = DEFAULT_RETIRE_AFTER_S,
     ) -> None:
         # Absolute: `expert_path` is handed to Ray tasks, which write there from their own
         # working directory (another one on another node).
         self.root = Path(root).absolute()
         self._now = now or (lambda: datetime.now(UTC))
         self._stale_staging_seconds = stale_staging_seconds
+        self._retire_after_s = retire_after_s
         self.root.mkdir(parents=True, exist_ok=True)
         self.version = _new_version(self._now())
         self.staging = self.root / f"{STAGING_PREFIX}{self.version}"
@@ -290,9 +332,14 @@ class StoreWriter:
         return manifest
 
     def _collect_garbage(self, manifest: Manifest, previous: set[str] | None) -> None:
-        """Delete files neither the new nor the previous manifest references."""
+        """Retire files neither the new nor the previous manifest references, and delete
+        those retired at least `retire_after_s` ago (a server may still serve an older
+        version than the previous one: deleting its files at once answered 503s)."""
+        now = self._now().timestamp()
         if previous is not None:
             keep = previous | manifest.referenced_files
+            retired = _read_retired(self.root)
+            still: dict[str, float] = {}
             candidates = [
                 *self.root.glob("experts/*.safetensors"),
                 *self.root.glob("router-*.safetensors"),
@@ -300,10 +347,16 @@ class StoreWriter:
                 *self.root.glob("conditions-*.safetensors"),
             ]
             for path in candidates:
-                if path.relative_to(self.root).as_posix() not in keep:
-                    logger.debug("removing unreferenced %s", path)
+                name = path.relative_to(self.root).as_posix()
+                if name in keep:
+                    continue
+                since = retired.get(name, now)
+                if now - since >= self._retire_after_s:
+                    logger.debug("removing %s, unreferenced since %s", path, since)
                     path.unlink(missing_ok=True)
-        now = self._now().timestamp()
+                else:
+                    still[name] = since
+            _write_retired(self.root, still)
         for staging in self.root.glob(f"{STAGING_PREFIX}*"):
             if staging == self.staging or not staging.is_dir():
                 continue

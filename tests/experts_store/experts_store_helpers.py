@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 
 import torch
@@ -35,10 +36,16 @@ def make_expert(
 
 
 def publish(
-    root: Path, *, num_experts: int = 3, seed: int = 0, widths: tuple[int, ...] = (3, 8, 2)
+    root: Path,
+    *,
+    num_experts: int = 3,
+    seed: int = 0,
+    widths: tuple[int, ...] = (3, 8, 2),
+    now: Callable[[], datetime] | None = None,
 ) -> Manifest:
-    """Publish ``num_experts`` random experts (and a stand-in router file) under ``root``."""
-    with StoreWriter(root) as writer:
+    """Publish ``num_experts`` random experts (and a stand-in router file) under ``root``;
+    ``now`` is the writer's clock."""
+    with StoreWriter(root, now=now) as writer:
         for expert_id in range(num_experts):
             writer.add_expert(expert_id, make_expert(widths, seed=seed * 1000 + expert_id))
         writer.router_path.write_bytes(stand_in_router(num_experts, widths[0], seed))

@@ -47,15 +47,24 @@ def test_publish_writes_content_named_files_the_manifest_references(tmp_path: Pa
     assert Store.open(tmp_path / "s").verify() == []
 
 
-def test_a_republish_removes_the_files_two_versions_back(tmp_path: Path) -> None:
+def test_a_republish_retires_the_files_two_versions_back_and_removes_them_later(
+    tmp_path: Path,
+) -> None:
     root = tmp_path / "s"
     first = hyper.publish_hypernetwork(root, _f(seed=0))
     hyper.publish_hypernetwork(root, _f(seed=1))
     third = hyper.publish_hypernetwork(root, _f(seed=2))
-    names = {p.name for p in root.glob("hyper-*.safetensors")}
     assert first.hyper is not None and third.hyper is not None
-    assert first.hyper.hypernetwork.file not in names
-    assert third.hyper.hypernetwork.file in names and len(names) == 2
+    old = first.hyper.hypernetwork.file
+    ledger = json.loads((root / "retired.json").read_text())
+    assert old in ledger["retired"] and (root / old).is_file()  # retired, not yet deleted
+    # As if retired an hour ago: the next publish deletes it.
+    ledger["retired"] = {name: 0.0 for name in ledger["retired"]}
+    (root / "retired.json").write_text(json.dumps(ledger))
+    fourth = hyper.publish_hypernetwork(root, _f(seed=3))
+    names = {p.name for p in root.glob("hyper-*.safetensors")}
+    assert old not in names and fourth.hyper is not None
+    assert fourth.hyper.hypernetwork.file in names and third.hyper.hypernetwork.file in names
 
 
 def test_verify_names_a_corrupted_hypernetwork(tmp_path: Path) -> None:

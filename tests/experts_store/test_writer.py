@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import json
 import os
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from experts_store import (
     StoreWriter,
     save_expert,
 )
+from experts_store._writer import DEFAULT_RETIRE_AFTER_S
 
 pytestmark = pytest.mark.unit
 
@@ -99,10 +102,51 @@ def test_republish_gets_new_version_and_keeps_previous_files(tmp_path: Path) -> 
     assert old_store.verify() == []
     x = torch.randn(3, 3)
     assert torch.equal(old_store.load_expert(2)(x), make_expert((3, 8, 2), seed=1002)(x))
-    third = publish(root, seed=3)
+    clock = Clock()
+    third = publish(root, seed=3, now=clock)
     live = {third.router_file, second.router_file}
     live |= {e.file for m in (second, third) for e in m.experts}
-    assert files_under(root) == {"manifest.json", "report.json", *live}
+    # The first version's files are retired, not deleted: a server may still serve it
+    # (it refused the second, or the two came within its watch interval).
+    retired = {first.router_file, *(e.file for e in first.experts)} - live
+    ledger = json.loads((root / "retired.json").read_text())["retired"]
+    assert set(ledger) == retired and set(ledger.values()) == {clock.now.timestamp()}
+    assert old_store.verify() == []
+    clock.now += timedelta(seconds=DEFAULT_RETIRE_AFTER_S - 1)
+    fourth = publish(root, seed=4, now=clock)
+    assert retired <= files_under(root)  # not yet: retired 599 s ago
+    clock.now += timedelta(seconds=1)
+    fifth = publish(root, seed=5, now=clock)
+    live = {fourth.router_file, fifth.router_file}
+    live |= {e.file for m in (fourth, fifth) for e in m.experts}
+    ledger = json.loads((root / "retired.json").read_text())["retired"]
+    assert files_under(root) == {"manifest.json", "report.json", "retired.json", *live, *ledger}
+    assert not retired & files_under(root)  # deleted 600 s after they were retired
+    # Retired by the fourth and fifth publishes (second's and third's), each kept until its
+    # own 600 s are up.
+    assert set(ledger) == ({second.router_file, third.router_file}
+                           | {e.file for m in (second, third) for e in m.experts}) - live
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = datetime(2026, 11, 30, tzinfo=UTC)
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+def test_an_unreadable_ledger_retires_its_files_anew(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    clock = Clock()
+    first = publish(root, seed=1, now=clock)
+    publish(root, seed=2, now=clock)
+    publish(root, seed=3, now=clock)
+    (root / "retired.json").write_text("{not json")
+    clock.now += timedelta(seconds=DEFAULT_RETIRE_AFTER_S)
+    publish(root, seed=4, now=clock)
+    # Retired again from now: deleted later, never sooner.
+    assert {e.file for e in first.experts} <= files_under(root)
 
 
 def test_unchanged_experts_keep_their_file(tmp_path: Path) -> None:
