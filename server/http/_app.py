@@ -49,6 +49,7 @@ def pool_snapshot(serving: ServingState) -> PoolSnapshot | None:
         # started): a load that several requests waited for counts once.
         counts={a.name: a.counts for a in actors},
         queue_rows=int(queued),
+        alive={a.name: a.alive for a in actors},
     )
 
 

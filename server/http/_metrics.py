@@ -46,6 +46,7 @@ class PoolSnapshot:
     # Prometheus sees one actor's restart as that series' reset, not as the sum falling).
     counts: dict[str, CacheCounts] = field(default_factory=dict)
     queue_rows: int = 0
+    alive: dict[str, bool] = field(default_factory=dict)
 
 
 class _PoolCollector(Collector):
@@ -69,6 +70,14 @@ class _PoolCollector(Collector):
         yield GaugeMetricFamily(
             "momlp_queue_rows", "rows waiting to be batched or computed", value=snap.queue_rows
         )
+        alive = GaugeMetricFamily(
+            "momlp_actor_alive",
+            "1 while the actor answers, 0 while it is dead (restarting, or out of restarts)",
+            labels=["actor"],
+        )
+        for actor, up in sorted(snap.alive.items()):
+            alive.add_metric([actor], 1.0 if up else 0.0)
+        yield alive
         for name, documentation, field_name in (
             ("momlp_cache_evictions", "experts evicted from each actor's cache", "evictions"),
             (

@@ -399,6 +399,10 @@ def add_routes(app: FastAPI) -> None:
         version = serving.version
         if version is None or serving.stopping:
             raise NotReady(reason="the store and the pool are not up")
+        actors = serving.pool.actors() if serving.pool is not None else []
+        if actors and not any(actor.alive for actor in actors):
+            # Restarting (seconds), or out of restarts: either way nothing can be answered.
+            raise NotReady(reason="no live actor in the pool")
         return ReadyResponse(store_version=version.version)
 
     @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})

@@ -23,7 +23,7 @@ from server.pool._actor import ERROR_LOAD
 from server.pool._dispatch import Dispatcher
 from server.pool._types import ActorInfo, ActorReply, CacheCounts, Group, GroupResult
 
-__all__ = ["ActorDied", "DispatchingPool", "check_budget"]
+__all__ = ["ActorDied", "ActorGone", "DispatchingPool", "check_budget"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,16 @@ class ActorDied(Exception):
     def __init__(self, actor: str) -> None:
         super().__init__(f"actor {actor} died")
         self.actor = actor
+
+
+class ActorGone(ActorDied):
+    """Internal: the actor is dead and its runtime says it will not be restarted (Ray's
+    ActorDiedError after the actor's restarts are spent; a restarting one is unavailable)."""
+
+
+# A revival gives up after this many ActorGone answers in a row: one could be a call that
+# raced the death's bookkeeping; three, with the poll's back-off between them, are not.
+_GONE_ANSWERS = 3
 
 
 def check_budget(experts: Iterable[ExpertRef], budget_bytes: int) -> None:
@@ -266,11 +276,22 @@ class DispatchingPool(ABC):
         Calls to a restarting Ray actor fail at once (ActorUnavailableError) rather than
         queue, so this polls with a growing delay instead of waiting on one call.
         """
-        waited, delay = 0.0, 0.05
+        waited, delay, gone = 0.0, 0.05, 0
         while waited < self._revive_timeout_s:
             try:
                 await self._call_info(actor)
-            except ActorDied:
+            except ActorDied as exc:
+                gone = gone + 1 if isinstance(exc, ActorGone) else 0
+                if gone >= _GONE_ANSWERS:
+                    # Waiting out the timeout would hold every request for it (60 s), to end
+                    # in the same "no live actor".
+                    logger.error(
+                        "actor %s is dead for good: its runtime will not restart it again "
+                        "(MOMLP_ACTOR_MAX_RESTARTS); requests that need it fail with 503 "
+                        "actor_failed, and /readyz says not ready once no actor is left",
+                        actor,
+                    )
+                    return
                 await asyncio.sleep(delay)
                 waited += delay
                 delay = min(1.0, delay * 2)

@@ -19,7 +19,7 @@ from experts_store import Clock, ExpertRef
 from server._exceptions import ActorFailed, PoolStartFailed
 from server._settings import Settings
 from server.pool._actor import ExpertActor, resolve_device
-from server.pool._base import ActorDied, DispatchingPool
+from server.pool._base import ActorDied, ActorGone, DispatchingPool
 from server.pool._channel import Channel, ChannelCallFailed, ChannelClosed
 from server.pool._channel_dir import make_channel_folder, sweep_stale_folders
 from server.pool._types import ActorInfo, ActorReply
@@ -321,10 +321,14 @@ class RayExpertPool(DispatchingPool):
             raise ActorDied(actor) from exc
 
     async def _call_info(self, actor: str) -> ActorInfo:
-        from ray.exceptions import RayActorError
+        from ray.exceptions import ActorDiedError, RayActorError
 
         try:
             info: ActorInfo = await self._handles[actor].info.remote()
+        except ActorDiedError as exc:
+            # Raised to a new call only when Ray will not restart the actor; while it
+            # restarts, calls get ActorUnavailableError.
+            raise ActorGone(actor) from exc
         except RayActorError as exc:
             raise ActorDied(actor) from exc
         return info

@@ -429,6 +429,25 @@ async def test_the_probes_answer_head_as_monitors_send_it(store: Path) -> None:
             assert answer.status_code == 200, (path, answer.text)
 
 
+async def test_not_ready_while_no_actor_is_alive(store: Path) -> None:
+    # DESIGN: readiness is "store loaded, pool up"; with every actor dead (restarting, or out
+    # of restarts) nothing can be answered, and an orchestrator must see it.
+    app = fake_app(store, actors=2)
+    async with running(app) as client:
+        pool = app.state.serving.pool
+        pool._dispatcher.mark_dead("actor-0")
+        half = await client.get("/readyz")
+        pool._dispatcher.mark_dead("actor-1")
+        none = await client.get("/readyz")
+        metrics = (await client.get("/metrics")).text
+        pool._dispatcher.mark_alive("actor-0")
+        back = await client.get("/readyz")
+    assert half.status_code == 200 and back.status_code == 200
+    assert none.status_code == 503 and "no live actor" in error_of(none)["detail"]["reason"]
+    assert 'momlp_actor_alive{actor="actor-0"} 0.0' in metrics
+    assert 'momlp_actor_alive{actor="actor-1"} 0.0' in metrics
+
+
 async def test_not_ready_before_startup(store: Path) -> None:
     app = fake_app(store)
     transport = httpx.ASGITransport(app=app)

@@ -17,7 +17,7 @@ from pool_support import IdGroup, IdPool
 
 from experts_store import ExpertTooLarge, Store, load_expert
 from router import PrototypeTree
-from server._exceptions import ExpertUnavailable, PoolStartFailed
+from server._exceptions import ActorFailed, ExpertUnavailable, PoolStartFailed
 from server._settings import Settings
 from server.batching import Batcher
 from server.kinds import MomlpModel
@@ -180,6 +180,29 @@ async def test_killing_an_actor_mid_stream_loses_and_duplicates_nothing(
         results = await pool.run(batches[0])
         assert all(r.error is None for r in results)
         assert pool.transport("actor-0") == channel  # the new process got a channel too
+    finally:
+        await pool.close()
+
+
+async def test_an_actor_out_of_restarts_fails_requests_without_waiting_for_it(
+    make_store: MakeStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Its requests waited out the revival timeout (60 s) before "no live actor", as if Ray
+    # were still restarting it; Ray answers such an actor's calls with ActorDiedError.
+    store = Store.open(make_store(K=4, n=2, width=8, out=1))
+    pool = await start(store, actors=1, actor_max_restarts=0, actor_channel="ray")
+    rng = np.random.default_rng(3)
+    groups = random_groups(rng, 4, 2, 2)
+    try:
+        assert all(r.error is None for r in await pool.run(groups))
+        pid = await pool.handle("actor-0").get_pid.remote()
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(ActorFailed):
+            await pool.run(groups)
+        assert not await pool.wait_until_alive("actor-0")
+        assert [actor.alive for actor in pool.actors()] == [False]
+        assert "actor-0 is dead for good" in caplog.text
+        assert "did not come back within" not in caplog.text
     finally:
         await pool.close()
 
