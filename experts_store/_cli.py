@@ -41,6 +41,10 @@ def register(subparsers: Any) -> None:
         "--data", required=True, metavar="FILE", help=".npz (X, y), .csv or .parquet rows"
     )
     calibrate.add_argument(
+        "--target", metavar="COLUMN", default=None,
+        help="the column of a .csv or .parquet table that holds y",
+    )
+    calibrate.add_argument(
         "--top-k", default="2,3", metavar="K,K", help="top-k mixtures to fit for (default 2,3)"
     )
     calibrate.set_defaults(handler=_calibrate)
@@ -286,7 +290,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from trainer import TrainerError, calibrate_store
 
     try:
-        manifest = calibrate_store(args.dir, args.data, top_ks=top_ks)
+        manifest = calibrate_store(args.dir, args.data, top_ks=top_ks, target=args.target)
     except (StoreError, TrainerError, RouterError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

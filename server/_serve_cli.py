@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -158,7 +161,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from server.pool import ray_session
 
-    if args.store is None:
+    if args.store is None and "MOMLP_STORE" not in os.environ:
         args.store = DEMO_STORE
     settings = _settings_or_none(args)
     if settings is None:
@@ -172,8 +175,24 @@ def _demo(args: argparse.Namespace) -> int:
     # One Ray for the build and the server: starting a second one costs tens of seconds here.
     with ray_session(address=settings.ray_address, num_cpus=settings.ray_num_cpus):
         logger.info("building the demo store (2-D Ackley, 16 experts) into %s", store)
-        build_store(quick_demo_config(store))
+        with _sigterm_as_interrupt():
+            build_store(quick_demo_config(store))
         return _run(settings)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM stops the build as Ctrl-C does (the build's staging is removed, Ray is shut
+    down, exit 130). ray.init put Ray's own handler in, which aborted with a crash dump; the
+    server puts its own in when it starts."""
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def register(subparsers: Any) -> None:

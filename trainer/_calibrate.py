@@ -186,9 +186,14 @@ def _row_losses(pred: torch.Tensor, y: torch.Tensor, task: str) -> torch.Tensor:
 
 
 def calibrate_store(
-    root: Path | str, data: Path | str, *, top_ks: Sequence[int] = (2, 3)
+    root: Path | str,
+    data: Path | str,
+    *,
+    top_ks: Sequence[int] = (2, 3),
+    target: str | None = None,
 ) -> Any:
-    """Fit τ on a data file (.npz X, y / .csv / .parquet) and republish the store with it.
+    """Fit τ on a data file (.npz X, y / .csv / .parquet, whose `target` column is y) and
+    republish the store with it.
 
     The experts' files are kept as they are (same content, so a server keeps them warm);
     the router is rewritten with the new τ and the manifest's gate block says how it was
@@ -211,7 +216,7 @@ def calibrate_store(
         raise DataError("a learned-linear store serves the τ its router was trained with; "
                         "it is not recalibrated", source=str(root))
     data = Path(data)
-    dataset = load_data_file(data, task=m.task)
+    dataset = load_data_file(Path(data), target=target, task=m.task)
     x = np.concatenate([dataset.x_train, dataset.x_test])
     y = np.concatenate([dataset.y_train, dataset.y_test])
     if x.shape[1] != m.input_dim:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import re
 import subprocess
 import sys
@@ -170,6 +171,38 @@ def test_demo_builds_the_store_once_then_serves_it(
     assert [Path(s.store) for s in runs] == [Path("demo-store")] * 2
     assert main(["demo", "--port", "0", "--rebuild"]) == 0
     assert len(builds) == 2
+
+
+def test_demo_takes_its_store_from_momlp_store_as_serve_does(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    runs = _record_runs(monkeypatch)
+    monkeypatch.setattr(trainer, "build_store", lambda config, **kw: build_small_store(config.out))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MOMLP_STORE", str(tmp_path / "mine"))
+    assert main(["demo", "--port", "0"]) == 0
+    assert [Path(s.store) for s in runs] == [tmp_path / "mine"]
+    assert (tmp_path / "mine" / "manifest.json").is_file()
+    assert not (tmp_path / "demo-store").exists()
+
+
+def test_sigterm_during_the_demo_build_stops_it_as_ctrl_c_does(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Ray's own SIGTERM handler (put in by ray.init) aborted the build with a crash dump.
+    import signal
+
+    runs = _record_runs(monkeypatch)
+
+    def build_then_sigterm(config: Any, **kwargs: Any) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(trainer, "build_store", build_then_sigterm)
+    monkeypatch.chdir(tmp_path)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["demo", "--port", "0"]) == 130
+    assert runs == []  # nothing served
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_registering_the_commands_imports_neither_torch_nor_ray() -> None:

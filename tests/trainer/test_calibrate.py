@@ -79,3 +79,19 @@ def test_store_calibrate_refuses_a_store_without_a_top_k_gate(
     err = capsys.readouterr().err
     assert "kind 'graph'" in err and "Traceback" not in err
     assert Store.open(root).manifest.store_version == before  # nothing republished
+
+
+def test_store_calibrate_reads_a_table_by_its_target_column(
+    built: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --help promised .csv rows, and a table needs --target, which calibrate did not take.
+    pytest.importorskip("pandas")
+    rng = np.random.default_rng(7)
+    x = rng.uniform(-1, 1, size=(300, 2))
+    table = tmp_path / "fit.csv"
+    rows = [f"{a},{b},{t}" for (a, b), t in zip(x, ackley(x).ravel(), strict=True)]
+    table.write_text("a,b,t\n" + "\n".join(rows) + "\n")
+    assert main(["store", "calibrate", str(built), "--data", str(table), "--target", "t"]) == 0
+    c = Store.open(built).manifest.gate_spec.calibration
+    assert c is not None and c["data"] == "fit.csv" and c["rows"] == 300
+    assert "calibrated τ=" in capsys.readouterr().out
