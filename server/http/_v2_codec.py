@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from server.http._body import HttpError, check_rows, validation_detail
+from server.http._body import HttpError, check_rows, refuse_rows_beyond_scan, validation_detail
 
 __all__ = [
     "DTYPES",
@@ -101,6 +101,10 @@ def parse_infer(
         if not 0 < length <= len(body):
             raise _bad(f"Inference-Header-Content-Length {length} does not fit the body")
         json_part, binary = body[:length], body[length:]
+    # The data's values are separated by commas: beyond max_rows rows of input_dim values
+    # (and the few commas of the rest of the request) the shape's check would refuse it only
+    # after a parse that holds the server's GIL.
+    refuse_rows_beyond_scan(json_part, b",", max_rows * input_dim + 1024, "commas")
     try:
         request = InferRequest.model_validate_json(json_part)
     except ValidationError as exc:
