@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ __all__ = ["parse_bytes", "register", "settings_from_args"]
 logger = logging.getLogger(__name__)
 
 DEMO_STORE = Path("demo-store")
+# How long a --ray-address head may take to accept a TCP connection before serve gives up.
+_CONNECT_TIMEOUT_S = 10.0
 
 def parse_bytes(text: str) -> int:
     """`268435456`, `256MiB`, `1.5GB` -> bytes (the settings' own parser, for argparse)."""
@@ -140,8 +143,35 @@ def _has_manifest(store: Path) -> bool:
         return True
 
 
+def _ray_address_problem(address: str, timeout_s: float = _CONNECT_TIMEOUT_S) -> tuple[int, str]:
+    """(exit code, why) when `address` is no Ray cluster this process can join; (0, "") else.
+
+    ray.init itself waits for an unreachable head for ~14 minutes, printing only its own
+    retries, and answers a malformed address with a traceback.
+    """
+    if address in ("auto", "local") or address.startswith("ray://"):
+        return 0, ""  # Ray's own forms: Ray resolves and checks them
+    host, _, port = address.rpartition(":")
+    if not host or "/" in host or not port.isdecimal() or not 0 < int(port) < 65536:
+        return 2, f"--ray-address {address!r} is not HOST:PORT (e.g. 127.0.0.1:6379), auto or ray://"
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return 0, ""
+    except OSError as exc:
+        return 1, (
+            f"no Ray cluster answers at {address} ({exc.strerror or exc}); start it first "
+            "(deploy/local-cluster.sh start, or `ray start --head`)"
+        )
+
+
 def _run(settings: Any) -> int:
     from server._runner import run_server
+
+    if settings.ray_address:
+        code, why = _ray_address_problem(settings.ray_address)
+        if code:
+            logger.error("%s", why)
+            return code
 
     if not _has_manifest(Path(settings.store)):
         logger.error(

@@ -196,12 +196,16 @@ class RayExpertPool(DispatchingPool):
                 ray.kill(handle, no_restart=True)
             raise PoolStartFailed(reason="a stop was asked for before the actors were up") from None
         except GetTimeoutError:
+            # Read before the kills: the actors that were placed still hold theirs, and the
+            # total says what the cluster could give at all.
+            total = ray.cluster_resources()  # type: ignore[no-untyped-call]
+            available = ray.available_resources()  # type: ignore[no-untyped-call]
             for handle in handles.values():
                 ray.kill(handle, no_restart=True)
-            available = ray.available_resources()  # type: ignore[no-untyped-call]
             raise PoolStartFailed(
                 reason=f"{count} actor(s) asking {resources} each were not all placed within "
-                f"{settings.actor_start_timeout_s:g} s; the cluster has {available} free",
+                f"{settings.actor_start_timeout_s:g} s; the cluster has {total} in all, "
+                f"{available} free",
             ) from None
         except RayActorError as exc:
             for handle in handles.values():

@@ -40,3 +40,19 @@ def test_every_http_probe_of_a_keyed_container_is_an_open_path() -> None:
                     probes.append(get["path"])
     assert {"/readyz", "/healthz"} <= set(probes)
     assert set(probes) <= OPEN_PATHS
+
+
+def test_the_serving_sidecar_shares_the_ray_heads_session_folder_and_shared_memory() -> None:
+    # A Ray driver in another container reaches the node's raylet through Unix sockets in
+    # /tmp/ray/session_*/sockets and its object store through /dev/shm: without both shared,
+    # `momlp serve --ray-address 127.0.0.1:6379` aborted at ray.init.
+    [cluster] = [d for d in yaml.safe_load_all(MANIFEST.read_text()) if d["kind"] == "RayCluster"]
+    pod = cluster["spec"]["headGroupSpec"]["template"]["spec"]
+    mounts = {
+        c["name"]: {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+        for c in pod["containers"]
+    }
+    for path in ("/tmp/ray", "/dev/shm"):
+        assert mounts["momlp-serve"][path] == mounts["ray-head"][path]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[mounts["ray-head"]["/dev/shm"]]["emptyDir"] == {"medium": "Memory"}

@@ -205,6 +205,30 @@ def test_sigterm_during_the_demo_build_stops_it_as_ctrl_c_does(
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_a_ray_address_nobody_answers_at_or_that_is_no_address_fails_before_ray(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # ray.init waited ~14 minutes for a head that is not there, and gave malformed addresses
+    # a traceback.
+    import socket
+
+    runs = _record_runs(monkeypatch)
+    store = build_small_store(tmp_path / "s")
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        free = closed.getsockname()[1]
+    assert main(["serve", "--store", str(store), "--ray-address", f"127.0.0.1:{free}"]) == 1
+    assert f"no Ray cluster answers at 127.0.0.1:{free}" in caplog.text
+    for bad in ("nonsense", "127.0.0.2", "127.0.0.2:notaport", "http://127.0.0.2:6390"):
+        assert main(["serve", "--store", str(store), "--ray-address", bad]) == 2, bad
+    with socket.socket() as head:  # something listening: serve goes on to Ray
+        head.bind(("127.0.0.1", 0))
+        head.listen()
+        port = head.getsockname()[1]
+        assert main(["serve", "--store", str(store), "--ray-address", f"127.0.0.1:{port}"]) == 0
+    assert [s.ray_address for s in runs] == [f"127.0.0.1:{port}"]
+
+
 def test_registering_the_commands_imports_neither_torch_nor_ray() -> None:
     import subprocess
     import sys
