@@ -50,12 +50,15 @@ _THREAD_PARSE_BYTES = 256 * 1024
 _SCAN_BYTES = 64 * 1024
 
 
-def refuse_rows_beyond_scan(body: bytes, separator: bytes, most: int, what: str) -> None:
+def refuse_rows_beyond_scan(
+    body: bytes, separator: bytes, most: int, what: str, *, nested: bytes | None = None
+) -> None:
     """413 before the parse when a large JSON body holds more `separator`s (the arrays or
-    values of rows) than `most`, an upper bound of what any request within the caps holds."""
+    values of rows) than `most`, an upper bound of what any request within the caps holds.
+    A body holding `nested` is malformed, not large: its parse refuses it at once (422)."""
     if len(body) > _SCAN_BYTES:
         found = body.count(separator)
-        if found > most:
+        if found > most and (nested is None or nested not in body):
             raise _too_large(
                 f"the body holds {found} {what}, more than any request within the limits "
                 f"({most})",
@@ -314,7 +317,9 @@ def _json_inputs(
 ) -> ParsedInputs:
     # A row is one array (two with a hyper request's per-row conditions), and a request holds
     # a few more (the outer one, a beam): more than that bound is over max_rows, known unread.
-    refuse_rows_beyond_scan(body, b"[", 2 * max_rows + 16, "arrays")
+    # Three brackets in a row are deeper than rows of numbers: a shape error, left to the
+    # parse, which stops at its depth limit.
+    refuse_rows_beyond_scan(body, b"[", 2 * max_rows + 16, "arrays", nested=b"[[[")
     try:
         parsed = model.model_validate_json(body)
     except ValidationError as exc:
