@@ -20,6 +20,7 @@ DEMO_STORE = Path("demo-store")
 # How long a --ray-address head may take to accept a TCP connection before serve gives up.
 _CONNECT_TIMEOUT_S = 10.0
 
+
 def parse_bytes(text: str) -> int:
     """`268435456`, `256MiB`, `1.5GB` -> bytes (the settings' own parser, for argparse)."""
     from server._settings import byte_size
