@@ -18,6 +18,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from server._connections import ClosedConnectionLog, guarded_protocol
 from server._settings import Settings
 from server.batching import OpenConnections
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "StopSignals",
+    "connection_cap",
     "count_connections",
     "freeze_heap",
     "open_without_key",
@@ -72,6 +74,16 @@ def _bound_url(server: Any, settings: Settings) -> str:
     return f"http://{settings.host}:{settings.port}"
 
 
+def _nofile_soft_limit() -> int:
+    """The soft limit on open file descriptors; 0 where there is none or it is unknown."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return 0
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return 0 if soft == resource.RLIM_INFINITY else int(soft)
+
+
 def uvicorn_config(app: Any, settings: Settings) -> uvicorn.Config:
     """How `run_server` runs uvicorn: bound and logging as `settings` say."""
     import uvicorn
@@ -80,11 +92,45 @@ def uvicorn_config(app: Any, settings: Settings) -> uvicorn.Config:
         app,
         host=settings.host,
         port=settings.port,
+        http=_guarded_protocol(app, settings),
         log_config=None,
         access_log=settings.access_log,
         lifespan="on",
         # Requests end by request_timeout_s on their own; past it, nothing is worth waiting for.
         timeout_graceful_shutdown=max(1, math.ceil(settings.request_timeout_s)),
+    )
+
+
+def connection_cap(wanted: int, nofile: Callable[[], int] = _nofile_soft_limit) -> int:
+    """`wanted`, or half the process's file-descriptor limit where that is lower: the other
+    half is left to Ray, the actors' channels and the store's files."""
+    limit = nofile()
+    if limit <= 0 or wanted <= limit // 2:
+        return wanted
+    cap = max(1, limit // 2)
+    logger.warning(
+        "max_connections %s is more than half of this process's file-descriptor limit (%s):"
+        " at most %s connections are kept open; raise the limit (ulimit -n) to keep more",
+        wanted,
+        limit,
+        cap,
+    )
+    return cap
+
+
+def _guarded_protocol(app: Any, settings: Settings) -> type[Any]:
+    """uvicorn's protocol with the header deadline and the connection cap; what they close is
+    logged, and counted in a momlp app's metrics."""
+    metrics = getattr(getattr(app, "state", None), "metrics", None)
+    observe = getattr(metrics, "observe_closed_connection", None)
+    cap = connection_cap(settings.max_connections)
+    log = ClosedConnectionLog(
+        header_timeout_s=settings.header_timeout_s,
+        max_connections=cap,
+        count=observe if callable(observe) else (lambda _reason: None),
+    )
+    return guarded_protocol(
+        header_timeout_s=settings.header_timeout_s, max_connections=cap, on_close=log
     )
 
 

@@ -158,6 +158,18 @@ class Settings(BaseSettings):
     body_timeout_s: float = Field(
         default=30.0, gt=0.0, description="a request body must arrive within this (408 after)"
     )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0.0,
+        description="a request's headers must all arrive within this of its connection opening"
+        " or of the connection's previous response, else the connection is closed",
+    )
+    max_connections: int = Field(
+        default=4096,
+        ge=1,
+        description="HTTP connections open at once; one opened beyond is closed before it is"
+        " read (lowered to half the process's file-descriptor limit where that is smaller)",
+    )
     request_timeout_s: float = Field(default=60.0, gt=0.0)
     default_top_k: int = Field(default=1, ge=1)
     default_mode: Literal["tree", "exact"] | None = Field(

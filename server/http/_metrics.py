@@ -140,6 +140,14 @@ class Metrics:
             buckets=_ROW_BUCKETS,
             registry=r,
         )
+        self.connections_closed = Counter(
+            "momlp_connections_closed",
+            "HTTP connections the server closed unasked: 'header_timeout' (a request's headers"
+            " not all in within header_timeout_s), 'over_limit' (opened while max_connections"
+            " were open)",
+            ["reason"],
+            registry=r,
+        )
         self._snapshot: Callable[[], PoolSnapshot | None] = snapshot or (lambda: None)
         r.register(_PoolCollector(lambda: self._snapshot()))
         # labels() validates and looks up under a lock on every call; endpoints and statuses
@@ -182,6 +190,9 @@ class Metrics:
 
     def observe_batch(self, rows: int) -> None:
         self.batch_rows.observe(rows)
+
+    def observe_closed_connection(self, reason: str) -> None:
+        self.connections_closed.labels(reason=reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

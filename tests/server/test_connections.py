@@ -1,0 +1,206 @@
+"""The server's HTTP connections under real uvicorn on loopback: slow headers and too many
+connections are closed, requests that take their time are not."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from app_support import build_small_store, fake_app
+from starlette.responses import PlainTextResponse
+from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from server._connections import ClosedConnectionLog, guarded_protocol
+from server._runner import connection_cap, uvicorn_config
+from server._settings import Settings
+
+pytestmark = pytest.mark.unit
+
+PROTOCOLS = [pytest.param(HttpToolsProtocol, id="httptools"), pytest.param(H11Protocol, id="h11")]
+
+
+async def _slow_hello(scope: Scope, receive: Receive, send: Send) -> None:
+    if scope["type"] == "http":
+        await asyncio.sleep(float(scope["path"].strip("/") or 0))
+        await PlainTextResponse("hello")(scope, receive, send)
+
+
+@asynccontextmanager
+async def serving(
+    app: Any, base: type[asyncio.Protocol] | None = None, **settings: Any
+) -> AsyncIterator[int]:
+    """uvicorn serving `app` as `momlp serve` configures it; yields the port."""
+    config = uvicorn_config(app, Settings(host="127.0.0.1", port=0, **settings))
+    if base is not None:
+        config.http = guarded_protocol(
+            header_timeout_s=settings["header_timeout_s"],
+            max_connections=settings.get("max_connections", 4096),
+            base=base,
+        )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def _closed_after(reader: asyncio.StreamReader, within_s: float) -> float:
+    """Seconds until the server closed the connection (EOF), failing past `within_s`."""
+    start = time.monotonic()
+    data = await asyncio.wait_for(reader.read(), timeout=within_s)
+    assert data == b""  # closed without an answer
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize("base", PROTOCOLS)
+async def test_a_connection_that_sends_nothing_is_closed_after_the_header_timeout(
+    base: type[asyncio.Protocol],
+) -> None:
+    async with serving(_slow_hello, base, header_timeout_s=0.3) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        waited = await _closed_after(reader, within_s=5.0)
+        writer.close()
+    assert 0.25 <= waited < 3.0
+
+
+@pytest.mark.parametrize("base", PROTOCOLS)
+async def test_headers_trickling_in_are_cut_off_at_the_deadline_after_a_response_too(
+    base: type[asyncio.Protocol],
+) -> None:
+    async with serving(_slow_hello, base, header_timeout_s=0.5) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"hello"), timeout=5.0)
+        assert head.startswith(b"HTTP/1.1 200")
+        # The next request's headers, a byte every 0.1 s: each byte would restart uvicorn's
+        # own keep-alive timer, but not the deadline.
+        start = time.monotonic()
+        closed = False
+        for byte in b"GET / HTTP/1.1\r\nx-slow: " + b"a" * 100:
+            try:
+                writer.write(bytes([byte]))
+                await writer.drain()
+            except ConnectionError:
+                closed = True
+                break
+            if reader.at_eof() or (await _eof_within(reader, 0.1)):
+                closed = True
+                break
+        waited = time.monotonic() - start
+        writer.close()
+    assert closed
+    assert 0.4 <= waited < 3.0
+
+
+async def _eof_within(reader: asyncio.StreamReader, seconds: float) -> bool:
+    try:
+        return await asyncio.wait_for(reader.read(1), timeout=seconds) == b""
+    except TimeoutError:
+        return False
+
+
+@pytest.mark.parametrize("base", PROTOCOLS)
+async def test_requests_slower_than_the_header_timeout_are_answered_pipelined_too(
+    base: type[asyncio.Protocol],
+) -> None:
+    async with serving(_slow_hello, base, header_timeout_s=0.3) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        # Two pipelined requests that each take twice the header timeout to answer.
+        writer.write(b"GET /0.6 HTTP/1.1\r\nhost: x\r\n\r\nGET /0.6 HTTP/1.1\r\nhost: x\r\n\r\n")
+        await writer.drain()
+        first = await asyncio.wait_for(reader.readuntil(b"hello"), timeout=5.0)
+        second = await asyncio.wait_for(reader.readuntil(b"hello"), timeout=5.0)
+        writer.close()
+    assert first.startswith(b"HTTP/1.1 200")
+    assert second.lstrip().startswith(b"HTTP/1.1 200")
+
+
+async def test_connections_beyond_the_cap_are_closed_unread_and_counted(tmp_path: Path) -> None:
+    app = fake_app(build_small_store(tmp_path / "store"))
+    async with app.router.lifespan_context(app):  # the app's own metrics, as momlp serve has
+        async with serving(app, header_timeout_s=30.0, max_connections=3) as port:
+            held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            assert await _closed_after(reader, within_s=2.0) < 1.0
+            writer.close()
+            for _, w in held[:2]:
+                assert not w.is_closing()
+            # One of the three goes away: a new client gets in and is answered.
+            held[0][1].close()
+            await held[0][1].wait_closed()
+            await asyncio.sleep(0.1)
+            async with httpx.AsyncClient() as client:
+                answer = await client.get(f"http://127.0.0.1:{port}/metrics")
+            for _, w in held[1:]:
+                w.close()
+    assert answer.status_code == 200
+    assert 'momlp_connections_closed_total{reason="over_limit"} 1.0' in answer.text
+
+
+async def test_a_header_timeout_is_counted_in_the_metrics(tmp_path: Path) -> None:
+    app = fake_app(build_small_store(tmp_path / "store"))
+    async with app.router.lifespan_context(app):
+        async with serving(app, header_timeout_s=0.2) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            await _closed_after(reader, within_s=5.0)
+            writer.close()
+            async with httpx.AsyncClient() as client:
+                answer = await client.get(f"http://127.0.0.1:{port}/metrics")
+    assert 'momlp_connections_closed_total{reason="header_timeout"} 1.0' in answer.text
+
+
+def test_the_cap_is_lowered_to_half_the_descriptor_limit() -> None:
+    assert connection_cap(4096, nofile=lambda: 1024) == 512
+    assert connection_cap(4096, nofile=lambda: 20000) == 4096
+    assert connection_cap(100, nofile=lambda: 0) == 100  # no limit known
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("header_timeout_s", 0.0), ("max_connections", 0)]
+)
+def test_settings_refuse_a_header_timeout_or_cap_that_would_refuse_everyone(
+    name: str, value: float
+) -> None:
+    with pytest.raises(ValueError, match=name):
+        Settings(**{name: value})
+
+
+def test_closed_connections_are_logged_at_most_once_a_minute_per_reason(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [0.0]
+    counted: list[str] = []
+    log = ClosedConnectionLog(
+        header_timeout_s=10, max_connections=3, count=counted.append, clock=lambda: now[0]
+    )
+    with caplog.at_level(logging.WARNING, logger="server._connections"):
+        log("over_limit")
+        for _ in range(499):
+            now[0] += 0.1
+            log("over_limit")
+        log("header_timeout")
+        now[0] = 61.0
+        log("over_limit")
+    lines = [r.getMessage() for r in caplog.records]
+    assert counted.count("over_limit") == 501 and counted.count("header_timeout") == 1
+    assert lines == [
+        "closed 1 connection because they were opened while 3 connections were open",
+        "closed 1 connection because their request headers did not all arrive within 10 s",
+        "closed 500 connections because they were opened while 3 connections were open"
+        " (in the last 61 s)",
+    ]
