@@ -16,6 +16,13 @@
 # Each node is started in its own process session, and its session id is kept in
 # $MOMLP_CLUSTER_DIR/nodes, so `stop` kills those processes only: `ray stop` would kill every
 # Ray process on the machine, other users' included.
+#
+# The nodes talk over 127.0.0.2, but Ray's servers listen on every interface for any node
+# address but 127.0.0.1 (which `ray start` would replace by the machine's outward one), so the
+# cluster keeps Ray's token authentication on: `start` writes a token readable by this user
+# only to $MOMLP_CLUSTER_DIR/auth_token, and a client joins with
+#   RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$MOMLP_CLUSTER_DIR/auth_token
+# (what `start` prints). Without the token nobody can join the cluster or run code on it.
 set -euo pipefail
 
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -32,9 +39,9 @@ fi
 node_ip="${MOMLP_CLUSTER_IP:-127.0.0.2}"
 address="${node_ip}:${port}"
 nodes="$dir/nodes"
+token="$dir/auth_token"
 
-# Token auth would need the token copied to every client; on loopback it only gets in the way.
-export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
+export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$token" RAY_USAGE_STATS_ENABLED=0
 # Several nodes on one machine count as a multi-node cluster. Nodes bind 127.0.0.2: Ray rewrites
 # 127.0.0.1 to the machine's outward address but keeps other loopback addresses, so all of the
 # cluster's traffic stays on loopback.
@@ -49,6 +56,17 @@ start_node() {  # name, ray-start arguments...
   local pid=$!
   wait "$pid" || { echo "ray start failed for $name; see $log" >&2; tail -20 "$log" >&2; return 1; }
   echo "$name $pid" >>"$nodes"
+}
+
+require_cluster() {  # the commands that act on a running cluster
+  if [[ ! -s "$nodes" ]]; then
+    echo "no cluster is recorded in $dir; run '$0 start N' first" >&2
+    exit 1
+  fi
+}
+
+port_taken() {  # host port: true when something accepts connections there
+  (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null
 }
 
 worker_count() {
@@ -83,20 +101,32 @@ case "${1:-}" in
       echo "a cluster is already recorded in $nodes; run '$0 stop' first" >&2
       exit 1
     fi
+    [[ "$n" =~ ^[0-9]+$ ]] || { echo "usage: $0 start N (N worker nodes, a whole number)" >&2; exit 2; }
+    for p in "$port" $((port + 1)); do
+      if port_taken "$node_ip" "$p"; then
+        echo "port $p on $node_ip is in use (another Ray cluster?): pick another with" \
+          "MOMLP_CLUSTER_PORT (the head takes it and the next one)" >&2
+        exit 1
+      fi
+    done
     mkdir -p "$dir"
+    (umask 077 && od -An -tx1 -N32 /dev/urandom | tr -d ' \n' >"$token")
     : >"$nodes"
     start_node head --head --node-ip-address="$node_ip" --port="$port" \
       --ray-client-server-port=$((port + 1)) --temp-dir="$dir/ray" \
       --num-cpus=0 --include-dashboard=false
     for _ in $(seq 1 "$n"); do add_worker; done
     echo "cluster up: head $address with $n worker node(s)"
-    echo "use: RAY_AUTH_MODE=disabled momlp serve --ray-address $address --store DIR"
+    echo "use: RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$token MOMLP_ACTOR_RESOURCE=momlp_worker" \
+      "momlp serve --ray-address $address --actors $n --store DIR"
     ;;
   add-worker)
+    require_cluster
     add_worker
     ;;
   kill-worker)
     i="${2:?usage: $0 kill-worker I}"
+    require_cluster
     sid=$(awk -v n="worker-$i" '$1 == n {print $2}' "$nodes")
     [[ -n "$sid" ]] || { echo "no worker-$i in $nodes" >&2; exit 1; }
     pids=$(ps -eo pid=,sid= | awk -v s="$sid" '$2 == s {print $1}')
@@ -104,18 +134,21 @@ case "${1:-}" in
     echo "worker-$i killed"
     ;;
   stop)
-    if [[ -f "$nodes" ]]; then
-      # Workers first, the head last, so nodes do not wait on a vanished GCS.
-      tac "$nodes" | while read -r _ sid; do kill_session "$sid"; done
-      rm -f "$nodes"
+    if [[ ! -f "$nodes" ]]; then
+      echo "no cluster is recorded in $dir: nothing to stop"
+      exit 0
     fi
+    # Workers first, the head last, so nodes do not wait on a vanished GCS.
+    tac "$nodes" | while read -r _ sid; do kill_session "$sid"; done
+    rm -f "$nodes" "$token"
     echo "cluster stopped"
     ;;
   status)
+    require_cluster
     RAY_ADDRESS="$address" "$ray_bin" status
     ;;
   *)
-    sed -n '2,16p' "$0"
+    sed -n '2,14p' "$0"
     exit 2
     ;;
 esac

@@ -56,3 +56,14 @@ def test_the_serving_sidecar_shares_the_ray_heads_session_folder_and_shared_memo
         assert mounts["momlp-serve"][path] == mounts["ray-head"][path]
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes[mounts["ray-head"]["/dev/shm"]]["emptyDir"] == {"medium": "Memory"}
+
+
+def test_the_image_pins_the_ray_the_raycluster_declares() -> None:
+    # Every node of a Ray cluster must run one Ray version; the image's pip install must not
+    # pick a newer one than the RayCluster's rayVersion.
+    declared = yaml.safe_load(MANIFEST.read_text())["spec"]["rayVersion"]
+    dockerfile = (MANIFEST.parents[1] / "Dockerfile").read_text()
+    assert f'ARG RAY_SPEC="ray[default]=={declared}"' in dockerfile
+    assert 'pip install "$RAY_SPEC" .' in dockerfile
+    # KubeRay's probes of the Ray containers run wget inside the image.
+    assert "wget" in dockerfile.split("apt-get install", 1)[1].split("\n", 1)[0]

@@ -146,7 +146,9 @@ def served(cluster: Cluster, tmp_path: Path) -> Iterator[tuple[str, Path]]:
     store = build_store(tmp_path / "store")
     env = {
         **cluster.env,
-        "RAY_AUTH_MODE": "disabled",
+        # The cluster keeps Ray's token auth on; its token is what `start` says to use.
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(cluster.dir / "auth_token"),
         "MOMLP_ACTOR_RESOURCE": "momlp_worker",
         "RAY_USAGE_STATS_ENABLED": "0",
     }

@@ -1,0 +1,57 @@
+"""deploy/local-cluster.sh's refusals, which need no Ray started: commands on a cluster that
+is not there, a bad node count, a port in use. (Starting and serving on it:
+tests/integration/test_multinode.py.)"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "local-cluster.sh"
+
+
+def run(tmp_path: Path, *args: str, port: int = 6390) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "MOMLP_CLUSTER_DIR": str(tmp_path / "cluster"),
+           "MOMLP_CLUSTER_PORT": str(port), "RAY": "/bin/false"}
+    return subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True,
+                          text=True, timeout=30, check=False)
+
+
+@pytest.mark.parametrize("command", [["status"], ["add-worker"], ["kill-worker", "1"]])
+def test_commands_on_a_cluster_not_started_say_so_at_once(
+    tmp_path: Path, command: list[str]
+) -> None:
+    done = run(tmp_path, *command)
+    assert done.returncode == 1
+    assert f"no cluster is recorded in {tmp_path / 'cluster'}" in done.stderr
+    assert "start N" in done.stderr
+
+
+def test_stop_without_a_cluster_does_not_claim_to_have_stopped_one(tmp_path: Path) -> None:
+    done = run(tmp_path, "stop")
+    assert done.returncode == 0
+    assert "nothing to stop" in done.stdout and "cluster stopped" not in done.stdout
+
+
+def test_start_refuses_a_node_count_that_is_not_a_number(tmp_path: Path) -> None:
+    done = run(tmp_path, "start", "two")
+    assert done.returncode == 2 and "whole number" in done.stderr
+    assert not (tmp_path / "cluster" / "nodes").exists()
+
+
+def test_start_names_a_port_in_use_before_starting_anything(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.2", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = run(tmp_path, "start", "1", port=port)
+    assert done.returncode == 1
+    assert f"port {port} on 127.0.0.2 is in use" in done.stderr
+    assert "MOMLP_CLUSTER_PORT" in done.stderr
+    assert not (tmp_path / "cluster" / "nodes").exists()
