@@ -55,13 +55,18 @@ class _Strict(BaseModel):
 
 
 class GateModel(_Strict):
-    """Request-time gate; every field defaults to the store's gate (manifest `gate`)."""
+    """Request-time gate; every field defaults to the store's gate (manifest `gate`).
 
-    temperature: Temperature | None = Field(default=None, description="τ of softmax(-score/τ)")
-    min_weight: MinWeight | None = Field(
+    Its numbers are strict, as the body's other numbers: "0.5" or true is refused, not coerced.
+    """
+
+    temperature: Annotated[Temperature, Field(strict=True)] | None = Field(
+        default=None, description="τ of softmax(-score/τ)"
+    )
+    min_weight: Annotated[MinWeight, Field(strict=True)] | None = Field(
         default=None, description="drop experts below this weight, renormalise"
     )
-    top_p: TopP | None = Field(
+    top_p: Annotated[TopP, Field(strict=True)] | None = Field(
         default=None, description="keep the smallest prefix reaching p, renormalise"
     )
     beam: list[PositiveWhole] | None = Field(

@@ -73,6 +73,29 @@ async def test_beyond_a_cap_is_422_naming_it(
             assert error["detail"]["cap"] == cap
 
 
+@pytest.mark.parametrize(
+    "gate,field",
+    [
+        ({"temperature": "0.5"}, "temperature"),
+        ({"temperature": True}, "temperature"),
+        ({"min_weight": "0.1"}, "min_weight"),
+        ({"top_p": "1"}, "top_p"),
+    ],
+)
+async def test_a_json_gate_number_given_as_a_string_or_bool_is_422_naming_it(
+    store: Path, gate: dict[str, object], field: str
+) -> None:
+    # As every other number of a JSON body: refused, not coerced (a query string's "0.5" is
+    # the binary body's way of giving one, and stays accepted there).
+    async with running(fake_app(store)) as client:
+        for path in ("/v1/predict", "/v1/route"):
+            response = await client.post(
+                path, json={"inputs": [[0.0, 0.0, 0.0]], "top_k": 2, "gate": gate}
+            )
+            assert response.status_code == 422, response.text
+            assert [e["loc"] for e in error_of(response)["detail"]] == [["gate", field]]
+
+
 async def test_dense_to_sparse_rows_report_their_own_experts(store: Path) -> None:
     x = np.random.default_rng(1).standard_normal((300, 3)).tolist()
     async with running(fake_app(store)) as client:
