@@ -110,14 +110,18 @@ class InvalidRequest(ServerError):
 class CapExceeded(InvalidRequest):
     """A request asked for more than a server-side cap allows (Settings `cap`)."""
 
-    def __init__(self, *, cap: str, limit: float, value: object, field: str) -> None:
+    def __init__(
+        self, *, cap: str, limit: float, value: object, field: str, allowed: str | None = None
+    ) -> None:
+        # `allowed` states the range where the cap bounds one from both sides or is relative.
+        message = (
+            f"{field}={value!r} exceeds the server cap {cap}={limit!r}"
+            if allowed is None
+            else f"{field}={value!r} is outside {allowed} (server cap {cap}={limit!r})"
+        )
+        range_ = {} if allowed is None else {"allowed": allowed}
         ServerError.__init__(
-            self,
-            f"{field}={value!r} exceeds the server cap {cap}={limit!r}",
-            field=field,
-            cap=cap,
-            limit=limit,
-            value=value,
+            self, message, field=field, cap=cap, limit=limit, value=value, **range_
         )
 
 

@@ -8,6 +8,7 @@ import torch
 
 from trainer.graph import (
     CompositionalMoMLP,
+    GraphSpec,
     GraphTraining,
     HardForward,
     binary_tree_spec,
@@ -19,9 +20,14 @@ from trainer.graph import (
 D = 8  # inputs of the binary tree: 7 nodes in 3 waves
 
 
-def tiny_graph_store(root: Path, *, seed: int = 0, experts: int = 4) -> CompositionalMoMLP:
-    """A binary tree over 8 inputs, 4 experts per node, a few epochs; published at root."""
+def tiny_graph_store(
+    root: Path, *, seed: int = 0, experts: int = 4, reverse: bool = False
+) -> CompositionalMoMLP:
+    """A binary tree over 8 inputs, 4 experts per node, a few epochs; published at root.
+    `reverse` lists its nodes root first, each before the nodes it reads."""
     spec = binary_tree_spec(D, experts=experts, hidden=(8,))
+    if reverse:
+        spec = GraphSpec(nodes=tuple(reversed(spec.nodes)), outputs=spec.outputs)
     x, y, _ = graph_dataset("tree8", 512, seed)
     model = CompositionalMoMLP(spec, D, seed=seed)
     train_end_to_end(

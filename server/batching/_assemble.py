@@ -81,8 +81,9 @@ class BatchAnswers:
         if len(bad) == 0:
             return None
         return InvalidRequest(
-            f"the output of row {int(bad[0][0])} is not finite: its input overflows float32 in "
-            "the store's experts (is it far outside the range they were trained on?)",
+            f"the output of row {int(bad[0][0])} is not finite: its input, or on a hyper store"
+            " its condition, overflows float32 in the model (is it far outside the range the"
+            " model was trained on?)",
             field="inputs",
         )
 

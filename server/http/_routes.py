@@ -194,6 +194,15 @@ async def _inputs(
     return _Inputs(x, options, parsed.return_stats, parsed.return_routing)
 
 
+def _routable_experts(manifest: Any) -> int:
+    """The experts a row can be routed to: the expert files, or on a hyper store of condition
+    source "prototype" its K prototypes, each served by g(·; f(p_k)) with no file."""
+    spec = manifest.hyper
+    if spec is not None and spec.condition_source == "prototype" and spec.conditions:
+        return int(spec.conditions.count)
+    return int(manifest.num_experts)
+
+
 def _hyper_summary(version: StoreVersion) -> dict[str, Any] | None:
     spec = version.manifest.hyper
     if spec is None:
@@ -221,8 +230,24 @@ def _patch_rows(routing: Any) -> list[list[ExpertPatchesModel]] | None:
     ]
 
 
-def _ragged(rows: list[list[Any]], kept: list[int]) -> list[list[Any]]:
-    return [row[:n] for row, n in zip(rows, kept, strict=True)]
+def _routed_only(experts: torch.Tensor, *columns: torch.Tensor) -> list[list[list[Any]]]:
+    """`experts` and each of `columns` as ragged rows of the entries with an expert (>= 0).
+
+    Those need not come first: a graph store's columns are its nodes in manifest order, -1
+    where a node is not in the first wave, and a spec may list a later node before it.
+    """
+    tables = [experts.tolist(), *(c.tolist() for c in columns)]
+    mask = experts >= 0
+    if bool(mask.all()):
+        return tables
+    keep = mask.tolist()
+    return [
+        [
+            [v for v, k in zip(row, kept, strict=True) if k]
+            for row, kept in zip(t, keep, strict=True)
+        ]
+        for t in tables
+    ]
 
 
 async def submit_in_time(
@@ -301,12 +326,14 @@ async def route(request: Request) -> Response:
         parsed = await _inputs(request, version, serving.settings, RouteRequest, gate, False)
         x = torch.from_numpy(parsed.x)
         routing = await version.route_runner(x, parsed.options)
-    kept = (routing.experts >= 0).sum(dim=1).tolist()
+    experts, weights, distances = _routed_only(
+        routing.experts, routing.weights, routing.distances
+    )
     return model_response(
         RouteResponse.model_construct(
-            experts=_ragged(routing.experts.tolist(), kept),
-            weights=_ragged(routing.weights.tolist(), kept),
-            distances=_ragged(routing.distances.tolist(), kept),
+            experts=experts,
+            weights=weights,
+            distances=distances,
             distance_evals=routing.distance_evals.tolist(),
             store_version=version.version,
             patches=_patch_rows(routing),
@@ -355,7 +382,7 @@ def add_routes(app: FastAPI) -> None:
                 task=m.task,
                 input_dim=m.input_dim,
                 output_dim=m.output_dim,
-                num_experts=m.num_experts,
+                num_experts=_routable_experts(m),
                 branching=m.branching,
                 routing=m.routing,
                 temperature=m.temperature,

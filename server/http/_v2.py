@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -104,6 +105,15 @@ _GATE_PARAMETERS = {
 }
 
 
+# The ranges `/v1` states in its models (server/http/_models.py), for the numbers here.
+_GATE_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "top_k": (lambda v: v >= 1, ">= 1"),
+    "temperature": (lambda v: v > 0, "> 0"),
+    "min_weight": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+}
+
+
 def _gate(parameters: dict[str, Any]) -> GateRequest:
     """The request `parameters` that set the gate (the same knobs as `/v1`'s `gate`)."""
     values: dict[str, Any] = {}
@@ -111,6 +121,11 @@ def _gate(parameters: dict[str, Any]) -> GateRequest:
         value = parameters.get(name)
         if value is not None:
             values[name] = _parameter(name, value, kind)
+            in_range = _GATE_RANGES.get(name)
+            if in_range is not None and not in_range[0](values[name]):
+                raise HttpError(
+                    422, "invalid_input", f"parameter {name} must be {in_range[1]}"
+                )
     beam = parameters.get("beam")
     if beam is not None:
         try:

@@ -140,7 +140,11 @@ def parse_infer(
             flat = np.asarray(tensor.data).reshape(-1)
         except (TypeError, ValueError):
             raise _bad("input data must be numbers") from None
-        if flat.dtype.kind not in "iuf":
+        # A boolean among numbers is cast to 1 or 0 without a trace: look for one, but only
+        # when the request's JSON has a true or false anywhere (a scan of its bytes).
+        if flat.dtype.kind not in "iuf" or (
+            (b"true" in json_part or b"false" in json_part) and _holds_bool(tensor.data)
+        ):
             raise _bad("input data must be JSON numbers (no strings, booleans or huge integers)")
         if flat.size != rows * cols:
             raise _bad(f"input holds {flat.size} values, its shape needs {rows * cols}")
@@ -154,6 +158,21 @@ def parse_infer(
             {"row": int(bad[0]), "column": int(bad[1])},
         )
     return ParsedInfer(request, x)
+
+
+def _holds_bool(data: Any) -> bool:
+    """Whether nested lists `data` hold a bool anywhere."""
+    pending = [data]
+    while pending:
+        item = pending.pop()
+        if not isinstance(item, list):
+            continue
+        kinds = set(map(type, item))
+        if bool in kinds:
+            return True
+        if list in kinds:
+            pending.extend(item)
+    return False
 
 
 def wanted_outputs(request: InferRequest, names: list[str]) -> dict[str, bool]:

@@ -126,9 +126,12 @@ class MomlpModel:
                 )
         tau = request.temperature if request.temperature is not None else spec.temperature
         ratio = settings.max_temperature_ratio
-        if not spec.temperature / ratio <= tau <= spec.temperature * ratio:
+        low, high = spec.temperature / ratio, spec.temperature * ratio
+        if not low <= tau <= high:
             raise CapExceeded(
-                cap="max_temperature_ratio", limit=ratio, value=tau, field="temperature"
+                cap="max_temperature_ratio", limit=ratio, value=tau, field="temperature",
+                allowed=f"[{low:.6g}, {high:.6g}], the store's τ={spec.temperature:.6g}"
+                f" divided or multiplied by the cap",
             )
         mode = request.mode or settings.default_mode or self.default_mode
         gate = Gate(

@@ -136,6 +136,24 @@ async def test_route_gives_the_first_waves_experts_and_their_real_distances(grap
         assert min(body["distances"][row]) > 0
 
 
+async def test_route_answers_the_first_wave_when_the_spec_lists_later_nodes_first(
+    tmp_path: Path,
+) -> None:
+    # Root first: the first wave's nodes are the manifest's last columns.
+    model = tiny_graph_store(tmp_path / "store", reverse=True)
+    names = [n.name for n in model.spec.nodes]
+    first_wave = [n for n in names if n in set(model.waves[0])]
+    assert names.index(first_wave[0]) > 0
+    x = inputs(12, seed=7)
+    ids = global_ids(model, offline(model, x))
+    async with running(fake_app(tmp_path / "store")) as client:
+        body = (await client.post("/v1/route", json={"inputs": x.tolist()})).json()
+    for row in range(x.shape[0]):
+        assert body["experts"][row] == [ids[n][row] for n in first_wave]
+        assert len(body["weights"][row]) == len(body["distances"][row]) == len(first_wave)
+        assert min(body["distances"][row]) > 0
+
+
 async def test_each_row_is_the_same_alone_and_inside_merged_batches(graph_store) -> None:
     """Batch invariance through the batcher: bitwise the same output (and node experts)
     alone as inside random requests merged into shared batches."""

@@ -275,10 +275,13 @@ def test_prototype_store_serves_what_its_materialized_store_serves(tmp_path: Pat
     async def serve(root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         async with running(fake_app(root)) as client:
             routed = (await client.post("/v1/route", json={"inputs": x.tolist()})).json()
-            return await predict(client, x, return_stats=True), routed
+            model = (await client.get("/v1/model")).json()
+            return await predict(client, x, return_stats=True), {**routed, "model": model}
 
     hyper_answer, hyper_route = asyncio.run(serve(source))
     plain_answer, plain_route = asyncio.run(serve(tmp_path / "plain"))
+    # Both describe a mixture of the 12 experts rows are routed to.
+    assert hyper_route.pop("model")["num_experts"] == plain_route.pop("model")["num_experts"] == 12
     assert hyper_answer["outputs"] == plain_answer["outputs"]  # bit for bit
     assert hyper_answer["experts"] == plain_answer["experts"]
     distances = torch.cdist(torch.from_numpy(x).double(), prototypes.double())
@@ -373,6 +376,7 @@ def test_a_condition_that_overflows_theta_is_refused_not_nan(
     predicted, generated = asyncio.run(go())
     assert predicted.status_code == 422, predicted.text
     assert "not finite" in predicted.json()["error"]["message"]
+    assert "its condition" in predicted.json()["error"]["message"]
     assert generated.status_code == 422, generated.text
     assert generated.json()["error"]["detail"]["field"] == "condition"
 

@@ -73,6 +73,22 @@ async def test_beyond_a_cap_is_422_naming_it(
             assert error["detail"]["cap"] == cap
 
 
+async def test_a_temperature_beyond_the_ratio_is_told_the_range_it_may_take(
+    store: Path,
+) -> None:
+    tau = Store.open(store).manifest.gate_spec.temperature
+    async with running(fake_app(store, max_temperature_ratio=10.0)) as client:
+        response = await client.post(
+            "/v1/predict", json={"inputs": [[0.0, 0.0, 0.0]], "gate": {"temperature": 1e-30}}
+        )
+    assert response.status_code == 422
+    message = error_of(response)["message"]
+    # Below the range, so not "exceeds"; and the range is stated.
+    assert "exceeds" not in message
+    assert f"is outside [{tau / 10:.6g}, {tau * 10:.6g}]" in message, message
+    assert error_of(response)["detail"]["allowed"].startswith("[")
+
+
 @pytest.mark.parametrize(
     "gate,field",
     [

@@ -172,6 +172,15 @@ async def test_the_key_guards_v2_like_v1(store: Path) -> None:
         ("data 400 digits", {"data": "@" + "9" * 400}, "numbers"),
         ("data strings", {"data": ["1", "2", "3", "4", "5", "6", "7", "8"]}, "numbers"),
         ("data booleans", {"data": [True] * 8}, "numbers"),
+        # Mixed in with numbers, numpy casts them to 1.0 and 0.0.
+        ("data a boolean among floats", {"data": [0.5, True, 0.25, 0, 0, 0, 0, 0]}, "numbers"),
+        ("data a boolean among ints", {"data": [1, 2, 3, False, 0, 0, 0, 0]}, "numbers"),
+        ("data a boolean in nested rows", {"data": [[0.5, 1, 2, 3], [4, 5, 6, True]]}, "numbers"),
+        ("temperature zero", {"parameters": {"temperature": 0}}, "temperature must be > 0"),
+        ("temperature negative", {"parameters": {"temperature": "-1"}}, "must be > 0"),
+        ("top_k zero", {"parameters": {"top_k": 0}}, "top_k must be >= 1"),
+        ("min_weight one", {"parameters": {"min_weight": 1}}, "min_weight must be in [0, 1)"),
+        ("top_p zero", {"parameters": {"top_p": 0.0}}, "top_p must be in (0, 1]"),
         ("binary flag a string", {"parameters": {"binary_data_output": "yes"}}, "true or false"),
     ],
 )
