@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     )
     from experts_store._load import load_expert, load_frozen_expert
     from experts_store._manifest import (
+        LINEAR_LIFT_EXTRA_DIMS,
         MANIFEST_FORMAT_VERSION,
         STORE_KINDS,
         ExpertEntry,
@@ -151,6 +152,7 @@ __all__ = [
     "HostTierStats",
     "Lease",
     "Manifest",
+    "LINEAR_LIFT_EXTRA_DIMS",
     "MANIFEST_FORMAT_VERSION",
     "STORE_KINDS",
     "Pace",
@@ -227,6 +229,7 @@ _HOMES = {
     "node_ref": "experts_store._graph",
     "ExpertEntry": "experts_store._manifest",
     "Manifest": "experts_store._manifest",
+    "LINEAR_LIFT_EXTRA_DIMS": "experts_store._manifest",
     "MANIFEST_FORMAT_VERSION": "experts_store._manifest",
     "STORE_KINDS": "experts_store._manifest",
     "GateSpec": "experts_store._manifest",

@@ -27,6 +27,7 @@ from experts_store._paced_json import ItemSpans, KnownItems, decode_json_items
 from experts_store._pmoe import PMoESpec
 
 __all__ = [
+    "LINEAR_LIFT_EXTRA_DIMS",
     "MANIFEST_FORMAT_VERSION",
     "STORE_KINDS",
     "ExpertEntry",
@@ -46,6 +47,9 @@ MANIFEST_FORMAT_VERSION = 2
 # two lists equal). A manifest of another kind still parses: a server refuses it, naming it.
 STORE_KINDS = frozenset({"momlp", "graph", "hyper", "pmoe"})
 _KIND = re.compile(r"[a-z][a-z0-9_-]{0,63}")
+# The coordinates a `lift: "linear"` gate's router rows have beyond the input's [wᵢ, bᵢ, hᵢ, lᵢ]
+# (router/_lift.py's LIFT_EXTRA_DIMS; a test keeps the two equal).
+LINEAR_LIFT_EXTRA_DIMS = 3
 
 # A row's string formats are checked by pydantic's own (Rust) regex, not by a Python validator
 # a row: with the file and params checks moved into the manifest's own pass, validating a

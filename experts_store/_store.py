@@ -30,6 +30,7 @@ from experts_store._hostbuf import HostBufferPool
 from experts_store._hypernet import verify_hyper_files
 from experts_store._load import load_expert, load_frozen_expert
 from experts_store._manifest import (
+    LINEAR_LIFT_EXTRA_DIMS,
     STORE_KINDS,
     ExpertEntry,
     Manifest,
@@ -270,9 +271,11 @@ class Store:
                 f"({', '.join(sorted(STORE_KINDS))})"
             ))
         for who, name in routers:
-            # The top router of a momlp store holds one prototype per expert, in input space.
+            # The top router of a momlp store holds one prototype per expert, in input space
+            # (a linear gate's rows, lifted, have a few coordinates more).
+            lifted = LINEAR_LIFT_EXTRA_DIMS if self.manifest.gate_spec.lift == "linear" else 0
             expect = (
-                (self.manifest.num_experts, self.manifest.input_dim)
+                (self.manifest.num_experts, self.manifest.input_dim + lifted)
                 if who == "router" and self.manifest.kind == "momlp" else None
             )
             # A pmoe store's router may be a learned linear map, not a tree of prototypes.

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import struct
 from pathlib import Path
 
 import torch
@@ -18,6 +20,21 @@ __all__ = ["FILE_FORMAT", "FILE_VERSION", "read_router", "write_router"]
 FILE_FORMAT = "momlp-router"
 FILE_VERSION = "1"
 SPLIT_BALANCED = "balanced"  # metadata "split": absent = Voronoi cells (the default build)
+
+
+def _canonical(data: bytes) -> bytes:
+    """`data`, a safetensors file, with its JSON header's keys in sorted order.
+
+    safetensors writes the metadata in a hash map's random order, so one router written twice
+    gave two files, two sha256 and two file names: a rebuild with the same seed, or a republish
+    of an unchanged router, made a new router file. The arrays' offsets are relative to the
+    data, so only the header changes; it stays padded with spaces to a multiple of 8 bytes.
+    """
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + data[8 + length :]
 
 
 def write_router(
@@ -49,7 +66,7 @@ def write_router(
     # Serialised in memory and written with open() rather than save_file, which creates
     # its file 0600: on shared storage a server running as another user must read the
     # router like the manifest and experts (0666 less the umask, as experts_store writes).
-    data = save(tensors, metadata=metadata)
+    data = _canonical(save(tensors, metadata=metadata))
     try:
         with open(tmp, "wb") as f:
             f.write(data)

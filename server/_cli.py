@@ -75,6 +75,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if handler is None:
         parser.print_help()
         return 2
+    address = getattr(args, "ray_address", None)
+    if args.command == "build" and address and getattr(args, "executor", None) != "local":
+        # ray.init waits ~14 minutes for a head that is not there, and a build reaches it
+        # only after its prototype phase; `momlp serve` checks its address the same way.
+        from server._serve_cli import ray_address_problem
+
+        code, why = ray_address_problem(address)
+        if code:
+            print(f"momlp build: {why}", file=sys.stderr)
+            return code
     try:
         code = handler(args)
         # Output to a pipe is buffered: a reader that went away shows here, not at exit.

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["parse_bytes", "register", "settings_from_args"]
+__all__ = ["parse_bytes", "ray_address_problem", "register", "settings_from_args"]
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def _has_manifest(store: Path) -> bool:
         return True
 
 
-def _ray_address_problem(address: str, timeout_s: float = _CONNECT_TIMEOUT_S) -> tuple[int, str]:
+def ray_address_problem(address: str, timeout_s: float = _CONNECT_TIMEOUT_S) -> tuple[int, str]:
     """(exit code, why) when `address` is no Ray cluster this process can join; (0, "") else.
 
     ray.init itself waits for an unreachable head for ~14 minutes, printing only its own
@@ -169,7 +169,7 @@ def _run(settings: Any) -> int:
     from server._runner import run_server
 
     if settings.ray_address:
-        code, why = _ray_address_problem(settings.ray_address)
+        code, why = ray_address_problem(settings.ray_address)
         if code:
             logger.error("%s", why)
             return code

@@ -62,6 +62,17 @@ def load_config_dataset(config: BuildConfig) -> Dataset:
             f"{rows} training rows are fewer than the {config.experts} experts asked for",
             source=dataset.name,
         )
+    held_out = dataset.x_test.shape[0]
+    fits_temperature = (
+        config.temperature is None and config.experts >= 2 and config.gate != "learned-linear"
+    )
+    if fits_temperature and held_out < 2:
+        # τ is fitted on the held-out rows once every expert is trained: say so now.
+        raise DataError(
+            f"{held_out} held-out row is too few to fit the gate's temperature on (2 at least):"
+            " raise --test-fraction, or give --temperature",
+            source=dataset.name,
+        )
     return dataset
 
 

@@ -42,7 +42,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--target", metavar="COLUMN", help="target column of a .csv/.parquet table")
     p.add_argument("--task", choices=("auto", "regression", "classification"), default=None)
-    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="store directory")
+    p.add_argument("--out", type=_out_dir, required=True, metavar="DIR", help="store directory")
     p.add_argument("--experts", type=int, default=None, metavar="K", help="number of experts")
     p.add_argument("--branching", type=int, default=None, metavar="NU", help="tree branching ν")
     p.add_argument("--routing", choices=("tree", "exact"), default=None)
@@ -69,7 +69,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--validation-fraction", type=float, default=None,
                    help="rows held out per expert with --select-epoch best-validation (0.1)")
     p.add_argument("--no-baseline", dest="baseline", action="store_false", default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=_non_negative_int, default=None)
     p.add_argument("--grid-size", type=int, default=None, help="grid points per axis")
     p.add_argument("--hurst", type=float, default=None, help="α of the holder1d path")
     p.add_argument("--test-fraction", type=float, default=None)
@@ -82,7 +82,7 @@ def register(subparsers: Any) -> None:
         "--ray-address", default=None,
         help="join this Ray cluster (tasks write expert files under --out: use shared storage)",
     )
-    p.add_argument("--num-cpus", type=int, default=None, help="CPUs of an embedded Ray")
+    p.add_argument("--num-cpus", type=_positive_int, default=None, help="CPUs of an embedded Ray")
     p.add_argument("--max-retries", type=int, default=None)
     p.add_argument("--torch-threads", type=_positive_int, default=None, metavar="N")
     p.add_argument(
@@ -166,16 +166,33 @@ def _schedule(text: str) -> tuple[float, float]:
     return start, end
 
 
-def _positive_int(text: str) -> int:
-    # torch.set_num_threads raises on 0 or less, and only after the build has started.
-    error = argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+def _int_at_least(text: str, least: int, what: str) -> int:
+    error = argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
     try:
         value = int(text)
     except ValueError:
         raise error from None
-    if value < 1:
+    if value < least:
         raise error
     return value
+
+
+def _positive_int(text: str) -> int:
+    # torch.set_num_threads raises on 0 or less, and only after the build has started; a Ray
+    # of 0 CPUs never runs a training task.
+    return _int_at_least(text, 1, "a positive integer")
+
+
+def _non_negative_int(text: str) -> int:
+    # numpy and sklearn refuse a negative seed, with a traceback, once the build has started.
+    return _int_at_least(text, 0, "an integer >= 0")
+
+
+def _out_dir(text: str) -> Path:
+    # Path("") is ".": an unset shell variable would publish into the working directory.
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path (an unset shell variable?)")
+    return Path(text)
 
 
 def _out_problem(out: Path) -> str | None:

@@ -108,9 +108,14 @@ class BuildConfig:
                 f"must be at least --initial-depth ({self.initial_depth}), got {self.depth}",
                 option="depth",
             )
-        for option in ("prototype_epochs", "warmup_epochs", "epochs", "max_retries"):
-            if getattr(self, option) < 0:
-                raise ConfigError("must not be negative", option=option)
+        for option in ("prototype_epochs", "warmup_epochs", "epochs", "baseline_epochs",
+                       "max_retries", "seed"):
+            value = getattr(self, option)
+            if value is not None and value < 0:
+                raise ConfigError(f"must not be negative, got {value}", option=option)
+        if self.num_cpus is not None and self.num_cpus < 1:
+            # Each training task asks Ray for one CPU: with none, they would wait for ever.
+            raise ConfigError(f"must be at least 1, got {self.num_cpus}", option="num_cpus")
         if self.expert_activation not in ("prelu", "relu", "gelu", "tanh", "sigmoid"):
             raise ConfigError(
                 f"unknown activation {self.expert_activation!r}", option="expert_activation"
@@ -139,8 +144,9 @@ class BuildConfig:
             raise ConfigError("must lie in (0, 1)", option="test_fraction")
         if not 0.0 < self.hurst < 1.0:
             raise ConfigError("must lie in (0, 1)", option="hurst")
-        if self.noise_std < 0:
-            raise ConfigError("must not be negative", option="noise_std")
+        if not (math.isfinite(self.noise_std) and self.noise_std >= 0):
+            raise ConfigError(f"must be a finite number >= 0, got {self.noise_std}",
+                              option="noise_std")
         if self.select_epoch not in ("last", "best-validation"):
             raise ConfigError(f"must be last or best-validation, got {self.select_epoch!r}",
                               option="select_epoch")

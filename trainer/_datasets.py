@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -28,6 +29,11 @@ __all__ = [
     "rastrigin",
     "regular_grid",
 ]
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+# An integer target with more distinct values than this, read as classes by --task auto, gets a
+# warning: it may well be a quantity (a price, a count).
+_MANY_CLASSES = 20
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +185,12 @@ def load_data_file(
     suffix = path.suffix.lower()
     if suffix == ".npz":
         try:
-            with np.load(path, allow_pickle=False) as archive:
+            # The file opened here, not by np.load: numpy leaves its own handle open when
+            # the zip is damaged.
+            with path.open("rb") as handle:
+                archive = np.load(handle, allow_pickle=False)
+                if not isinstance(archive, np.lib.npyio.NpzFile):
+                    raise DataError("not an .npz archive (a single .npy array?)", source=source)
                 inputs = "X" if "X" in archive.files else "x"
                 missing = {inputs, "y"} - set(archive.files)
                 if missing:
@@ -187,8 +198,15 @@ def load_data_file(
                         f"the archive lacks {sorted(missing)} (has {archive.files})", source=source
                     )
                 x_raw, y_raw = archive[inputs], archive["y"]
-        except (ValueError, OSError) as exc:
-            raise DataError(f"cannot read the archive: {exc}", source=source) from exc
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+            # An empty file (EOFError), a damaged zip, a member numpy cannot parse.
+            raise DataError(f"cannot read the archive: {exc or type(exc).__name__}",
+                            source=source) from exc
+        members = ((inputs, x_raw), ("y", y_raw))
+        not_arrays = [name for name, a in members if not isinstance(a, np.ndarray)]
+        if not_arrays:
+            # numpy hands back a member that is not a .npy file as its raw bytes.
+            raise DataError(f"the archive's {not_arrays} are not .npy arrays", source=source)
     elif suffix in (".csv", ".parquet"):
         x_raw, y_raw = _read_table(path, target, source)
     else:
@@ -199,9 +217,10 @@ def load_data_file(
         raise DataError(f"X must be 2-D [rows, features], got shape {x_raw.shape}", source=source)
     if x_raw.shape[0] == 0:
         raise DataError(f"the file holds no rows (X has shape {x_raw.shape})", source=source)
-    if y_raw.ndim not in (1, 2) or y_raw.shape[0] != x_raw.shape[0]:
+    if y_raw.ndim not in (1, 2) or y_raw.shape[0] != x_raw.shape[0] or 0 in y_raw.shape:
         raise DataError(
-            f"y must have one row per row of X ({x_raw.shape[0]}), got shape {y_raw.shape}",
+            f"y must have one row per row of X ({x_raw.shape[0]}) and at least one column, got"
+            f" shape {y_raw.shape}",
             source=source,
         )
     try:
@@ -209,6 +228,7 @@ def load_data_file(
     except (TypeError, ValueError) as exc:
         raise DataError(f"X is not numeric: {exc}", source=source) from exc
     rng = np.random.default_rng(seed)
+    auto = task == "auto"
     if task == "auto":
         task = "classification" if y_raw.dtype.kind in "iubUSO" else "regression"
     if task == "classification":
@@ -217,6 +237,12 @@ def load_data_file(
         if y_raw.dtype.kind == "f" and not np.all(np.isfinite(y_raw)):
             raise DataError("y holds NaN or infinite labels", source=source)
         classes, labels = np.unique(y_raw, return_inverse=True)
+        if auto and y_raw.dtype.kind in "iu" and len(classes) > _MANY_CLASSES:
+            logger.warning(
+                "%s: its integer target reads as %d classes (--task auto); if it is a quantity,"
+                " pass --task regression",
+                source, len(classes),
+            )
         return _split_classification(
             source, x, labels.astype(np.int64), [str(c) for c in classes], rng, test_fraction
         )
@@ -260,6 +286,12 @@ def _read_table(
     if inputs.shape[1] == 0:
         raise DataError("the table has no input columns besides the target", source=source)
     column = frame[target]
+    empty = np.flatnonzero(column.isna().to_numpy())
+    if empty.size:
+        raise DataError(
+            f"the target column {target!r} has {empty.size} empty cells (first: row {empty[0]})",
+            source=source,
+        )
     numeric = pd.api.types.is_numeric_dtype(column)
     y = column.to_numpy() if numeric else column.astype(str).to_numpy()
     return inputs.to_numpy(dtype=np.float64), y
@@ -277,14 +309,21 @@ def _split_indices(
     return order[num_test:], order[:num_test]
 
 
+def _not_float32(values: FloatArray) -> npt.NDArray[np.bool_]:
+    """Where `values` are NaN, infinite, or beyond float32's range (training casts to it)."""
+    with np.errstate(invalid="ignore"):
+        return ~(np.abs(values) <= _FLOAT32_MAX)
+
+
 def _check_inputs(x: FloatArray, source: str) -> None:
     if x.ndim != 2 or x.shape[1] == 0:
         raise DataError(f"inputs must be 2-D [rows, features], got {x.shape}", source=source)
-    bad = ~np.isfinite(x)
+    bad = _not_float32(x)
     if bad.any():
         rows = np.flatnonzero(bad.any(axis=1))
         raise DataError(
-            f"inputs hold NaN or infinite values in {rows.size} rows (first: row {rows[0]})",
+            f"inputs hold NaN, infinite or beyond-float32 (|v| > 3.4e38) values in {rows.size}"
+            f" rows (first: row {rows[0]})",
             source=source,
         )
 
@@ -293,11 +332,12 @@ def _split_regression(
     source: str, x: FloatArray, y: FloatArray, rng: np.random.Generator, test_fraction: float
 ) -> Dataset:
     _check_inputs(x, source)
-    bad = ~np.isfinite(y)
+    bad = _not_float32(y)
     if bad.any():
         rows = np.flatnonzero(bad.any(axis=1))
         raise DataError(
-            f"targets hold NaN or infinite values in {rows.size} rows (first: row {rows[0]})",
+            f"targets hold NaN, infinite or beyond-float32 (|v| > 3.4e38) values in {rows.size}"
+            f" rows (first: row {rows[0]})",
             source=source,
         )
     train, test = _split_indices(x.shape[0], rng, test_fraction, source)

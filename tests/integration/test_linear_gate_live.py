@@ -62,6 +62,18 @@ def test_the_store_records_the_lift_and_its_activation(linear_store: Path) -> No
     assert PrototypeTree.load(s.router_path).dim == 2 + 3
 
 
+def test_store_verify_passes_a_linear_gates_lifted_router(
+    linear_store: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Its router rows have input_dim + 3 coordinates, which verify took for a wrong dimension.
+    from experts_store import LINEAR_LIFT_EXTRA_DIMS
+    from router._lift import LIFT_EXTRA_DIMS
+
+    assert LINEAR_LIFT_EXTRA_DIMS == LIFT_EXTRA_DIMS
+    assert Store.open(linear_store).verify() == []
+    assert main(["store", "verify", str(linear_store), "--no-progress"]) == 0, capsys.readouterr()
+
+
 def test_store_info_labels_tree_mode_an_approximation(
     linear_store: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

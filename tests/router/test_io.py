@@ -62,6 +62,25 @@ def test_file_is_plain_safetensors(tree: PrototypeTree, tmp_path: Path) -> None:
     }
 
 
+def test_the_same_router_is_written_as_the_same_bytes(tmp_path: Path) -> None:
+    # Its file is named by its sha256: a rebuild with the same seed, or a republish of an
+    # unchanged router, must not make a new file. safetensors orders the metadata at random.
+    p = make_prototypes("clustered", 200, 3, np.random.default_rng(3))
+    balanced = PrototypeTree.build(p, branching=3, seed=0, balanced=True)
+    for name, tree in (("voronoi", PrototypeTree.build(p, branching=3, seed=0)),
+                       ("balanced", balanced)):
+        blobs = set()
+        for i in range(12):
+            tree.save(tmp_path / f"{name}{i}.safetensors")
+            blobs.add((tmp_path / f"{name}{i}.safetensors").read_bytes())
+        assert len(blobs) == 1, name
+        (raw,) = blobs
+        (length,) = struct.unpack("<Q", raw[:8])
+        assert (8 + length) % 8 == 0  # the data stays aligned
+        back = PrototypeTree.load(tmp_path / f"{name}0.safetensors")
+        assert torch.equal(back.prototypes, tree.prototypes) and back.depth == tree.depth
+
+
 @pytest.fixture(params=[0o022, 0o027], ids=["umask022", "umask027"])
 def umask(request: pytest.FixtureRequest) -> Iterator[int]:
     previous = os.umask(request.param)

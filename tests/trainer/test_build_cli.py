@@ -216,3 +216,159 @@ def test_a_data_file_without_rows_exits_2_saying_so(
     assert code == 2
     assert "holds no rows" in capsys.readouterr().err
     assert not (tmp_path / "s").exists()
+
+
+def _refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """Run `momlp build ... --out tmp/s`: exit 2, one line on stderr, no store; that line."""
+    out = tmp_path / "s"
+    try:
+        code = main(["build", *argv, "--out", str(out), "--no-progress"])
+    except SystemExit as exit_:  # argparse's own refusals
+        code = int(exit_.code or 0)
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert "Traceback" not in err and err.splitlines()[-1].startswith(("momlp build", "usage"))
+    assert not out.exists()
+    return err
+
+
+def _npz(tmp_path: Path, name: str = "d.npz", rows: int = 40, **arrays: Any) -> str:
+    rng = np.random.default_rng(0)
+    values = {"X": rng.normal(size=(rows, 2)), "y": rng.normal(size=rows), **arrays}
+    path = tmp_path / name
+    np.savez(path, **values)
+    return str(path)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        (b"", "cannot read the archive"),  # numpy raised EOFError
+        (b"PK\x03\x04 truncated", "cannot read the archive"),  # zipfile.BadZipFile
+        ("npy", "not an .npz archive"),  # one .npy array under an .npz name
+    ],
+)
+def test_an_unreadable_archive_is_one_line_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes | str, words: str
+) -> None:
+    bad = tmp_path / "bad.npz"
+    if content == "npy":
+        with bad.open("wb") as handle:
+            np.save(handle, np.zeros((30, 3)))
+    else:
+        bad.write_bytes(content)
+    assert words in _refused(tmp_path, capsys, "--data", str(bad))
+
+
+@pytest.mark.unit
+def test_archive_members_that_are_not_npy_arrays_are_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import zipfile
+
+    bad = tmp_path / "bad.npz"
+    with zipfile.ZipFile(bad, "w") as archive:
+        archive.writestr("X", b"not an array")
+        archive.writestr("y", b"nor this")
+    assert "not .npy arrays" in _refused(tmp_path, capsys, "--data", str(bad))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("array", "scale"), [("X", 1e300), ("y", 1e39)])
+def test_values_beyond_float32_are_refused_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], array: str, scale: float
+) -> None:
+    rng = np.random.default_rng(1)
+    data = {"X": rng.normal(size=(40, 2)), "y": rng.normal(size=40)}
+    data[array] = data[array] * scale  # finite in float64, infinite once cast to float32
+    err = _refused(tmp_path, capsys, "--data", _npz(tmp_path, **data))
+    assert "beyond-float32" in err
+
+
+@pytest.mark.unit
+def test_a_target_of_no_columns_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = _refused(tmp_path, capsys, "--data", _npz(tmp_path, y=np.zeros((40, 0))))
+    assert "at least one column" in err
+
+
+@pytest.mark.unit
+def test_a_blank_label_in_a_table_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("pandas")
+    table = tmp_path / "t.csv"
+    rows = [f"{i * 0.1},{i * 0.2},{'ab'[i % 2]}" for i in range(30)]
+    rows[7] = "0.7,1.4,"
+    table.write_text("a,b,label\n" + "\n".join(rows) + "\n")
+    err = _refused(tmp_path, capsys, "--data", str(table), "--target", "label")
+    assert "'label' has 1 empty cells (first: row 7)" in err
+
+
+@pytest.mark.unit
+def test_a_held_out_split_too_small_to_fit_the_temperature_is_refused_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = _refused(tmp_path, capsys, "--data", _npz(tmp_path), "--experts", "4",
+                   "--test-fraction", "0.03", "--executor", "local")
+    assert "1 held-out row is too few" in err and "--temperature" in err
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--seed", "-1"], "--seed: expected an integer >= 0"),
+        (["--num-cpus", "0"], "--num-cpus: expected a positive integer"),
+        (["--baseline-epochs", "-1"], "--baseline-epochs: must not be negative"),
+        (["--noise-std", "inf"], "--noise-std: must be a finite number >= 0"),
+        (["--noise-std", "nan"], "--noise-std: must be a finite number >= 0"),
+    ],
+)
+def test_out_of_range_options_are_refused_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], words: str,
+) -> None:
+    assert words in _refused(tmp_path, capsys, "--dataset", "ackley2d", *argv)
+
+
+@pytest.mark.unit
+def test_an_empty_out_is_refused_not_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["build", "--dataset", "ackley2d", "--out", "", "--no-progress"])
+    assert exit_.value.code == 2
+    assert "--out: an empty path" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.unit
+def test_a_ray_address_with_nothing_listening_is_refused_at_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_training: None
+) -> None:
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    code = main(["build", "--dataset", "ackley2d", "--ray-address", f"127.0.0.1:{port}",
+                 "--out", str(tmp_path / "s"), "--no-progress"])
+    assert code == 1
+    assert f"no Ray cluster answers at 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+@pytest.mark.unit
+def test_an_integer_target_read_as_many_classes_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from trainer import load_data_file
+
+    rng = np.random.default_rng(2)
+    path = _npz(tmp_path, rows=200, y=rng.integers(100, 400, size=200))
+    with caplog.at_level("WARNING"):
+        data = load_data_file(Path(path))
+    assert data.task == "classification"
+    assert any("pass --task regression" in r.getMessage() for r in caplog.records)
