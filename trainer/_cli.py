@@ -41,7 +41,11 @@ def register(subparsers: Any) -> None:
         "--kind hyper: .npz with X, I, y; --kind pmoe: two files X.npy y.npy",
     )
     p.add_argument("--target", metavar="COLUMN", help="target column of a .csv/.parquet table")
-    p.add_argument("--task", choices=("auto", "regression", "classification"), default=None)
+    p.add_argument(
+        "--task", choices=("auto", "regression", "classification"), default=None,
+        help="auto (default): classification when the target holds integers, booleans or text,"
+        " else regression",
+    )
     p.add_argument("--out", type=_out_dir, required=True, metavar="DIR", help="store directory")
     p.add_argument("--experts", type=int, default=None, metavar="K", help="number of experts")
     p.add_argument("--branching", type=int, default=None, metavar="NU", help="tree branching ν")
