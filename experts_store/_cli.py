@@ -268,6 +268,10 @@ def _bytes_bar(total: int, enabled: bool) -> Iterator[Callable[[int], None]]:
 def _materialize(args: argparse.Namespace) -> int:
     from experts_store import StoreError, materialize_store
 
+    problem = _materialize_out_problem(args.dir, args.out)
+    if problem is not None:
+        print(f"error: --out {args.out}: {problem}", file=sys.stderr)
+        return 2
     try:
         manifest = materialize_store(args.dir, args.out)
     except StoreError as exc:
@@ -276,6 +280,23 @@ def _materialize(args: argparse.Namespace) -> int:
     print(f"materialized {manifest.num_experts} experts ({manifest.total_expert_bytes} bytes) "
           f"into {args.out}, version {manifest.store_version}")
     return 0
+
+
+def _materialize_out_problem(source: str, out: str) -> str | None:
+    """Why `out` cannot take the materialized store, or None; checked before any expert is
+    generated (materialize_store refuses these too, as StoreError: exit 1, not 2)."""
+    from pathlib import Path
+
+    target = Path(out).absolute()
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        return "exists and is not a directory" if existing == target else (
+            f"{existing} is not a directory")
+    if existing == target and target.resolve() == Path(source).resolve():
+        return "is the source store; materialize into another directory"
+    return None
 
 
 def _calibrate(args: argparse.Namespace) -> int:

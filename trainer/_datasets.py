@@ -200,7 +200,7 @@ def load_data_file(
                 x_raw, y_raw = archive[inputs], archive["y"]
         except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
             # An empty file (EOFError), a damaged zip, a member numpy cannot parse.
-            raise DataError(f"cannot read the archive: {exc or type(exc).__name__}",
+            raise DataError(f"cannot read the archive: {str(exc) or type(exc).__name__}",
                             source=source) from exc
         members = ((inputs, x_raw), ("y", y_raw))
         not_arrays = [name for name, a in members if not isinstance(a, np.ndarray)]
@@ -322,8 +322,8 @@ def _check_inputs(x: FloatArray, source: str) -> None:
     if bad.any():
         rows = np.flatnonzero(bad.any(axis=1))
         raise DataError(
-            f"inputs hold NaN, infinite or beyond-float32 (|v| > 3.4e38) values in {rows.size}"
-            f" rows (first: row {rows[0]})",
+            f"inputs hold NaN or infinite values, or values beyond float32 (|v| > 3.4e38), in"
+            f" {rows.size} rows (first: row {rows[0]})",
             source=source,
         )
 
@@ -336,8 +336,8 @@ def _split_regression(
     if bad.any():
         rows = np.flatnonzero(bad.any(axis=1))
         raise DataError(
-            f"targets hold NaN, infinite or beyond-float32 (|v| > 3.4e38) values in {rows.size}"
-            f" rows (first: row {rows[0]})",
+            f"targets hold NaN or infinite values, or values beyond float32 (|v| > 3.4e38), in"
+            f" {rows.size} rows (first: row {rows[0]})",
             source=source,
         )
     train, test = _split_indices(x.shape[0], rng, test_fraction, source)

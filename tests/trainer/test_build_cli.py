@@ -283,7 +283,7 @@ def test_values_beyond_float32_are_refused_before_training(
     data = {"X": rng.normal(size=(40, 2)), "y": rng.normal(size=40)}
     data[array] = data[array] * scale  # finite in float64, infinite once cast to float32
     err = _refused(tmp_path, capsys, "--data", _npz(tmp_path, **data))
-    assert "beyond-float32" in err
+    assert "values beyond float32" in err
 
 
 @pytest.mark.unit

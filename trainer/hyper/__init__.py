@@ -31,6 +31,7 @@ from ._model import (
     generate,
     paper_embedding_dim,
 )
+from ._npz import load_npz_triples
 from ._primary import (
     Activation,
     PrimarySpec,
@@ -45,7 +46,6 @@ from ._publish import (
     HyperBuildConfig,
     build_hyper_store,
     hypernetwork_layers,
-    load_npz_triples,
     publish_hypernetwork,
 )
 from ._train import TrainHistory, TrainSettings, evaluate_error, predict, train_model

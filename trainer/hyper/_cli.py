@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any
 
@@ -16,6 +17,16 @@ _OPTIONS = {
     "named_conditions": "named_conditions", "test_fraction": "test_fraction",
 }
 _IGNORED = ("experts", "branching", "routing", "temperature", "prototypes", "target")
+# `momlp build` options that `--condition-source prototype` reads (PrototypeBuildConfig fields),
+# and those of the request path it has no use for (attribute -> the flag a user typed).
+_PROTOTYPE_OPTIONS = (
+    "dataset", "data", "target", "task", "experts", "branching", "depth", "epochs", "lr",
+    "batch_size", "seed", "grid_size", "test_fraction",
+)
+_PROTOTYPE_IGNORED = {
+    "named_conditions": "--named-conditions", "hyper_baseline": "--baseline",
+    "routing": "--routing", "temperature": "--temperature", "prototypes": "--prototypes",
+}
 
 
 def handle_hyper_build(args: argparse.Namespace) -> int:
@@ -57,24 +68,34 @@ def handle_hyper_build(args: argparse.Namespace) -> int:
         "store": str(args.out),
         "store_version": manifest.store_version,
         "kind": "hyper",
-        "hypernetwork": {k: report["hypernetwork"][k] for k in keep},
+        "hypernetwork": {k: _finite(report["hypernetwork"][k]) for k in keep},
         "theta_params": hyper.theta_size,
         "baseline": None if report.get("baseline") is None
-        else {k: report["baseline"][k] for k in keep},
+        else {k: _finite(report["baseline"][k]) for k in keep},
         "named_conditions": hyper.conditions.count if hyper.conditions else 0,
         "total_s": round(report["timings"]["total_s"], 2),
     }))
     return 0
 
 
+def _finite(value: Any) -> Any:
+    """`value`, or None for a NaN or infinite float (a diverged run): JSON has neither."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
 def _prototype_build(args: argparse.Namespace) -> int:
+    import torch
+
     from ._exceptions import HyperError
     from ._prototype import PrototypeBuildConfig, build_prototype_store
 
+    for name, flag in _PROTOTYPE_IGNORED.items():
+        if getattr(args, name, None) is not None:
+            print(f"momlp build: {flag} does not apply to --condition-source prototype",
+                  file=sys.stderr)
+            return 2
     options: dict[str, Any] = {
-        name: getattr(args, name)
-        for name in ("dataset", "data", "experts", "branching", "depth", "epochs", "lr",
-                     "batch_size", "seed", "grid_size")
+        name: getattr(args, name) for name in _PROTOTYPE_OPTIONS
         if getattr(args, name, None) is not None
     }
     if args.quick:
@@ -82,6 +103,8 @@ def _prototype_build(args: argparse.Namespace) -> int:
     if args.width is not None:
         options["hidden"] = (args.width,)
     try:
+        if args.torch_threads is not None:
+            torch.set_num_threads(args.torch_threads)
         manifest = build_prototype_store(
             PrototypeBuildConfig(out=args.out, **options), progress=args.progress
         )

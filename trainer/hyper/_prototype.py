@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -25,19 +25,28 @@ from experts_store import Manifest
 from ._data import HyperDataset
 from ._exceptions import HyperConfigError
 from ._model import HyperNetwork
+from ._npz import check_split_options
 from ._primary import PrimarySpec
 from ._publish import _train, publish_hypernetwork
+
+if TYPE_CHECKING:
+    from trainer._datasets import Dataset
 
 __all__ = ["PrototypeBuildConfig", "build_prototype_store"]
 
 
 @dataclass(frozen=True)
 class PrototypeBuildConfig:
-    """A momlp regression dataset (`trainer.make_dataset` name) or an .npz with X, y."""
+    """A momlp regression dataset (`trainer.make_dataset` name) or a data file as the momlp
+    kind reads it (`trainer.load_data_file`: an .npz with X, y, or a .csv/.parquet table whose
+    `target` column is y)."""
 
     out: Path
     dataset: str | None = None
     data: Path | None = None
+    target: str | None = None
+    task: Literal["auto", "regression", "classification"] = "auto"
+    test_fraction: float = 0.2
     experts: int = 256
     branching: int = 4
     depth: int = 2
@@ -54,19 +63,26 @@ class PrototypeBuildConfig:
             raise HyperConfigError("give exactly one of dataset and data", option="dataset")
         if self.experts < 1 or self.branching < 2:
             raise HyperConfigError("need experts >= 1 and branching >= 2", option="experts")
+        check_split_options(self.test_fraction, self.seed)
+
+
+def _load(config: PrototypeBuildConfig) -> Dataset:
+    from trainer._datasets import load_data_file, make_dataset
+
+    if config.dataset is not None:
+        return make_dataset(config.dataset, seed=config.seed, grid_size=config.grid_size,
+                            test_fraction=config.test_fraction)
+    assert config.data is not None
+    return load_data_file(config.data, target=config.target, task=config.task,
+                          seed=config.seed, test_fraction=config.test_fraction)
 
 
 def _triples(config: PrototypeBuildConfig) -> tuple[Any, torch.Tensor, HyperDataset, Any]:
     from router import PrototypeTree
-    from trainer._datasets import load_data_file, make_dataset
     from trainer._exceptions import DataError
 
     try:
-        if config.dataset is not None:
-            data = make_dataset(config.dataset, seed=config.seed, grid_size=config.grid_size)
-        else:
-            assert config.data is not None
-            data = load_data_file(config.data, seed=config.seed)
+        data = _load(config)
     except DataError as exc:
         raise HyperConfigError(str(exc), option="dataset") from exc
     if data.task != "regression":

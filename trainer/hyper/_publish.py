@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 
 from experts_store import (
@@ -38,6 +37,7 @@ from experts_store import (
 from ._data import DATASET_NAMES, HyperDataset, make_hyper_dataset
 from ._exceptions import HyperConfigError
 from ._model import EmbeddingModel, HyperNetwork, count_parameters
+from ._npz import check_split_options, load_npz_triples
 from ._primary import PrimarySpec
 from ._train import TrainSettings, evaluate_error, train_model
 
@@ -45,7 +45,6 @@ __all__ = [
     "HyperBuildConfig",
     "build_hyper_store",
     "hypernetwork_layers",
-    "load_npz_triples",
     "publish_hypernetwork",
 ]
 
@@ -86,40 +85,7 @@ class HyperBuildConfig:
             )
         if self.depth < 0 or self.width < 1 or self.epochs < 1:
             raise HyperConfigError("need depth >= 0, width >= 1, epochs >= 1", option="depth")
-
-
-def load_npz_triples(path: Path, test_fraction: float, seed: int) -> HyperDataset:
-    """An .npz with X [N, m1], I [N, m2] and y [N] or [N, out] (integer y: classes)."""
-    try:
-        with np.load(path, allow_pickle=False) as npz:
-            x, cond, y = (np.asarray(npz[k]) for k in ("X", "I", "y"))
-    except (OSError, KeyError, ValueError) as exc:
-        raise HyperConfigError(f"{path}: need an .npz with X, I and y ({exc})",
-                               option="data") from exc
-    n = x.shape[0]
-    if x.ndim != 2 or cond.ndim != 2 or cond.shape[0] != n or y.shape[0] != n or n < 2:
-        raise HyperConfigError(
-            f"{path}: X {list(x.shape)}, I {list(cond.shape)}, y {list(y.shape)} do not line up",
-            option="data",
-        )
-    if not (np.isfinite(x).all() and np.isfinite(cond).all()):
-        raise HyperConfigError(f"{path}: X and I must be finite", option="data")
-    classification = np.issubdtype(y.dtype, np.integer)
-    order = np.random.default_rng(seed).permutation(n)
-    num_test = max(1, round(n * test_fraction))
-    test, train = order[:num_test], order[num_test:]
-    xt, ct = torch.from_numpy(x.astype(np.float32)), torch.from_numpy(cond.astype(np.float32))
-    if classification:
-        yt = torch.from_numpy(y.astype(np.int64).reshape(-1))
-        output_dim = int(yt.max()) + 1
-    else:
-        yt = torch.from_numpy(y.astype(np.float32).reshape(n, -1))
-        output_dim = int(yt.shape[1])
-    return HyperDataset(
-        name=path.name, task="classification" if classification else "regression",
-        x_train=xt[train], condition_train=ct[train], y_train=yt[train],
-        x_test=xt[test], condition_test=ct[test], y_test=yt[test], output_dim=output_dim,
-    )
+        check_split_options(self.test_fraction, self.seed)
 
 
 def hypernetwork_layers(model: HyperNetwork) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -8,6 +8,7 @@ for classification.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ class TrainSettings:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.lr <= 0 or self.batch_size < 1 or self.epochs < 1:
+        if not (math.isfinite(self.lr) and self.lr > 0) or self.batch_size < 1 or self.epochs < 1:
             raise HyperConfigError(
                 f"need lr > 0, batch_size >= 1, epochs >= 1, got {self}", option="settings"
             )
