@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import secrets
 import shutil
@@ -228,7 +229,10 @@ class StoreWriter:
     def write_report(self, report: Mapping[str, Any]) -> None:
         """Stage report.json; it is moved into the store right after the manifest."""
         self._check_open()
-        text = json.dumps(dict(report), indent=2, sort_keys=True, default=str)
+        # A diverged run's NaN or infinity is written as null: JSON has neither, and other
+        # readers (browsers, jq, most JSON libraries) refuse Python's NaN token.
+        text = json.dumps(_finite(dict(report)), indent=2, sort_keys=True, default=str,
+                          allow_nan=False)
         path = self.staging / REPORT_NAME
         with open(path, "w", encoding="utf-8") as f:
             f.write(text + "\n")
@@ -389,3 +393,14 @@ class StoreWriter:
     def _check_open(self) -> None:
         if self._closed:
             raise StoreError("this StoreWriter was already published or aborted")
+
+
+def _finite(value: Any) -> Any:
+    """`value` with every NaN or infinite float inside it replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value

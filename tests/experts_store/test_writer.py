@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from experts_store_helpers import make_expert, publish
+from experts_store_helpers import make_expert, publish, stand_in_router
 
 from experts_store import (
     ExpertFormatError,
@@ -231,3 +231,20 @@ def test_a_writer_on_a_relative_path_gives_tasks_paths_that_hold_elsewhere(
         save_expert(make_expert((3, 8, 2), seed=0), target)
         writer.add_expert(1, make_expert((3, 8, 2), seed=1))
     assert target.is_relative_to(tmp_path / "store")
+
+
+def test_a_diverged_runs_nan_is_written_as_null_so_report_json_stays_json(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "store"
+    with StoreWriter(root) as writer:
+        writer.add_expert(0, make_expert((3, 8, 2), seed=0))
+        writer.router_path.write_bytes(stand_in_router(1, 3, 0))
+        writer.write_report({"mixture": {"value": float("nan")},
+                             "losses": [1.0, float("inf"), (2.0, float("-inf"))]})
+        writer.publish(task="regression", input_dim=3, output_dim=2, routing="tree",
+                       branching=2)
+    text = (root / "report.json").read_text()
+    report = json.loads(text, parse_constant=lambda token: pytest.fail(f"{token} in {text}"))
+    assert report["mixture"] == {"value": None}
+    assert report["losses"] == [1.0, None, [2.0, None]]
