@@ -13,6 +13,7 @@ k = model.node(v).route(z); values[v] = model.node(v).run(z, k).
 
 from __future__ import annotations
 
+from ._data import read_graph_npz
 from ._exceptions import (
     ArityMismatch,
     GraphCycle,
@@ -20,6 +21,8 @@ from ._exceptions import (
     GraphSpecError,
     MissingOutput,
     NotHardened,
+    OutputWidthMismatch,
+    TooManyExperts,
     UndefinedInput,
 )
 from ._finetune import FinetuneReport, finetune_nodes, training_loss
@@ -46,6 +49,7 @@ __all__ = [
     "GRAPH_DATASETS",
     "GraphBuildConfig",
     "build_graph_store",
+    "read_graph_npz",
     "graph_dataset",
     "load_graph_spec",
     "publish_graph",
@@ -67,6 +71,8 @@ __all__ = [
     "NodeMixture",
     "NodeSpec",
     "NotHardened",
+    "OutputWidthMismatch",
+    "TooManyExperts",
     "UndefinedInput",
     "binary_tree_spec",
     "parse_ref",

@@ -9,12 +9,15 @@ import sys
 
 __all__ = ["handle_graph_build"]
 
+# Options that shape the tree8/tree16 graph, with their least value and default.
+_TREE_OPTIONS = {"experts": (1, 4), "width": (1, 8), "branching": (2, 4)}
+
 
 def handle_graph_build(args: argparse.Namespace) -> int:
     """Build and publish a graph store from the parsed `momlp build` arguments."""
     import torch
 
-    from trainer import TrainerError
+    from trainer import ConfigError, TrainerError
 
     from ._publish import GraphBuildConfig, build_graph_store, load_graph_spec
     from ._spec import binary_tree_spec
@@ -33,19 +36,28 @@ def handle_graph_build(args: argparse.Namespace) -> int:
     settings = dataclasses.replace(
         settings, **{k: v for k, v in overrides.items() if v is not None}
     )
+    given = {k: getattr(args, k) for k in _TREE_OPTIONS if getattr(args, k) is not None}
+    tree = {k: given.get(k, default) for k, (_, default) in _TREE_OPTIONS.items()}
     try:
+        for option, value in given.items():
+            if args.graph is not None:
+                raise ConfigError("shapes the tree8/tree16 graph; a --graph spec sets each "
+                                  "node's experts, widths and branching", option=option)
+            least = _TREE_OPTIONS[option][0]
+            if value < least:
+                raise ConfigError(f"must be at least {least}, got {value}", option=option)
         if args.torch_threads is not None:
             torch.set_num_threads(args.torch_threads)
         spec = load_graph_spec(args.graph) if args.graph is not None else None
         if spec is None and args.dataset is not None and args.dataset.startswith("tree"):
-            width = args.width or 8
-            spec = binary_tree_spec(int(args.dataset[4:]), experts=args.experts or 4,
-                                    hidden=(width, width), branching=args.branching or 4)
+            spec = binary_tree_spec(int(args.dataset[4:]), experts=tree["experts"],
+                                    hidden=(tree["width"], tree["width"]),
+                                    branching=tree["branching"])
         config = GraphBuildConfig(
             out=args.out, spec=spec, dataset=args.dataset, data=args.data,
             training=args.graph_training, settings=settings,
-            samples=args.samples or (2000 if args.quick else 4000),
-            test_fraction=args.test_fraction or 0.2,
+            samples=(2000 if args.quick else 4000) if args.samples is None else args.samples,
+            test_fraction=0.2 if args.test_fraction is None else args.test_fraction,
             executor=args.executor or "ray", ray_address=args.ray_address,
             num_cpus=args.num_cpus,
         )

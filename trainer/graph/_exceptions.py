@@ -6,7 +6,9 @@
           │    ├── GraphCycle         the nodes form a cycle
           │    ├── UndefinedInput     an input names no input coordinate and no node
           │    ├── ArityMismatch      the inputs' total width differs from the expert input dim
-          │    └── MissingOutput      the graph's output names no node (or none is given)
+          │    ├── MissingOutput      the graph's output names no node (or none is given)
+          │    ├── OutputWidthMismatch the outputs are not as wide as y (nodewise: t_<node>)
+          │    └── TooManyExperts     a node has more experts than rows to fit them on
           └── NotHardened         forward_hard / routing asked of a model before harden()
 """
 
@@ -21,6 +23,8 @@ __all__ = [
     "GraphSpecError",
     "MissingOutput",
     "NotHardened",
+    "OutputWidthMismatch",
+    "TooManyExperts",
     "UndefinedInput",
 ]
 
@@ -63,6 +67,37 @@ class MissingOutput(GraphSpecError):
     def __init__(self, *, node: str) -> None:
         message = "names no output node" if not node else "is named as output but not defined"
         super().__init__(message, node=node)
+
+
+class OutputWidthMismatch(GraphSpecError):
+    """The graph's outputs (node "" when several) or a node's output are `width` columns wide
+    but their `target` ("y", or "t_<node>" when nodewise) has `columns`."""
+
+    def __init__(
+        self, *, node: str, outputs: tuple[str, ...], width: int, target: str, columns: int
+    ) -> None:
+        what = "its output is" if node else f"the outputs {', '.join(outputs)} are"
+        super().__init__(
+            f"{what} {_columns(width)} wide but {target} has {_columns(columns)}", node=node
+        )
+        self.outputs = outputs
+        self.width = width
+        self.target = target
+        self.columns = columns
+
+
+class TooManyExperts(GraphSpecError):
+    def __init__(self, *, node: str, experts: int, rows: int) -> None:
+        super().__init__(
+            f"has {experts} experts but its prototypes are fitted on only {rows} training "
+            "rows; give it at most that many experts (or more data)", node=node,
+        )
+        self.experts = experts
+        self.rows = rows
+
+
+def _columns(count: int) -> str:
+    return f"{count} column" if count == 1 else f"{count} columns"
 
 
 class NotHardened(GraphError):

@@ -3,14 +3,17 @@
 
 Each node's experts become ordinary manifest experts with global ids (the nodes in spec
 order, each node's K_v experts in its prototype order), each node's prototype tree its own
-content-named router file, and the DAG the manifest's `graph` block. The spec is validated
-(`validate`, naming the node) before any training or writing; the writer validates the block
-again against the experts' archs before anything is published.
+content-named router file, and the DAG the manifest's `graph` block. The options, the data
+file (`read_graph_npz`) and the spec (`validate`, then against the data: outputs as wide as
+y, no node with more experts than training rows; naming the node) are checked before any
+training or writing; the writer validates the block again against the experts' archs before
+anything is published.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import tempfile
 import time
 from collections.abc import Mapping
@@ -18,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 
 from experts_store import (
@@ -31,11 +33,12 @@ from experts_store import (
 )
 
 from .._exceptions import ConfigError, DataError
-from ._exceptions import GraphSpecError
+from ._data import read_graph_npz
+from ._exceptions import GraphSpecError, OutputWidthMismatch, TooManyExperts
 from ._finetune import finetune_nodes
 from ._model import CompositionalMoMLP
-from ._spec import GraphSpec, binary_tree_spec, validate
-from ._train import GraphTraining, train_end_to_end, train_nodewise
+from ._spec import GraphSpec, binary_tree_spec, output_width, validate
+from ._train import MAX_SEED, GraphTraining, train_end_to_end, train_nodewise
 
 __all__ = [
     "GRAPH_DATASETS",
@@ -48,7 +51,6 @@ __all__ = [
 ]
 
 GRAPH_DATASETS = ("tree8", "tree16")
-TARGET_PREFIX = "t_"  # .npz arrays "t_<node>": that node's observed target (nodewise)
 MIN_SAMPLES, MAX_SAMPLES = 16, 10_000_000  # rows of tree8/tree16 (caps the build's memory)
 MAX_FINETUNE_EPOCHS = 10_000
 
@@ -101,31 +103,6 @@ def load_graph_spec(path: Path) -> GraphSpec:
     except (OSError, json.JSONDecodeError) as exc:
         raise DataError(f"cannot read the graph spec: {exc}", source=str(path)) from exc
     return GraphSpec.from_dict(data)
-
-
-def _data_file(path: Path) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """.npz with X [N, n], y [N] or [N, out], and optionally t_<node> [N, out_v]."""
-    if not path.is_file() or path.suffix.lower() != ".npz":
-        raise DataError("graph builds read an .npz (X, y, optional t_<node>)", source=str(path))
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            arrays = {k: np.asarray(archive[k], dtype=np.float32) for k in archive.files}
-    except (ValueError, OSError) as exc:
-        raise DataError(f"cannot read the archive: {exc}", source=str(path)) from exc
-    if "X" not in arrays or "y" not in arrays:
-        raise DataError("the archive needs arrays X and y", source=str(path))
-    x, y = torch.from_numpy(arrays["X"]), torch.from_numpy(arrays["y"])
-    y = y.reshape(y.shape[0], -1)
-    targets = {k[len(TARGET_PREFIX):]: torch.from_numpy(v).reshape(v.shape[0], -1)
-               for k, v in arrays.items() if k.startswith(TARGET_PREFIX)}
-    if x.ndim != 2 or y.shape[0] != x.shape[0] or any(
-        t.shape[0] != x.shape[0] for t in targets.values()
-    ):
-        raise DataError("X must be 2-D and every target have one row per row of X",
-                        source=str(path))
-    if not (torch.isfinite(x).all() and torch.isfinite(y).all()):
-        raise DataError("X and y must be finite", source=str(path))
-    return x, y, targets
 
 
 def publish_graph(
@@ -191,32 +168,26 @@ def build_graph_store(config: GraphBuildConfig, progress: bool = True) -> Manife
     to end or node by node, evaluate on a held-out split and publish `config.out`."""
     started = time.perf_counter()
     settings = config.settings
-    if (config.dataset is None) == (config.data is None):
-        raise ConfigError("give exactly one of dataset and data", option="dataset")
-    if not MIN_SAMPLES <= config.samples <= MAX_SAMPLES:
-        raise ConfigError(f"samples must be in [{MIN_SAMPLES}, {MAX_SAMPLES}]", option="samples")
-    if not 0.0 < config.test_fraction < 1.0:
-        raise ConfigError("test_fraction must be in (0, 1)", option="test_fraction")
-    if not 0 <= settings.finetune_epochs <= MAX_FINETUNE_EPOCHS:
-        raise ConfigError(f"graph_finetune_epochs must be in [0, {MAX_FINETUNE_EPOCHS}]",
-                          option="graph_finetune_epochs")
+    _check_config(config)
     if config.dataset is not None:
         x, y, targets = graph_dataset(config.dataset, config.samples, settings.seed)
     else:
         assert config.data is not None
-        x, y, targets = _data_file(config.data)
+        x, y, targets = read_graph_npz(config.data)
     spec = config.spec
     if spec is None:
         if config.dataset is None:
             raise ConfigError("a graph build from --data needs --graph spec.json", option="graph")
         spec = binary_tree_spec(x.shape[1], experts=4, hidden=(8, 8))
     validate(spec, x.shape[1])
-    if config.training == "nodewise":
-        missing = [n.name for n in spec.nodes if n.name not in targets]
-        if missing:
-            raise GraphSpecError("nodewise training needs a target for every node",
-                                 node=missing[0])
     test = max(1, int(x.shape[0] * config.test_fraction))
+    if test >= x.shape[0]:
+        rows = f"{x.shape[0]} row" + ("" if x.shape[0] == 1 else "s")
+        raise DataError(
+            f"has {rows}; holding out the test fraction {config.test_fraction} (at least one "
+            "row) leaves none to train on", source=config.dataset or str(config.data),
+        )
+    _check_fit(spec, config, y, targets, train_rows=x.shape[0] - test)
     order = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(settings.seed))
     train_rows, test_rows = order[test:], order[:test]
     model = CompositionalMoMLP(spec, x.shape[1], seed=settings.seed)
@@ -246,6 +217,72 @@ def build_graph_store(config: GraphBuildConfig, progress: bool = True) -> Manife
     if finetune is not None:
         report["finetune"] = finetune
     return publish_graph(model, config.out, report=report)
+
+
+def _check_config(config: GraphBuildConfig) -> None:
+    """ConfigError naming the first option (as `momlp build` spells it) that cannot work."""
+    settings = config.settings
+    if (config.dataset is None) == (config.data is None):
+        raise ConfigError("give exactly one of dataset and data", option="dataset")
+    if not MIN_SAMPLES <= config.samples <= MAX_SAMPLES:
+        raise ConfigError(f"must be in [{MIN_SAMPLES}, {MAX_SAMPLES}], got {config.samples}",
+                          option="samples")
+    if not 0.0 < config.test_fraction < 1.0:
+        raise ConfigError(f"must lie in (0, 1), got {config.test_fraction}",
+                          option="test_fraction")
+    if not 0 <= settings.finetune_epochs <= MAX_FINETUNE_EPOCHS:
+        raise ConfigError(f"must be in [0, {MAX_FINETUNE_EPOCHS}], got "
+                          f"{settings.finetune_epochs}", option="graph_finetune_epochs")
+    for option, rate in (("lr", settings.lr), ("prototype_lr", settings.prototype_lr)):
+        if rate is not None and not (math.isfinite(rate) and rate > 0):
+            raise ConfigError(f"must be a positive number, got {rate}", option=option)
+    counts = {
+        # --epochs sets the soft, hard and (nodewise) expert epochs alike.
+        "epochs": min(settings.soft_epochs, settings.hard_epochs, settings.expert_epochs),
+        "prototype_epochs": settings.prototype_epochs,
+        "refit_every": settings.refit_every,
+    }
+    for option, count in counts.items():
+        if count < 0:
+            raise ConfigError(f"must not be negative, got {count}", option=option)
+    for option, count in (("batch_size", settings.batch_size),
+                          ("refit_sample", settings.refit_sample)):
+        if count < 1:
+            raise ConfigError(f"must be at least 1, got {count}", option=option)
+    if not 0 <= settings.seed <= MAX_SEED:
+        raise ConfigError(f"must be in [0, {MAX_SEED}], got {settings.seed}", option="seed")
+
+
+def _check_fit(
+    spec: GraphSpec, config: GraphBuildConfig, y: torch.Tensor,
+    targets: Mapping[str, torch.Tensor], *, train_rows: int,
+) -> None:
+    """Refuse, naming the node, a valid spec that the data cannot train: outputs not as wide
+    as y (or, nodewise, a node's output as its t_<node>), or more experts than rows."""
+    width = output_width(spec)
+    if width != y.shape[1]:
+        single = spec.outputs[0].partition(":")[0] if len(spec.outputs) == 1 else ""
+        raise OutputWidthMismatch(node=single, outputs=spec.outputs, width=width, target="y",
+                                  columns=int(y.shape[1]))
+    nodewise = config.training == "nodewise"
+    if nodewise:
+        missing = [n.name for n in spec.nodes if n.name not in targets]
+        if missing:
+            raise GraphSpecError("nodewise training needs a target for every node",
+                                 node=missing[0])
+        for node in spec.nodes:
+            columns = int(targets[node.name].shape[1])
+            if columns != node.output_dim:
+                raise OutputWidthMismatch(node=node.name, outputs=(node.name,),
+                                          width=node.output_dim, target=f"t_{node.name}",
+                                          columns=columns)
+    # A node's prototypes are fitted on rows of its inputs (end to end: k-means on a sample
+    # of at most refit_sample training rows; nodewise: every training row), and k-means
+    # cannot place more centroids than rows.
+    rows = train_rows if nodewise else min(train_rows, config.settings.refit_sample)
+    for node in spec.nodes:
+        if node.experts > 1 and node.experts > rows:
+            raise TooManyExperts(node=node.name, experts=node.experts, rows=rows)
 
 
 def _test_mse(model: CompositionalMoMLP, x: torch.Tensor, y: torch.Tensor) -> float:

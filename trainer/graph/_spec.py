@@ -31,6 +31,7 @@ __all__ = [
     "InputRef",
     "NodeSpec",
     "binary_tree_spec",
+    "output_width",
     "parse_ref",
     "validate",
     "waves",
@@ -182,6 +183,13 @@ def validate(spec: GraphSpec, input_dim: int) -> GraphSpec:
         _ref_width(ref, nodes, node=raw, raw=raw)
     waves(spec)  # raises GraphCycle
     return spec
+
+
+def output_width(spec: GraphSpec) -> int:
+    """Columns of the graph's output: its outputs' widths summed (`spec` must be valid)."""
+    nodes = {n.name: n for n in spec.nodes}
+    return sum(_ref_width(parse_ref(raw, node=raw), nodes, node=raw, raw=raw)
+               for raw in spec.outputs)
 
 
 def waves(spec: GraphSpec) -> list[list[str]]:

@@ -31,6 +31,7 @@ from ._model import CompositionalMoMLP, NodeMixture, node_tree
 from ._spec import INPUT, parse_ref
 
 __all__ = [
+    "MAX_SEED",
     "GraphHistory",
     "GraphTraining",
     "refit_prototypes",
@@ -39,6 +40,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# sklearn's KMeans (the prototypes' refits) takes random_state in [0, 2**32 - 1].
+MAX_SEED = 2**32 - 1
 
 
 @dataclass(frozen=True)
@@ -128,7 +132,8 @@ def train_end_to_end(
         if on_epoch is not None:
             on_epoch("soft", epoch, loss)
         if settings.refit_every and internal and (epoch + 1) % settings.refit_every == 0:
-            refit_prototypes(model, sample, nodes=internal, seed=settings.seed + epoch)
+            refit_prototypes(model, sample, nodes=internal,
+                                 seed=(settings.seed + epoch) % (MAX_SEED + 1))
             history.refits += 1
     model.harden(settings.routing, seed=settings.seed)
     opt = adam(expert_params, lr=settings.lr)

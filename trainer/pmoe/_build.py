@@ -13,7 +13,10 @@ images [N, H, W, C] with `patch_shape`, and integer labels y [N] in 0..c-1 (c >=
 
 from __future__ import annotations
 
+import math
 import time
+import zipfile
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,10 +36,17 @@ from ._model import PatchMoE
 from ._publish import PatchRoutingMode, publish_pmoe, token_choice_logits, token_prototypes
 from ._train import TrainSettings, joint_pmoe, patch_cnn, separate_pmoe, train_model
 
-__all__ = ["PMOE_DATASETS", "PMoEBuild", "PMoEBuildConfig", "build_pmoe"]
+__all__ = ["MAX_SEED", "PMOE_DATASETS", "PMoEBuild", "PMoEBuildConfig", "build_pmoe"]
 
 PMOE_DATASETS = ("digits-patches", "digits-patches-4class")
+# numpy's seeding takes any non-negative integer, torch's at most 2**64 - 1; one bound for
+# both (and the other kinds').
+MAX_SEED = 2**32 - 1
 _MAX_FILE_BYTES = 1 << 31
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+# What np.load raises on a file that is not a readable .npy: an empty file (EOFError), a
+# truncated or foreign one (ValueError), a damaged zip (BadZipFile, zlib.error).
+_UNREADABLE = (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error)
 
 
 @dataclass(frozen=True)
@@ -65,6 +75,36 @@ class PMoEBuildConfig:
     test_fraction: float = 0.3
     baseline: Literal["cnn"] | None = None
     seed: int = 0
+
+    def validate(self) -> None:
+        """PMoEConfigError naming the first option that cannot work, before any data is read."""
+        if self.data is None and self.dataset not in PMOE_DATASETS:
+            raise PMoEConfigError(f"unknown dataset {self.dataset!r}", option="dataset")
+        at_least_one = {
+            "num_experts": self.num_experts,
+            "patches_per_expert": self.patches_per_expert,
+            "hidden_total": self.hidden_total,
+            "batch_size": self.batch_size,
+            "num_train": self.num_train,
+            "num_test": self.num_test,
+        }
+        for option, value in at_least_one.items():
+            if value is not None and value < 1:
+                raise PMoEConfigError(f"must be at least 1, got {value}", option=option)
+        for option, value in (("epochs", self.epochs), ("router_epochs", self.router_epochs)):
+            if value < 0:
+                raise PMoEConfigError(f"must not be negative, got {value}", option=option)
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise PMoEConfigError(f"must be a positive number, got {self.lr}", option="lr")
+        if not 0.0 < self.test_fraction < 1.0:
+            raise PMoEConfigError(f"must lie in (0, 1), got {self.test_fraction}",
+                                  option="test_fraction")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise PMoEConfigError(f"must be in [0, {MAX_SEED}], got {self.seed}", option="seed")
+        if self.patch_shape is not None and min(self.patch_shape) < 1:
+            ph, pw = self.patch_shape
+            raise PMoEConfigError(f"patch sides must be at least 1, got {ph}x{pw}",
+                                  option="patch_shape")
 
 
 @dataclass(frozen=True)
@@ -112,20 +152,41 @@ def _digits(config: PMoEBuildConfig) -> _Data:
 
 
 def _load_npy(path: Path) -> np.ndarray[Any, Any]:
+    """The one array of an .npy file (np.save), never unpickling."""
     try:
         if path.stat().st_size > _MAX_FILE_BYTES:
             raise PMoEConfigError(f"{path} is larger than 2 GiB", option="data")
-        array: np.ndarray[Any, Any] = np.load(path, allow_pickle=False)
-        return array
-    except (OSError, ValueError) as exc:
-        raise PMoEConfigError(f"cannot read {path}: {exc}", option="data") from exc
+        # The file opened here, not by np.load: numpy leaves its own handle open when a
+        # zip is damaged.
+        with path.open("rb") as handle:
+            loaded = np.load(handle, allow_pickle=False)
+            if isinstance(loaded, np.lib.npyio.NpzFile):
+                loaded.close()
+                raise PMoEConfigError(
+                    f"{path} is an .npz archive; --kind pmoe reads X and y as two .npy files "
+                    "(np.save)", option="data",
+                )
+    except _UNREADABLE as exc:
+        raise PMoEConfigError(f"cannot read {path}: {str(exc) or type(exc).__name__}",
+                              option="data") from exc
+    array: np.ndarray[Any, Any] = loaded
+    return array
 
 
 def _files(config: PMoEBuildConfig) -> _Data:
     assert config.data is not None
     x, y = (_load_npy(p) for p in config.data)
+    if x.ndim not in (3, 4):
+        raise PMoEConfigError(f"X must be [N, n, d] or [N, H, W, C], got {x.shape}", option="data")
+    if len(x) == 0:
+        raise PMoEConfigError(f"X holds no samples (shape {x.shape})", option="data")
     if x.dtype.kind != "f" or not np.isfinite(x).all():
         raise PMoEConfigError("X must hold finite floats", option="data")
+    if x.size and float(np.abs(x).max()) > _FLOAT32_MAX:
+        # Finite here, infinite once cast to float32 for training.
+        raise PMoEConfigError(
+            f"X holds values beyond float32's range (|v| > {_FLOAT32_MAX:.3g})", option="data"
+        )
     if y.ndim != 1 or y.dtype.kind not in "iu" or len(y) != len(x):
         raise PMoEConfigError(f"y must be {len(x)} integer labels, got {y.shape}", option="data")
     image = None
@@ -133,10 +194,16 @@ def _files(config: PMoEBuildConfig) -> _Data:
         if config.patch_shape is None:
             raise PMoEConfigError("image data [N, H, W, C] needs --patch-shape", option="data")
         (ph, pw), (_, h, w, c) = config.patch_shape, x.shape
+        if min(h, w, c) < 1:
+            raise PMoEConfigError(f"images [N, H, W, C] need H, W, C >= 1, got {x.shape}",
+                                  option="data")
+        if h % ph or w % pw:
+            raise PMoEConfigError(
+                f"{h}x{w} images (X {list(x.shape)}) do not split into {ph}x{pw} patches",
+                option="patch_shape",
+            )
         image = ImageLayout(height=h, width=w, channels=c, patch_height=ph, patch_width=pw)
         x = image_to_patches(x.astype(np.float32), config.patch_shape)
-    elif x.ndim != 3:
-        raise PMoEConfigError(f"X must be [N, n, d] or [N, H, W, C], got {x.shape}", option="data")
     classes = int(y.max()) + 1 if len(y) else 0
     if classes < 2 or int(y.min()) < 0:
         raise PMoEConfigError("labels must be 0..c-1 with c >= 2", option="data")
@@ -167,7 +234,7 @@ def _model(config: PMoEBuildConfig, data: _Data) -> PatchMoE:
                 option="num_experts",
             )
         return separate_pmoe(**common)
-    return joint_pmoe(**common, num_experts=config.num_experts or 8)
+    return joint_pmoe(**common, num_experts=8 if config.num_experts is None else config.num_experts)
 
 
 @contextmanager
@@ -182,8 +249,7 @@ def _progress(enabled: bool, total: int) -> Iterator[Any]:
 def build_pmoe(config: PMoEBuildConfig, progress: bool = True) -> PMoEBuild:
     """Train, evaluate and publish; PMoEConfigError (a TrainerError) before any training."""
     started = time.perf_counter()
-    if config.data is None and config.dataset not in PMOE_DATASETS:
-        raise PMoEConfigError(f"unknown dataset {config.dataset!r}", option="dataset")
+    config.validate()
     data = _files(config) if config.data is not None else _digits(config)
     model = _model(config, data)
     router_epochs = config.router_epochs if config.train == "separate" else 0

@@ -9,7 +9,7 @@ from dataclasses import fields
 from typing import Any
 
 from ._build import PMoEBuildConfig, build_pmoe
-from ._exceptions import PMoEError
+from ._exceptions import PMoEConfigError, PMoEError
 
 __all__ = ["handle_pmoe_build"]
 
@@ -37,6 +37,11 @@ _MOMLP_ONLY = (
     "loss", "noise_std", "baseline", "grid_size", "hurst", "executor", "ray_address",
     "num_cpus", "max_retries", "torch_threads",
 )
+# How `momlp build` spells each config field, so that an error names the flag the user gave.
+_FLAGS = {
+    **{field: "--" + k.removeprefix("pmoe_").replace("_", "-") for k, field in _SHARED.items()},
+    "data": "--data", "dataset": "--dataset", "patch_shape": "--patch-shape",
+}
 _QUICK = {"num_train": 300, "num_test": 300, "epochs": 20, "router_epochs": 20}
 
 
@@ -73,7 +78,10 @@ def handle_pmoe_build(args: argparse.Namespace) -> int:
         config = PMoEBuildConfig(out=args.out, **_options(args))
         build = build_pmoe(config, progress=args.progress)
     except PMoEError as exc:
-        print(f"momlp build: {exc}", file=sys.stderr)
+        if isinstance(exc, PMoEConfigError) and exc.option in _FLAGS:
+            print(f"momlp build: {_FLAGS[exc.option]}: {exc.reason}", file=sys.stderr)
+        else:
+            print(f"momlp build: {exc}", file=sys.stderr)
         return 2
     m, report = build.manifest, build.report
     summary = {

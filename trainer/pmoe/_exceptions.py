@@ -31,8 +31,9 @@ class PatchLayoutError(PMoEError):
 
 
 class PMoEConfigError(PMoEError):
-    """An option is out of range; `option` names it."""
+    """An option is out of range; `option` names it (a config field), `reason` says why."""
 
     def __init__(self, message: str, *, option: str) -> None:
-        super().__init__(f"{option}: {message}", option=option)
+        super().__init__(f"{option}: {message}", option=option, reason=message)
         self.option = option
+        self.reason = message
