@@ -241,10 +241,56 @@ def _creation_problem(chain: list[Path]) -> str | None:
     return None
 
 
-_PMOE_ONLY = (
-    "patches_per_expert", "train", "pmoe_baseline", "patch_routing", "patch_shape",
-    "router_epochs", "num_train", "num_test",
-)
+# The `momlp build` options each kind's build reads, by argparse dest (beyond --out, --kind,
+# --quick and --no-progress). One given to a kind that would ignore it is refused, naming it:
+# a silently ignored --gate or --executor let a user believe a store was built as asked.
+_EVERY_KIND = {"dataset", "data", "seed"}
+_KIND_READS = {
+    "momlp": {*_CONFIG_OPTIONS},
+    "graph": {
+        "batch_size", "epochs", "executor", "graph", "graph_finetune_epochs", "graph_training",
+        "lr", "num_cpus", "prototype_epochs", "prototype_lr", "ray_address", "routing",
+        "samples", "test_fraction", "torch_threads", "experts", "width", "branching",
+    },
+    "hyper": {
+        "depth", "epochs", "lr", "batch_size", "kind_baseline", "named_conditions",
+        "test_fraction", "condition_source", "width", "torch_threads",
+    },
+    "hyper-prototype": {
+        "target", "task", "experts", "branching", "depth", "epochs", "lr", "batch_size",
+        "grid_size", "test_fraction", "condition_source", "width", "torch_threads",
+    },
+    "pmoe": {
+        "experts", "epochs", "lr", "batch_size", "width", "test_fraction", "patches_per_expert",
+        "train", "kind_baseline", "patch_routing", "router_epochs", "num_train", "num_test",
+        "patch_shape",
+    },
+}
+_NOT_OPTIONS = {"out", "kind", "quick", "progress", "command", "handler", "log_level"}
+# Options with a default other than None count as given only when set to something else.
+_PARSER_DEFAULTS = {"condition_source": "request", "graph_training": "end-to-end"}
+_FLAG_OF = {"baseline": "--no-baseline", "kind_baseline": "--baseline"}
+
+
+def _ignored_options(args: argparse.Namespace) -> str | None:
+    """The refusal for options the chosen kind would ignore, or None."""
+    kind = args.kind
+    if kind == "hyper" and args.condition_source == "prototype":
+        kind, where = "hyper-prototype", "--condition-source prototype"
+    else:
+        where = f"--kind {kind}"
+    reads = _EVERY_KIND | _KIND_READS[kind]
+    stray = [
+        _FLAG_OF.get(name, "--" + name.replace("_", "-"))
+        for name, value in vars(args).items()
+        if name not in _NOT_OPTIONS and name not in reads and value is not None
+        and value != _PARSER_DEFAULTS.get(name)
+    ]
+    if not stray:
+        return None
+    return f"{', '.join(stray)} {'does' if len(stray) == 1 else 'do'} not apply to {where}"
+
+
 _BASELINE_KIND = {"embedding": "hyper", "cnn": "pmoe"}
 
 
@@ -259,17 +305,16 @@ def _handle_build(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"momlp build: --out {args.out}: {problem}", file=sys.stderr)
         return 2
+    ignored = _ignored_options(args)
+    if ignored is not None:
+        print(f"momlp build: {ignored}", file=sys.stderr)
+        return 2
     args.hyper_baseline = baseline if args.kind == "hyper" else None
     args.pmoe_baseline = baseline if args.kind == "pmoe" else None
     if args.kind == "pmoe":
         from trainer.pmoe import handle_pmoe_build
 
         return handle_pmoe_build(args)
-    stray = [o for o in _PMOE_ONLY if getattr(args, o) is not None]
-    if stray:
-        flags = ", ".join("--" + o.replace("pmoe_", "").replace("_", "-") for o in stray)
-        print(f"momlp build: {flags} only apply to --kind pmoe", file=sys.stderr)
-        return 2
     if args.data is not None:
         if len(args.data) != 1:
             print("momlp build: --data takes one file", file=sys.stderr)
@@ -283,10 +328,8 @@ def _handle_build(args: argparse.Namespace) -> int:
         from trainer.graph._cli import handle_graph_build
 
         return handle_graph_build(args)
-    if (args.graph or args.graph_training != "end-to-end" or args.dataset in _GRAPH_DATASETS
-            or args.graph_finetune_epochs is not None):
-        print("momlp build: --graph, --graph-training, --graph-finetune-epochs and tree8/tree16"
-              " need --kind graph", file=sys.stderr)
+    if args.dataset in _GRAPH_DATASETS:
+        print(f"momlp build: --dataset {args.dataset} needs --kind graph", file=sys.stderr)
         return 2
     import torch
 

@@ -372,3 +372,33 @@ def test_an_integer_target_read_as_many_classes_is_warned_about(
         data = load_data_file(Path(path))
     assert data.task == "classification"
     assert any("pass --task regression" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        # Each was silently ignored: the store was built, but not as asked.
+        (["--kind", "graph", "--dataset", "tree8", "--gate", "learned-linear"],
+         "--gate does not apply to --kind graph"),
+        (["--kind", "graph", "--dataset", "tree8", "--balanced-tree", "--temperature", "0.5"],
+         "--temperature, --balanced-tree do not apply to --kind graph"),
+        (["--kind", "pmoe", "--dataset", "digits-patches", "--select-epoch", "best-validation"],
+         "--select-epoch does not apply to --kind pmoe"),
+        (["--kind", "hyper", "--dataset", "hyper-synthetic", "--executor", "ray"],
+         "--executor does not apply to --kind hyper"),
+        (["--kind", "hyper", "--dataset", "hyper-synthetic", "--expert-activation", "gelu"],
+         "--expert-activation does not apply to --kind hyper"),
+        (["--dataset", "ackley2d", "--named-conditions", "4"],
+         "--named-conditions does not apply to --kind momlp"),
+        (["--dataset", "ackley2d", "--condition-source", "prototype"],
+         "--condition-source does not apply to --kind momlp"),
+        (["--kind", "hyper", "--condition-source", "prototype", "--dataset", "ackley2d",
+          "--num-cpus", "2"], "--num-cpus does not apply to --condition-source prototype"),
+    ],
+)
+def test_an_option_the_kind_would_ignore_is_refused_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], words: str
+) -> None:
+    err = _refused(tmp_path, capsys, *argv)
+    assert err == f"momlp build: {words}"

@@ -109,7 +109,7 @@ def test_options_of_the_other_kind_and_bad_data_are_refused(
     assert main([*pmoe, "--dataset", "digits-patches", "--branching", "4"]) == 2
     assert "--branching" in capsys.readouterr().err
     assert main(["build", "--dataset", "digits", "--out", out, "--train", "joint"]) == 2
-    assert "--train only apply to --kind pmoe" in capsys.readouterr().err
+    assert "--train does not apply to --kind momlp" in capsys.readouterr().err
     assert main([*pmoe, "--data", str(x), str(y)]) == 2
     assert "--patch-shape" in capsys.readouterr().err
     np.save(tmp_path / "bad.npy", np.full(120, 5.0))
