@@ -128,3 +128,14 @@ def test_an_unreadable_npy_is_one_line_naming_the_file(
         says = f"--data: cannot read {x}"
     err = refused(tmp_path, capsys, "--data", str(x), data[2], "--patch-shape", "4x4")
     assert says in err
+
+
+def test_a_patch_shape_for_data_already_in_patches_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It was ignored: the store was built with the dataset's own patches.
+    err = refused(tmp_path, capsys, *SMALL, "--patch-shape", "4x4")
+    assert err.startswith("momlp build: --patch-shape: applies to image data given with --data")
+    patches = np.random.default_rng(1).random((40, 16, 4), dtype=np.float32)  # [N, n, d]
+    err = refused(tmp_path, capsys, *images(tmp_path, patches), "--patch-shape", "4x4")
+    assert "X [40, 16, 4] is patches already" in err

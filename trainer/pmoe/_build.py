@@ -101,6 +101,9 @@ class PMoEBuildConfig:
                                   option="test_fraction")
         if not 0 <= self.seed <= MAX_SEED:
             raise PMoEConfigError(f"must be in [0, {MAX_SEED}], got {self.seed}", option="seed")
+        if self.patch_shape is not None and self.data is None:
+            raise PMoEConfigError("applies to image data given with --data X.npy y.npy; the"
+                                  " built-in datasets come cut into patches", option="patch_shape")
         if self.patch_shape is not None and min(self.patch_shape) < 1:
             ph, pw = self.patch_shape
             raise PMoEConfigError(f"patch sides must be at least 1, got {ph}x{pw}",
@@ -190,6 +193,11 @@ def _files(config: PMoEBuildConfig) -> _Data:
     if y.ndim != 1 or y.dtype.kind not in "iu" or len(y) != len(x):
         raise PMoEConfigError(f"y must be {len(x)} integer labels, got {y.shape}", option="data")
     image = None
+    if x.ndim == 3 and config.patch_shape is not None:
+        raise PMoEConfigError(
+            f"applies to images X [N, H, W, C]; X {list(x.shape)} is patches already",
+            option="patch_shape",
+        )
     if x.ndim == 4:
         if config.patch_shape is None:
             raise PMoEConfigError("image data [N, H, W, C] needs --patch-shape", option="data")
