@@ -139,3 +139,11 @@ def test_a_patch_shape_for_data_already_in_patches_is_refused(
     patches = np.random.default_rng(1).random((40, 16, 4), dtype=np.float32)  # [N, n, d]
     err = refused(tmp_path, capsys, *images(tmp_path, patches), "--patch-shape", "4x4")
     assert "X [40, 16, 4] is patches already" in err
+
+
+def test_a_width_below_the_number_of_experts_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = refused(tmp_path, capsys, *SMALL, "--train", "joint", "--experts", "8", "--width", "4")
+    assert err == "momlp build: --width: must be at least the 8 experts its neurons are shared" \
+        " among, got 4"

@@ -241,8 +241,19 @@ def _model(config: PMoEBuildConfig, data: _Data) -> PatchMoE:
                 f"separate training has one expert per class ({data.num_classes})",
                 option="num_experts",
             )
+        experts = data.num_classes
+    else:
+        experts = 8 if config.num_experts is None else config.num_experts
+    if config.hidden_total < experts:
+        # Each expert gets hidden_total // experts neurons; below one each, the build raised
+        # them to one without a word.
+        raise PMoEConfigError(
+            f"must be at least the {experts} experts its neurons are shared among, got"
+            f" {config.hidden_total}", option="hidden_total",
+        )
+    if config.train == "separate":
         return separate_pmoe(**common)
-    return joint_pmoe(**common, num_experts=8 if config.num_experts is None else config.num_experts)
+    return joint_pmoe(**common, num_experts=experts)
 
 
 @contextmanager
