@@ -456,8 +456,20 @@ class ActorCore:
         return self.resident()
 
     def forget_popularity(self) -> None:
-        """A new store version went live (`ExpertCache.forget_popularity`)."""
+        """A new store version went live (`ExpertCache.forget_popularity`); the hypernetworks
+        pinned so far are released too.
+
+        Kept, an old version's f held its share of the budget for good after a swap (to
+        another kind, or to a new f), and with two pinned a tight budget had no room left for
+        the new version's experts: every request waited out the lease timeout (503). Each f
+        in use is pinned again by its next generation, a cache hit while it is resident.
+        """
         self._cache.forget_popularity()
+        with self._pin_lock:
+            while self._pinned:
+                sha, manager = self._pinned.popitem(last=False)
+                self._loader.generators.pop(sha, None)
+                manager.__exit__(None, None, None)
 
     def info(self) -> ActorInfo:
         resident = self.resident()

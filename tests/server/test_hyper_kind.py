@@ -315,6 +315,39 @@ def test_a_third_hypernetwork_releases_the_oldest_pin(tmp_path: Path) -> None:
     assert models[0].generator.sha256 not in core.resident()  # released, then evicted
 
 
+def test_a_new_store_version_releases_the_pinned_hypernetworks(tmp_path: Path) -> None:
+    from app_support import build_small_store
+
+    torch.manual_seed(4)
+    f = HyperNetwork(M2, PrimarySpec(M1, (8,), OUT), depth=1, width=32)
+    publish_hypernetwork(tmp_path / "hyper", f)
+    model = HyperModel.open(Store.open(tmp_path / "hyper"))
+    # The next version is another kind, with experts larger than the θ that fits beside f.
+    theta = model.spec.theta_nbytes
+    plain = Store.open(build_small_store(tmp_path / "plain", K=2, n=M1, width=theta // 4))
+    (expert, *_) = plain.expert_refs()
+    assert expert.nbytes > theta
+    budget = model.generator.nbytes + theta + 16
+    assert budget < model.generator.nbytes + expert.nbytes
+    core = ActorCore(name="a", budget_bytes=budget, cache_policy="lru", lease_timeout_s=1.0)
+    x, c = data(1, 1, seed=13)
+    key = condition_key(model.generator.sha256, c[0])
+    generated = core.run([(model.key_ref(key, torch.from_numpy(c[0]), -1), x)])
+    assert generated.results[0].error is None
+    assert core.pinned() == [model.generator.sha256]
+
+    core.forget_popularity()  # what every actor hears when a new version goes live
+
+    assert core.pinned() == []
+    reply = core.run([(expert, x)])
+    assert reply.results[0].error is None, reply.results[0].error
+    assert reply.device_bytes <= budget
+    # Back to a hyper version: f is pinned again by its next generation, same answer.
+    again = core.run([(model.key_ref(key, torch.from_numpy(c[0]), -1), x)])
+    assert again.results[0].error is None and core.pinned() == [model.generator.sha256]
+    np.testing.assert_array_equal(again.results[0].outputs, generated.results[0].outputs)
+
+
 def test_v2_infer_takes_x_and_condition_rows(hyper: tuple[Path, HyperNetwork]) -> None:
     root, _ = hyper
     x, conditions = data(8, 3, seed=12)
