@@ -58,4 +58,4 @@ def test_build_with_finetune_reports_it_and_refuses_a_bad_epoch_count(
     assert report["mixture"]["value"] == finetune["test_mse"]["after"]
     assert main(["build", "--dataset", "ackley2d", "--out", str(tmp_path / "m"),
                  "--graph-finetune-epochs", "1"]) == 2
-    assert "--kind graph" in capsys.readouterr().err
+    assert "--graph-finetune-epochs does not apply to --kind momlp" in capsys.readouterr().err
