@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import math
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -16,6 +15,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
+from ._arrays import FLOAT32_MAX, UNREADABLE_ARRAY_FILE
 from ._exceptions import DataError
 
 __all__ = [
@@ -30,7 +30,6 @@ __all__ = [
     "regular_grid",
 ]
 
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
 # An integer target with more distinct values than this, read as classes by --task auto, gets a
 # warning: it may well be a quantity (a price, a count).
 _MANY_CLASSES = 20
@@ -198,7 +197,7 @@ def load_data_file(
                         f"the archive lacks {sorted(missing)} (has {archive.files})", source=source
                     )
                 x_raw, y_raw = archive[inputs], archive["y"]
-        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+        except UNREADABLE_ARRAY_FILE as exc:
             # An empty file (EOFError), a damaged zip, a member numpy cannot parse.
             raise DataError(f"cannot read the archive: {str(exc) or type(exc).__name__}",
                             source=source) from exc
@@ -312,7 +311,7 @@ def _split_indices(
 def _not_float32(values: FloatArray) -> npt.NDArray[np.bool_]:
     """Where `values` are NaN, infinite, or beyond float32's range (training casts to it)."""
     with np.errstate(invalid="ignore"):
-        return ~(np.abs(values) <= _FLOAT32_MAX)
+        return ~(np.abs(values) <= FLOAT32_MAX)
 
 
 def _check_inputs(x: FloatArray, source: str) -> None:

@@ -6,27 +6,18 @@ before any training: a file that cannot be trained on is a `DataError` naming it
 
 from __future__ import annotations
 
-import zipfile
-import zlib
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from .._arrays import UNREADABLE_ARRAY_FILE, number_problem
 from .._exceptions import DataError
 
 __all__ = ["TARGET_PREFIX", "read_graph_npz"]
 
 TARGET_PREFIX = "t_"  # .npz arrays "t_<node>": that node's observed target (nodewise)
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
-# What np.load and the zip reader raise on a file that is not a readable .npz: an empty file
-# (EOFError), a truncated or foreign one (BadZipFile, zlib.error), a compression method the
-# zip module lacks (NotImplementedError), a member numpy cannot parse (ValueError).
-_UNREADABLE = (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error, NotImplementedError)
-# bool, signed and unsigned integers, floats: what casts to float32 without losing its meaning.
-_NUMBER_KINDS = "biuf"
-
 Array = npt.NDArray[np.generic]
 
 
@@ -75,7 +66,7 @@ def _read_members(path: Path, source: str) -> dict[str, Array]:
                                     f"(has {names})", source=source)
                 wanted = ["X", "y", *(n for n in names if n.startswith(TARGET_PREFIX))]
                 arrays = {name: archive[name] for name in wanted}
-    except _UNREADABLE as exc:
+    except UNREADABLE_ARRAY_FILE as exc:
         raise DataError(f"cannot read the archive: {str(exc) or type(exc).__name__}",
                         source=source) from exc
     for name, value in arrays.items():
@@ -86,25 +77,6 @@ def _read_members(path: Path, source: str) -> dict[str, Array]:
 
 
 def _check_numbers(source: str, name: str, values: Array) -> None:
-    """Real numbers that are finite and stay finite as float32 (what training sees)."""
-    if values.dtype.kind not in _NUMBER_KINDS:
-        raise DataError(f"{name} must be numbers (bool, int or float), got dtype {values.dtype}",
-                        source=source)
-    if values.dtype.kind != "f":
-        return  # the widest integers (about 1.8e19) are far inside float32's range
-    bad = ~np.isfinite(values)
-    if bad.any():
-        count, first = _bad_rows(bad)
-        raise DataError(f"{name} holds NaN or infinite values in {count} rows (first: row "
-                        f"{first})", source=source)
-    bad = np.abs(values) > _FLOAT32_MAX
-    if bad.any():
-        count, first = _bad_rows(bad)
-        raise DataError(f"{name} holds values beyond float32's range (|v| > "
-                        f"{_FLOAT32_MAX:.3g}) in {count} rows (first: row {first})",
-                        source=source)
-
-
-def _bad_rows(bad: npt.NDArray[np.bool_]) -> tuple[int, int]:
-    rows = np.flatnonzero(bad.reshape(bad.shape[0], -1).any(axis=1))
-    return int(rows.size), int(rows[0])
+    problem = number_problem(name, values)
+    if problem is not None:
+        raise DataError(problem, source=source)

@@ -6,8 +6,6 @@ before any training: a file that cannot be trained on is a `HyperConfigError` na
 
 from __future__ import annotations
 
-import zipfile
-import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from .._arrays import UNREADABLE_ARRAY_FILE, number_problem
 from ._data import HyperDataset
 from ._exceptions import HyperConfigError
 
@@ -22,13 +21,6 @@ __all__ = ["MAX_SEED", "check_split_options", "load_npz_triples", "read_npz"]
 
 # numpy takes any non-negative seed, torch.manual_seed at most 2**64 - 1 (beyond: a traceback).
 MAX_SEED = 2**64 - 1
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
-# What np.load and the zip reader raise on a file that is not a readable .npz: an empty file
-# (EOFError), a truncated or foreign one (BadZipFile, zlib.error), a compression method the
-# zip module lacks (NotImplementedError), a member that is not .npy text (ValueError).
-_UNREADABLE = (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error, NotImplementedError)
-# bool, signed and unsigned integers, floats: what casts to float32 without losing its meaning.
-_NUMBER_KINDS = "biuf"
 
 
 def check_split_options(test_fraction: float, seed: int) -> None:
@@ -50,7 +42,7 @@ def read_npz(path: Path, names: Sequence[str] | None = None) -> dict[str, npt.ND
                                        option="data")
             with loaded as npz:
                 return _members(path, npz, list(npz.files) if names is None else list(names))
-    except _UNREADABLE as exc:
+    except UNREADABLE_ARRAY_FILE as exc:
         raise HyperConfigError(f"{path}: cannot read the archive: {str(exc) or type(exc).__name__}",
                                option="data") from exc
 
@@ -75,34 +67,10 @@ def _members(
     return arrays
 
 
-def _first_bad_row(bad: npt.NDArray[np.bool_]) -> tuple[int, int]:
-    rows = np.flatnonzero(bad.reshape(bad.shape[0], -1).any(axis=1))
-    return int(rows.size), int(rows[0])
-
-
 def _check_numbers(path: Path, name: str, values: npt.NDArray[np.generic]) -> None:
-    """Real numbers that are finite and stay finite as float32 (what training sees)."""
-    if values.dtype.kind not in _NUMBER_KINDS:
-        raise HyperConfigError(
-            f"{path}: {name} must be numbers (bool, int or float), got dtype {values.dtype}",
-            option="data",
-        )
-    if values.dtype.kind != "f":
-        return  # the widest integers (about 1.8e19) are far inside float32's range
-    bad = ~np.isfinite(values)
-    if bad.any():
-        count, first = _first_bad_row(bad)
-        raise HyperConfigError(
-            f"{path}: {name} holds NaN or infinite values in {count} rows (first: row {first})",
-            option="data",
-        )
-    bad = np.abs(values) > _FLOAT32_MAX
-    if bad.any():
-        count, first = _first_bad_row(bad)
-        raise HyperConfigError(
-            f"{path}: {name} holds values beyond float32's range (|v| > {_FLOAT32_MAX:.3g}) "
-            f"in {count} rows (first: row {first})", option="data",
-        )
+    problem = number_problem(name, values)
+    if problem is not None:
+        raise HyperConfigError(f"{path}: {problem}", option="data")
 
 
 def _labels(path: Path, y: npt.NDArray[np.generic], rows: int) -> torch.Tensor:

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import math
 import time
-import zipfile
-import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,6 +27,7 @@ import torch
 from experts_store import ImageLayout, Manifest, progress_bar
 from router import PrototypeTree
 
+from .._arrays import FLOAT32_MAX, UNREADABLE_ARRAY_FILE
 from ._data import DIGITS_PATCH_SHAPE, digits_patches, image_to_patches
 from ._exceptions import PMoEConfigError
 from ._metrics import accuracy
@@ -43,10 +42,6 @@ PMOE_DATASETS = ("digits-patches", "digits-patches-4class")
 # both (and the other kinds').
 MAX_SEED = 2**32 - 1
 _MAX_FILE_BYTES = 1 << 31
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
-# What np.load raises on a file that is not a readable .npy: an empty file (EOFError), a
-# truncated or foreign one (ValueError), a damaged zip (BadZipFile, zlib.error).
-_UNREADABLE = (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error)
 
 
 @dataclass(frozen=True)
@@ -169,7 +164,7 @@ def _load_npy(path: Path) -> np.ndarray[Any, Any]:
                     f"{path} is an .npz archive; --kind pmoe reads X and y as two .npy files "
                     "(np.save)", option="data",
                 )
-    except _UNREADABLE as exc:
+    except UNREADABLE_ARRAY_FILE as exc:
         raise PMoEConfigError(f"cannot read {path}: {str(exc) or type(exc).__name__}",
                               option="data") from exc
     array: np.ndarray[Any, Any] = loaded
@@ -185,10 +180,10 @@ def _files(config: PMoEBuildConfig) -> _Data:
         raise PMoEConfigError(f"X holds no samples (shape {x.shape})", option="data")
     if x.dtype.kind != "f" or not np.isfinite(x).all():
         raise PMoEConfigError("X must hold finite floats", option="data")
-    if x.size and float(np.abs(x).max()) > _FLOAT32_MAX:
+    if x.size and float(np.abs(x).max()) > FLOAT32_MAX:
         # Finite here, infinite once cast to float32 for training.
         raise PMoEConfigError(
-            f"X holds values beyond float32's range (|v| > {_FLOAT32_MAX:.3g})", option="data"
+            f"X holds values beyond float32's range (|v| > {FLOAT32_MAX:.3g})", option="data"
         )
     if y.ndim != 1 or y.dtype.kind not in "iu" or len(y) != len(x):
         raise PMoEConfigError(f"y must be {len(x)} integer labels, got {y.shape}", option="data")

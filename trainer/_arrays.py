@@ -1,0 +1,49 @@
+"""What every kind's data reader checks of a user's arrays, in one place: which errors mean an
+.npz or .npy file cannot be read, and whether an array holds numbers training can use.
+
+    problem = number_problem("y", y)   # None, or "y holds NaN or infinite values in ..."
+"""
+
+from __future__ import annotations
+
+import zipfile
+import zlib
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["FLOAT32_MAX", "UNREADABLE_ARRAY_FILE", "number_problem"]
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+# What np.load and the zip reader raise on a file that is not a readable .npz or .npy: an
+# empty file (EOFError), a truncated or foreign one (BadZipFile, zlib.error), a compression
+# method the zip module lacks (NotImplementedError), a member numpy cannot parse (ValueError).
+UNREADABLE_ARRAY_FILE = (
+    OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error, NotImplementedError,
+)
+# bool, signed and unsigned integers, floats: what casts to float32 without losing its meaning.
+_NUMBER_KINDS = "biuf"
+
+
+def number_problem(name: str, values: npt.NDArray[np.generic]) -> str | None:
+    """Why `values` are not real numbers that stay finite as float32 (what training sees),
+    naming `name` and the first bad row; None when they are."""
+    if values.dtype.kind not in _NUMBER_KINDS:
+        return f"{name} must be numbers (bool, int or float), got dtype {values.dtype}"
+    if values.dtype.kind != "f":
+        return None  # the widest integers (about 1.8e19) are far inside float32's range
+    bad = ~np.isfinite(values)
+    if bad.any():
+        count, first = _bad_rows(bad)
+        return f"{name} holds NaN or infinite values in {count} rows (first: row {first})"
+    bad = np.abs(values) > FLOAT32_MAX
+    if bad.any():
+        count, first = _bad_rows(bad)
+        return (f"{name} holds values beyond float32's range (|v| > {FLOAT32_MAX:.3g}) in"
+                f" {count} rows (first: row {first})")
+    return None
+
+
+def _bad_rows(bad: npt.NDArray[np.bool_]) -> tuple[int, int]:
+    rows = np.flatnonzero(bad.reshape(bad.shape[0], -1).any(axis=1))
+    return int(rows.size), int(rows[0])
