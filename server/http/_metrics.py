@@ -47,6 +47,11 @@ class PoolSnapshot:
     counts: dict[str, CacheCounts] = field(default_factory=dict)
     queue_rows: int = 0
     alive: dict[str, bool] = field(default_factory=dict)
+    # The served store version and its kind; and the version on disk that the store watcher
+    # refuses to serve ("" when the manifest itself is missing), None while none is refused.
+    store_version: str | None = None
+    store_kind: str | None = None
+    refused_version: str | None = None
 
 
 class _PoolCollector(Collector):
@@ -78,6 +83,23 @@ class _PoolCollector(Collector):
         for actor, up in sorted(snap.alive.items()):
             alive.add_metric([actor], 1.0 if up else 0.0)
         yield alive
+        info = GaugeMetricFamily(
+            "momlp_store_info",
+            "1 for the store version served and its kind (the series changes at a hot swap)",
+            labels=["version", "kind"],
+        )
+        if snap.store_version is not None:
+            info.add_metric([snap.store_version, snap.store_kind or ""], 1.0)
+        yield info
+        refused = GaugeMetricFamily(
+            "momlp_store_refused",
+            "1 while the store watcher refuses the version on disk (its log says why; version"
+            " is empty when the manifest is missing); no sample while none is refused",
+            labels=["version"],
+        )
+        if snap.refused_version is not None:
+            refused.add_metric([snap.refused_version], 1.0)
+        yield refused
         for name, documentation, field_name in (
             ("momlp_cache_evictions", "experts evicted from each actor's cache", "evictions"),
             (

@@ -219,6 +219,9 @@ class ServingState:
         self._retiring: set[asyncio.Task[None]] = set()
         # The on-disk version the last swap read (the one a failed swap was opening).
         self._tried: str | None = None
+        # The on-disk version the store watcher refuses ("" for a missing manifest), for
+        # /metrics: a publish that never goes live is otherwise seen only in the log.
+        self.refused_version: str | None = None
         self._version_on_disk = StoreVersionReader(Path(settings.store))
         # Replaceable so that tests drive the store watcher without waiting.
         self.sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
@@ -402,5 +405,7 @@ class ServingState:
                     logger.debug("reloading store version %s failed again: %s", on_disk, exc)
                     backoff = min(2.0 * backoff, _MAX_WATCH_BACKOFF_S)
                 refused, retry_at = [on_disk], self.clock.now() + backoff
+                self.refused_version = on_disk or ""
             else:
                 refused = []
+                self.refused_version = None

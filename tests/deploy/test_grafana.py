@@ -77,7 +77,8 @@ def exported_names() -> set[str]:
     pool = SimpleNamespace(
         resident_bytes={"actor-0": 1024}, budget_bytes={"actor-0": 4096},
         counts={"actor-0": CacheCounts(evictions=1, loads=3, load_bytes=3072)},
-        queue_rows=2, alive={"actor-0": True},
+        queue_rows=2, alive={"actor-0": True}, store_version="v1", store_kind="momlp",
+        refused_version="v2",
     )
     metrics = Metrics(snapshot=lambda: pool)
     metrics.observe_request("/v1/predict", 200, 0.01)

@@ -202,6 +202,43 @@ async def test_a_refused_version_is_logged_once_and_retried_less_often(
         assert (await client.get("/readyz")).json()["store_version"] == new_version
 
 
+async def test_metrics_name_the_served_version_and_kind_and_a_refused_one(
+    tmp_path: Path,
+) -> None:
+    import os
+
+    store = build_small_store(tmp_path / "store")
+    app = create_app(app_settings(store, watch_store=True), pool_factory=fake_pool)
+    serving: ServingState = app.state.serving
+    polls = WatcherPolls()
+    serving.sleep = polls.sleep
+
+    async def store_series(client: Any) -> list[str]:
+        text = (await client.get("/metrics")).text
+        return [line for line in text.splitlines() if line.startswith("momlp_store_")]
+
+    async with running(app) as client:
+        first = serving.version
+        assert first is not None
+        assert await store_series(client) == [
+            f'momlp_store_info{{kind="momlp",version="{first.version}"}} 1.0'
+        ]
+        broken = "20990101T000000000000Z-broken"
+        data = manifest(store) | {"store_version": broken, "router_file": "router-gone.safetensors"}
+        (store / "manifest.tmp").write_text(json.dumps(data))
+        os.replace(store / "manifest.tmp", store / "manifest.json")
+        await polls.once()
+        assert await store_series(client) == [
+            f'momlp_store_info{{kind="momlp",version="{first.version}"}} 1.0',
+            f'momlp_store_refused{{version="{broken}"}} 1.0',
+        ]
+        new_version = republish(store, seed=3)
+        await polls.once()
+        assert await store_series(client) == [
+            f'momlp_store_info{{kind="momlp",version="{new_version}"}} 1.0'
+        ]
+
+
 async def test_a_swap_and_only_a_swap_has_the_pool_count_popularity_afresh(
     tmp_path: Path,
 ) -> None:
