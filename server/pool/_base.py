@@ -265,6 +265,15 @@ class DispatchingPool(ABC):
                 retry_after_s=retry_after_s,
             )
 
+    def _actor_lost(self, actor: str, reason: str) -> None:
+        """`actor`'s process is gone (its socket dropped): dead from now, not from the next
+        call to it, so that the dispatcher and /readyz know while no request is in flight."""
+        if self._closed or not self._dispatcher.alive(actor):
+            return
+        logger.warning("actor %s dropped its connection (%s)", actor, reason)
+        self._dispatcher.mark_dead(actor)
+        self._watch_revival(actor)
+
     def _watch_revival(self, actor: str) -> None:
         task = self._reviving.get(actor)
         if task is None or task.done():

@@ -9,7 +9,9 @@ the actor shares the server's node. Frames are `_wire`'s (no pickle).
 Actor side: `ChannelServer` accepts connections on a socket file and answers each connection's
 frames in order on a thread of its own (`run` is serialised in the actor anyway). Server side:
 `Channel` is one connection; calls may overlap and are matched to answers by call number. When
-the connection drops (the actor died), every pending call fails with `ChannelClosed`.
+the connection drops (the actor died), every pending call fails with `ChannelClosed`, and
+`on_lost` hears of it at once, whether or not a call was pending: an idle pool learns of a dead
+actor from its socket rather than from the next request.
 """
 
 from __future__ import annotations
@@ -140,8 +142,14 @@ def _read_frame(stream: BinaryIO) -> tuple[bytes, bytes] | None:
 class Channel:
     """The server's end of one connection to a `ChannelServer` (one event loop)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        on_lost: Callable[[Channel, str], None] | None = None,
+    ) -> None:
         self._reader = reader
+        self._on_lost = on_lost
         self._writer = writer
         self._pending: dict[int, asyncio.Future[ActorReply]] = {}
         self._calls = itertools.count()
@@ -151,10 +159,13 @@ class Channel:
         self._receiver = asyncio.get_running_loop().create_task(self._receive())
 
     @classmethod
-    async def connect(cls, path: Path) -> Channel:
-        """Connect to the socket at `path`; `OSError` if nothing answers there."""
+    async def connect(
+        cls, path: Path, on_lost: Callable[[Channel, str], None] | None = None
+    ) -> Channel:
+        """Connect to the socket at `path`; `OSError` if nothing answers there. `on_lost(self,
+        reason)` is called once if the actor's end drops the connection (not after `close`)."""
         reader, writer = await asyncio.open_unix_connection(os.fspath(path), limit=1 << 20)
-        return cls(reader, writer)
+        return cls(reader, writer, on_lost)
 
     @property
     def closed(self) -> bool:
@@ -207,15 +218,22 @@ class Channel:
                 else:
                     answer.set_result(reply)
         except asyncio.IncompleteReadError:
-            self._close("the actor closed the connection")
+            self._lost("the actor closed the connection")
         except (OSError, WireError) as exc:
-            self._close(f"{type(exc).__name__}: {exc}")
+            self._lost(f"{type(exc).__name__}: {exc}")
 
-    def _close(self, reason: str) -> None:
-        if self._closed is None:
+    def _lost(self, reason: str) -> None:
+        if self._close(reason) and self._on_lost is not None:
+            self._on_lost(self, reason)
+
+    def _close(self, reason: str) -> bool:
+        """Fail the pending calls; True if this closed the channel (it was open)."""
+        first = self._closed is None
+        if first:
             self._closed = reason
             self._writer.close()
         for answer in self._pending.values():
             if not answer.done():
                 answer.set_exception(ChannelClosed(reason))
         self._pending.clear()
+        return first

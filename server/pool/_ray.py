@@ -6,6 +6,7 @@ Ray is imported inside the methods, so importing this module does not start or n
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import shutil
 import threading
@@ -299,13 +300,20 @@ class RayExpertPool(DispatchingPool):
             logger.info("actor %s: no socket on this node; its batches go as Ray calls", actor)
         else:
             try:
-                channel = await Channel.connect(Path(opened[1]))
+                channel = await Channel.connect(
+                    Path(opened[1]), on_lost=functools.partial(self._channel_lost, actor)
+                )
             except OSError as exc:
                 logger.warning("actor %s: no channel (%s); using Ray calls", actor, exc)
             else:
                 logger.info("actor %s takes its batches over %s", actor, opened[1])
         self._channels[actor] = channel
         return channel
+
+    def _channel_lost(self, actor: str, channel: Channel, reason: str) -> None:
+        if self._channels.get(actor) is channel:  # not an older process's channel
+            del self._channels[actor]  # a restarted actor is a new process: a new channel
+            self._actor_lost(actor, reason)
 
     async def _call_prefetch(self, actor: str, experts: list[ExpertRef]) -> dict[str, int]:
         from ray.exceptions import RayActorError

@@ -207,6 +207,37 @@ async def test_an_actor_out_of_restarts_fails_requests_without_waiting_for_it(
         await pool.close()
 
 
+@pytest.mark.parametrize("restarts", [0, 1])
+async def test_an_idle_pool_learns_of_a_dead_actor_from_its_socket(
+    make_store: MakeStore, restarts: int
+) -> None:
+    # Dead was known only at the next call to it: with no traffic, /readyz said ready for as
+    # long as the actors were gone (~50 s when a Ray cluster stopped under the server).
+    store = Store.open(make_store(K=8, n=2, width=8, out=1))
+    pool = await start(
+        store, actors=2, cache_bytes=10**7, actor_channel="socket", actor_max_restarts=restarts
+    )
+    groups = [IdGroup(e, torch.ones(2, 2)) for e in range(8)]
+    try:
+        await pool.run(groups)  # every actor gets work, so each opens its channel
+        assert [pool.transport(a) for a in ("actor-0", "actor-1")] == ["socket", "socket"]
+        pid = await pool.handle("actor-0").get_pid.remote()
+        os.kill(pid, signal.SIGKILL)
+        alive = {"actor-0": True}
+        for _ in range(100):
+            alive = {a.name: a.alive for a in pool.actors()}
+            if not alive["actor-0"]:
+                break
+            await asyncio.sleep(0.05)
+        assert alive == {"actor-0": False, "actor-1": True}
+        assert await pool.wait_until_alive("actor-0") is bool(restarts)
+        results = await pool.run(groups)
+        assert all(r.error is None for r in results)
+        assert {r.actor for r in results} == ({"actor-0", "actor-1"} if restarts else {"actor-1"})
+    finally:
+        await pool.close()
+
+
 async def test_a_corrupted_expert_fails_only_the_requests_that_need_it(
     make_store: MakeStore,
 ) -> None:
