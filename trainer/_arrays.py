@@ -12,7 +12,8 @@ import zlib
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["FLOAT32_MAX", "UNREADABLE_ARRAY_FILE", "number_problem"]
+__all__ = ["FLOAT32_MAX", "MAX_CLASSES", "UNREADABLE_ARRAY_FILE", "class_count_problem",
+           "number_problem"]
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 # What np.load and the zip reader raise on a file that is not a readable .npz or .npy: an
@@ -21,6 +22,9 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 UNREADABLE_ARRAY_FILE = (
     OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error, NotImplementedError,
 )
+# Class labels are the output layer's unit indices (0..C-1): a stray 10**9 would otherwise ask
+# for a layer of 10**9 units and end the build in an out-of-memory kill, not in an error.
+MAX_CLASSES = 65_536
 # bool, signed and unsigned integers, floats: what casts to float32 without losing its meaning.
 _NUMBER_KINDS = "biuf"
 
@@ -42,6 +46,17 @@ def number_problem(name: str, values: npt.NDArray[np.generic]) -> str | None:
         return (f"{name} holds values beyond float32's range (|v| > {FLOAT32_MAX:.3g}) in"
                 f" {count} rows (first: row {first})")
     return None
+
+
+def class_count_problem(name: str, labels: npt.NDArray[np.generic]) -> str | None:
+    """Why integer `labels` (one per row, all >= 0) cannot index an output layer of at most
+    MAX_CLASSES units; None when they can."""
+    top = int(labels.max()) if labels.size else 0
+    if top < MAX_CLASSES:
+        return None
+    return (f"{name}'s class labels index the output layer (0..C-1), and its largest, {top} "
+            f"(row {int(np.argmax(labels))}), asks for {top + 1} units; at most {MAX_CLASSES}: "
+            "number the classes 0..C-1")
 
 
 def _bad_rows(bad: npt.NDArray[np.bool_]) -> tuple[int, int]:

@@ -291,6 +291,32 @@ def _ignored_options(args: argparse.Namespace) -> str | None:
     return f"{', '.join(stray)} {'does' if len(stray) == 1 else 'do'} not apply to {where}"
 
 
+# Options that size a built-in --dataset, which --data files would leave unread.
+_DATASET_ONLY = {"samples": "--samples", "num_train": "--num-train", "num_test": "--num-test"}
+
+
+def _unread_by_source(args: argparse.Namespace) -> str | None:
+    """The refusal for an option the data source leaves unread (the kind reads it from
+    another source), or None."""
+    files: list[Path] = args.data or []
+    if files:
+        given = [f for name, f in _DATASET_ONLY.items() if getattr(args, name, None) is not None]
+        if given:
+            verb = "sizes a built-in --dataset and does" if len(given) == 1 else (
+                "size a built-in --dataset and do")
+            return f"{', '.join(given)} {verb} not apply to --data"
+    if args.target is not None and not any(
+        f.suffix.lower() in (".csv", ".parquet") for f in files
+    ):
+        source = (
+            "an .npz file (its y is the target)" if files
+            else f"--dataset {args.dataset}" if args.dataset else "a built-in dataset"
+        )
+        return ("--target names a column of a .csv/.parquet --data table; it does not apply"
+                f" to {source}")
+    return None
+
+
 _BASELINE_KIND = {"embedding": "hyper", "cnn": "pmoe"}
 
 
@@ -305,7 +331,7 @@ def _handle_build(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"momlp build: --out {args.out}: {problem}", file=sys.stderr)
         return 2
-    ignored = _ignored_options(args)
+    ignored = _ignored_options(args) or _unread_by_source(args)
     if ignored is not None:
         print(f"momlp build: {ignored}", file=sys.stderr)
         return 2

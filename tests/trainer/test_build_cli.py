@@ -402,3 +402,32 @@ def test_an_option_the_kind_would_ignore_is_refused_naming_it(
 ) -> None:
     err = _refused(tmp_path, capsys, *argv)
     assert err == f"momlp build: {words}"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        # Each kind reads the option from one data source and ignored it from the other.
+        (["--dataset", "ackley2d", "--target", "t"],
+         "--target names a column of a .csv/.parquet --data table; it does not apply to "
+         "--dataset ackley2d"),
+        (["--data", "{npz}", "--target", "t"],
+         "--target names a column of a .csv/.parquet --data table; it does not apply to "
+         "an .npz file (its y is the target)"),
+        (["--kind", "hyper", "--condition-source", "prototype", "--dataset", "ackley2d",
+          "--target", "t"],
+         "--target names a column of a .csv/.parquet --data table; it does not apply to "
+         "--dataset ackley2d"),
+        (["--kind", "graph", "--data", "{npz}", "--samples", "100"],
+         "--samples sizes a built-in --dataset and does not apply to --data"),
+        (["--kind", "pmoe", "--data", "{npz}", "{npz}", "--num-train", "9", "--num-test", "9"],
+         "--num-train, --num-test size a built-in --dataset and do not apply to --data"),
+    ],
+)
+def test_an_option_the_data_source_would_leave_unread_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], words: str
+) -> None:
+    npz = _npz(tmp_path, y=np.arange(40.0))
+    err = _refused(tmp_path, capsys, *(npz if a == "{npz}" else a for a in argv))
+    assert err == f"momlp build: {words}"

@@ -93,6 +93,8 @@ def test_a_column_of_labels_is_one_label_per_row(tmp_path: Path) -> None:
     [
         (np.arange(ROWS) % 3 - 1, "class labels must be >= 0, got -1 (first: row 0)"),
         (np.zeros(ROWS, dtype=np.int64), "classification needs at least 2 classes"),
+        # 10**9 sized the output layer: killed for memory, no error.
+        (np.arange(ROWS) % 2 * 10**9, "largest, 1000000000 (row 1), asks for 1000000001 units"),
     ],
 )
 def test_labels_that_cannot_train_a_classifier_are_refused(

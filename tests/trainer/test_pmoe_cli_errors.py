@@ -105,6 +105,18 @@ def test_values_beyond_float32_are_refused(
     assert "--data: X holds values beyond float32's range" in err
 
 
+def test_a_huge_class_label_is_refused_before_it_sizes_the_output_layer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A label of 10**9 asked for an output layer of 10**9 units: killed for memory, no error.
+    argv = images(tmp_path)
+    y = np.arange(40) % 2
+    y[7] = 10**9
+    np.save(tmp_path / "y.npy", y)
+    err = refused(tmp_path, capsys, *argv, "--patch-shape", "4x4")
+    assert "largest, 1000000000 (row 7), asks for 1000000001 units; at most 65536" in err
+
+
 def test_no_samples_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     err = refused(tmp_path, capsys, *images(tmp_path, np.zeros((0, 4, 3))))
     assert "--data: X holds no samples" in err

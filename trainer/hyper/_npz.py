@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from .._arrays import UNREADABLE_ARRAY_FILE, number_problem
+from .._arrays import UNREADABLE_ARRAY_FILE, class_count_problem, number_problem
 from ._data import HyperDataset
 from ._exceptions import HyperConfigError
 
@@ -86,6 +86,9 @@ def _labels(path: Path, y: npt.NDArray[np.generic], rows: int) -> torch.Tensor:
             f"{path}: class labels must be >= 0, got {int(labels.min())} "
             f"(first: row {int(np.argmin(labels))})", option="data",
         )
+    problem = class_count_problem("y", labels)
+    if problem is not None:
+        raise HyperConfigError(f"{path}: {problem}", option="data")
     distinct = np.unique(labels)
     if distinct.size < 2:
         raise HyperConfigError(

@@ -27,7 +27,7 @@ import torch
 from experts_store import ImageLayout, Manifest, progress_bar
 from router import PrototypeTree
 
-from .._arrays import FLOAT32_MAX, UNREADABLE_ARRAY_FILE
+from .._arrays import FLOAT32_MAX, UNREADABLE_ARRAY_FILE, class_count_problem
 from ._data import DIGITS_PATCH_SHAPE, digits_patches, image_to_patches
 from ._exceptions import PMoEConfigError
 from ._metrics import accuracy
@@ -210,6 +210,9 @@ def _files(config: PMoEBuildConfig) -> _Data:
     classes = int(y.max()) + 1 if len(y) else 0
     if classes < 2 or int(y.min()) < 0:
         raise PMoEConfigError("labels must be 0..c-1 with c >= 2", option="data")
+    problem = class_count_problem("y", y)
+    if problem is not None:
+        raise PMoEConfigError(problem, option="data")
     order = np.random.default_rng(config.seed).permutation(len(x))
     cut = int(round(len(x) * config.test_fraction))
     if not 0 < cut < len(x):
