@@ -308,7 +308,9 @@ def _save(fig: Any, path: Path) -> str:
     import matplotlib.pyplot as plt
 
     plt.close(fig)
-    return str(path.relative_to(HERE.parent))
+    resolved = path.resolve()  # --plots may lie outside the checkout
+    return str(resolved.relative_to(HERE.parent) if resolved.is_relative_to(HERE.parent)
+               else resolved)
 
 
 def jobs(plan: Plan) -> list[tuple[str, int, int, int, int]]:

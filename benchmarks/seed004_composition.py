@@ -212,7 +212,9 @@ def plot(figures: list[dict[str, Any]], out: Path, tag: str) -> list[str]:
         path = out / f"seed004_d{d}{tag}.png"
         fig.savefig(path, dpi=90)
         plt.close(fig)
-        written.append(str(path.relative_to(HERE.parent)))
+        resolved = path.resolve()  # --plots may lie outside the checkout
+        written.append(str(resolved.relative_to(HERE.parent)
+                           if resolved.is_relative_to(HERE.parent) else resolved))
     return written
 
 
