@@ -100,8 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ModuleNotFoundError as exc:
         # Commands register without their heavy imports, so a client-only install lists
         # `momlp build` too; running it there should say what is missing, not crash.
-        print(f"momlp {args.command}: needs the {exc.name!r} package, which is not installed",
-              file=sys.stderr)
+        print(f"momlp {args.command}: needs the {exc.name!r} package, which is not installed"
+              " (other server or build packages may be missing too: install momlp with its"
+              " dependencies, `pip install momlp`)", file=sys.stderr)
         return 2
 
 

@@ -225,6 +225,12 @@ class RayExpertPool(DispatchingPool):
             if settings.host_cache_bytes and device.startswith("cuda")
             else "",
         )
+        if settings.host_cache_bytes and not device.startswith("cuda"):
+            # The actors say so too, but their logs stay on the Ray nodes (log_to_driver off).
+            logger.warning(
+                "host_cache_bytes (%s) applies to CUDA actors only; ignored on %s actors",
+                settings.host_cache_bytes, device,
+            )
         channels = None
         if settings.actor_channel == "socket":
             sweep_stale_folders()

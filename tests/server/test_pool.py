@@ -238,6 +238,21 @@ async def test_an_idle_pool_learns_of_a_dead_actor_from_its_socket(
         await pool.close()
 
 
+async def test_a_host_cache_on_cpu_actors_is_reported_where_the_server_logs(
+    make_store: MakeStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Only the actors said so, in logs that stay on the Ray nodes.
+    store = Store.open(make_store(K=4, n=2, width=8, out=1))
+    with caplog.at_level("WARNING", logger="server.pool._ray"):
+        pool = await start(store, actors=1, host_cache_bytes=2**20, device="cpu")
+    try:
+        assert "host_cache_bytes (1048576) applies to CUDA actors only; ignored on cpu actors" in (
+            caplog.text
+        )
+    finally:
+        await pool.close()
+
+
 async def test_a_corrupted_expert_fails_only_the_requests_that_need_it(
     make_store: MakeStore,
 ) -> None:
