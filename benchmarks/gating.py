@@ -378,7 +378,8 @@ def main() -> None:
     parser.add_argument("--part", choices=("calibration", "curve", "loadtest", "all"),
                         default="all")
     parser.add_argument("--plot", type=Path, default=None,
-                        help="curve PNG (default benchmarks/plots/gating_curve[-quick].png)")
+                        help="curve PNG (default benchmarks/plots/gating_curve[-quick].png); the"
+                        " load test's gating_loadtest_gates[-quick].png goes beside it")
     parser.add_argument("--work", type=Path, default=None,
                         help="keep the curve's stores here and reuse them (default: a temp dir)")
     args = parser.parse_args()
@@ -394,8 +395,8 @@ def main() -> None:
         if args.part in ("loadtest", "all"):
             if args.work is not None:
                 args.work.mkdir(parents=True, exist_ok=True)
-            gates_png = PLOTS / ("gating_loadtest_gates-quick.png" if args.quick
-                                 else "gating_loadtest_gates.png")
+            gates_png = plot.parent / ("gating_loadtest_gates-quick.png" if args.quick
+                                       else "gating_loadtest_gates.png")
             asyncio.run(loadtest_part(args.work or work, args.quick, gates_png))
 
 
