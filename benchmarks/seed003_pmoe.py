@@ -368,9 +368,10 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
     figures = summarise(rows, plan)
     tag = "-quick" if args.quick else ""
-    written = plot(figures, args.plots, tag)
     for figure in figures:
         print(json.dumps({"plan": name, **figure}), flush=True)
+    # After the figures are out: a plot that fails loses no training.
+    written = plot(figures, args.plots, tag)
     print(json.dumps({"figure": "run", "plan": name, "runs": len(rows), "plots": written,
                       "wall_seconds": round(time.perf_counter() - started, 1),
                       "cpus": args.num_cpus}), flush=True)

@@ -263,9 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ray.shutdown()
     figures = summarise(rows)
-    written = plot(figures, args.plots, "" if name == "full" else f"-{name}")
     for figure in figures:
         print(json.dumps({"plan": name, **figure}), flush=True)
+    # After the figures are out: a plot that fails loses no training.
+    written = plot(figures, args.plots, "" if name == "full" else f"-{name}")
     print(json.dumps({"figure": "run", "plan": name, "runs": len(rows), "plots": written,
                       "wall_seconds": round(time.perf_counter() - started, 1),
                       "cpus": args.num_cpus, "epochs": EPOCHS, "lr": LR, "batch": BATCH}),
