@@ -41,7 +41,9 @@ class Dispatcher:
     """Residency table, per-actor queue depth and the placement policy.
 
     Placement of one expert's rows:
-    1. actors already holding the expert (per their last reply), least queued first;
+    1. actors already holding the expert (per their last reply), least queued first; but an
+       expert whose home actor has come back from a restart goes home until the home holds it
+       again (while it was dead, the others took its experts over and would keep them all);
     2. otherwise the expert's home actor by rendezvous hashing over the live actors;
     3. if the chosen actor has more than `spill_queue_rows` rows queued, the expert spills to
        its second rendezvous choice when that one is less loaded.
@@ -56,6 +58,8 @@ class Dispatcher:
         self._alive = dict.fromkeys(self._names, True)
         self._queued = dict.fromkeys(self._names, 0)
         self._resident: dict[str, dict[Hashable, int]] = {name: {} for name in self._names}
+        # Actors revived after a death: their experts are reclaimed from the other holders.
+        self._revived: set[str] = set()
 
     @property
     def names(self) -> list[str]:
@@ -108,6 +112,8 @@ class Dispatcher:
             return None
         holders = [n for n in live if key in self._resident[n]]
         ranked = rendezvous_rank(key, live)
+        if holders and ranked[0] in self._revived and ranked[0] not in holders:
+            holders = []  # reclaimed by its home; the other copies age out of their caches
         if holders:
             actor = min(holders, key=lambda n: (self._queued[n], ranked.index(n)))
         else:
@@ -133,14 +139,17 @@ class Dispatcher:
     def mark_dead(self, actor: str) -> None:
         """The actor died: whatever it held is gone, and nothing goes there until it is back."""
         with self._lock:
-            self._alive[actor] = False
+            was_alive, self._alive[actor] = self._alive[actor], False
             self._resident[actor] = {}
-        logger.warning("actor %s marked dead", actor)
+        if was_alive:
+            logger.warning("actor %s marked dead", actor)
 
     def mark_alive(self, actor: str) -> None:
+        """The actor is back (a new process, its cache empty): its experts go home again."""
         with self._lock:
             self._alive[actor] = True
             self._resident[actor] = {}
+            self._revived.add(actor)
 
     def residency(self) -> dict[Hashable, list[str]]:
         """key -> actors holding it, as of their latest replies."""

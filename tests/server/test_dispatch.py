@@ -91,3 +91,28 @@ def test_residency_lists_every_holder() -> None:
     assert dispatcher.residency() == {1: ["actor-0"], 2: ["actor-0", "actor-2"]}
     dispatcher.update_residency("actor-0", {})
     assert dispatcher.residency() == {2: ["actor-2"]}
+
+
+def test_a_revived_actor_takes_its_experts_back_from_the_actor_that_held_them(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The survivor held every expert after the death, and "holders first" kept them all there:
+    # the revived actor got no rows again, the pool ran at half its capacity.
+    dispatcher = Dispatcher(["actor-0", "actor-1"], spill_queue_rows=10_000)
+    experts = list(range(200))
+    homed = [e for e in experts if dispatcher.home(e) == "actor-0"]
+    with caplog.at_level("WARNING", logger="server.pool._dispatch"):
+        dispatcher.mark_dead("actor-0")
+        dispatcher.mark_dead("actor-0")  # each failing call says so; logged once
+    assert caplog.text.count("actor actor-0 marked dead") == 1
+    assert dispatcher.place([(e, 1) for e in experts]) == ["actor-1"] * 200
+    dispatcher.complete("actor-1", 200)
+    dispatcher.update_residency("actor-1", dict.fromkeys(experts, 1))
+    dispatcher.mark_alive("actor-0")
+    placed = dict(zip(experts, dispatcher.place([(e, 1) for e in experts]), strict=True))
+    assert {e for e, actor in placed.items() if actor == "actor-0"} == set(homed)
+    # Held by both once it has loaded them: the least queued (then the home) takes them.
+    dispatcher.update_residency("actor-0", dict.fromkeys(homed, 1))
+    for actor in ("actor-0", "actor-1"):
+        dispatcher.complete(actor, 1000)
+    assert dispatcher.place([(homed[0], 1)]) == ["actor-0"]

@@ -238,6 +238,27 @@ async def test_an_idle_pool_learns_of_a_dead_actor_from_its_socket(
         await pool.close()
 
 
+async def test_a_restarted_actor_serves_its_experts_again(make_store: MakeStore) -> None:
+    # The survivor had loaded them all meanwhile, and kept them: the restarted actor got no
+    # rows, and the pool ran on one actor for good.
+    store = Store.open(make_store(K=12, n=2, width=8, out=1))
+    pool = await start(store, actors=2, cache_bytes=10**7, actor_channel="socket")
+    groups = [IdGroup(e, torch.ones(2, 2)) for e in range(12)]
+    try:
+        before = {r.expert_id: r.actor for r in await pool.run(groups)}
+        assert set(before.values()) == {"actor-0", "actor-1"}
+        pid = await pool.handle("actor-0").get_pid.remote()
+        os.kill(pid, signal.SIGKILL)
+        during = await pool.run(groups)
+        assert {r.actor for r in during} == {"actor-1"} and all(r.error is None for r in during)
+        assert await pool.wait_until_alive("actor-0")
+        after = {r.expert_id: r.actor for r in await pool.run(groups)}
+        assert after == before
+        assert pool.transport("actor-0") == "socket"
+    finally:
+        await pool.close()
+
+
 async def test_a_host_cache_on_cpu_actors_is_reported_where_the_server_logs(
     make_store: MakeStore, caplog: pytest.LogCaptureFixture
 ) -> None:
