@@ -245,7 +245,17 @@ class DispatchingPool(ABC):
         for index, outcome in zip(indices, reply.results, strict=True):
             retry_after_s = None
             if outcome.error_kind == ERROR_LOAD and outcome.error is not None:
-                key = groups[index].expert.sha256
+                expert = groups[index].expert
+                key = expert.sha256
+                remembered = self._failures.get(key)
+                if remembered is None or remembered[1] <= now:
+                    # Once per file and memory: the actor logs it too, but on its own node
+                    # (log_to_driver is off), and the clients' 503s name only the expert.
+                    logger.warning(
+                        "expert %s (%s) could not be loaded on %s: %s; its requests get 503 "
+                        "expert_unavailable for %g s, then the file is read again",
+                        expert.expert_id, expert.path, actor, outcome.error, self._failure_ttl_s,
+                    )
                 self._failures[key] = (outcome.error, now + self._failure_ttl_s)
                 retry_after_s = self._failure_ttl_s
             results[index] = GroupResult(

@@ -155,6 +155,31 @@ async def test_a_failed_load_is_remembered_for_a_while(make_store: MakeStore) ->
     await pool.close()
 
 
+async def test_a_failed_load_is_logged_by_the_server_once_per_memory(
+    make_store: MakeStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Only the actor logged it, where Ray keeps its logs: 1,000 503s left no server log line.
+    store = Store.open(make_store(K=4, n=3, width=6, out=2))
+    store.expert_path(2).unlink()
+    clock = StepClock()
+    pool = IdPool(store, FakeExpertPool(Settings(actors=1), clock=clock, failure_ttl_s=5))
+
+    def logged() -> int:
+        return sum("expert 2 (" in r.getMessage() and "could not be loaded" in r.getMessage()
+                   for r in caplog.records if r.levelname == "WARNING")
+
+    with caplog.at_level("WARNING", logger="server.pool._base"):
+        for _ in range(20):
+            [failed] = await pool.run(groups_for([2], 3))
+            assert failed.error_kind == "load"
+        assert logged() == 1
+        clock.t += 6  # the memory expires, the file is read again and fails again
+        await pool.run(groups_for([2], 3))
+        await pool.run(groups_for([2], 3))
+        assert logged() == 2
+    await pool.close()
+
+
 async def test_an_expert_larger_than_the_budget_is_a_startup_error(make_store: MakeStore) -> None:
     store = Store.open(make_store(K=2, n=3, width=6, out=2))
     with pytest.raises(ExpertTooLarge) as info:
