@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import logging
 import os
 import signal
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         if not key:
             raise CliError(f"--api-key-env {env_name}: that environment variable is empty or unset")
         overrides["api_key"] = key
+    for warning in misspelt_settings(os.environ, Settings.model_fields):
+        logger.warning("%s", warning)
     try:
         return Settings(**overrides)
     except ValidationError as exc:
@@ -125,6 +128,22 @@ def settings_from_args(args: argparse.Namespace) -> Any:
             f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
         )
         raise CliError(f"invalid settings: {problems}") from exc
+
+
+def misspelt_settings(environ: Mapping[str, str], fields: Iterable[str]) -> list[str]:
+    """A warning for each MOMLP_ variable that names no setting but nearly names one: the
+    settings read only the names they know, so MOMLP_ACTOR=3 was silently no setting at all.
+    (Other MOMLP_ names, the deploy scripts' and benchmarks' own, are not settings' typos.)"""
+    known = {"MOMLP_" + field.upper() for field in fields}
+    warnings = []
+    for name in sorted(environ):
+        if not name.startswith("MOMLP_") or name in known:
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
+        if close:
+            warnings.append(f"{name} is not a momlp setting and is ignored; did you mean"
+                            f" {close[0]}?")
+    return warnings
 
 
 def _settings_or_none(args: argparse.Namespace) -> Any:

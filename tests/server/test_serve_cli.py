@@ -80,6 +80,25 @@ def test_options_become_settings_and_the_environment_fills_the_rest(
     assert settings.host == "127.0.0.1" and settings.api_key is None
 
 
+def test_a_misspelt_setting_in_the_environment_is_named_with_its_likely_meaning(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # MOMLP_ACTOR=3 served one actor without a word.
+    monkeypatch.setenv("MOMLP_ACTOR", "3")
+    monkeypatch.setenv("MOMLP_CACHE_BYTE", "1GiB")
+    monkeypatch.setenv("MOMLP_CLUSTER_DIR", "/tmp/x")  # deploy/local-cluster.sh's own
+    with caplog.at_level("WARNING", logger="server._serve_cli"):
+        settings = settings_from_args(_args("--store", str(tmp_path)))
+    assert settings.actors == 1
+    messages = [r.getMessage() for r in caplog.records]
+    assert "MOMLP_ACTOR is not a momlp setting and is ignored; did you mean MOMLP_ACTORS?" in (
+        messages
+    )
+    assert ("MOMLP_CACHE_BYTE is not a momlp setting and is ignored; did you mean "
+            "MOMLP_CACHE_BYTES?") in messages
+    assert not any("CLUSTER_DIR" in m for m in messages)
+
+
 def test_byte_sizes_in_the_environment_take_units_as_the_options_do(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
