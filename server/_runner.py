@@ -219,6 +219,11 @@ def run_server(settings: Settings, *, app_factory: Callable[[Settings], Any] | N
             "--api-key-env VAR",
             settings.host,
         )
+    problem = bind_problem(settings.host, settings.port)
+    if problem is not None:
+        # Found now, not after Ray, the actors and the store are up (seconds; minutes on GPUs).
+        logger.error("cannot serve on %s:%s: %s", settings.host, settings.port, problem)
+        return 1
     stop = StopSignals()
     stop.install()
     try:
@@ -235,6 +240,23 @@ def run_server(settings: Settings, *, app_factory: Callable[[Settings], Any] | N
         return _stopped_while_starting()
     finally:
         stop.restore()
+
+
+def bind_problem(host: str, port: int) -> str | None:
+    """Why uvicorn could not bind (host, port) now (the port in use, an address this machine
+    lacks), or None. Bound as uvicorn binds (SO_REUSEADDR) and closed at once."""
+    if port == 0:
+        return None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM
+        )[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
 
 
 def _stopped_while_starting() -> int:

@@ -114,3 +114,25 @@ async def test_a_lone_client_skips_the_batch_window_an_idle_connection_keeps_it_
     finally:
         server.should_exit = True
         await serving
+
+
+def test_a_port_in_use_is_refused_before_ray_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # It was found by uvicorn after Ray, the actors and the store were up (8.8 s on 2 cores).
+    import socket
+
+    import server.pool
+    from server._runner import run_server
+
+    def no_ray(**kwargs: object) -> None:
+        raise AssertionError("Ray started")
+
+    monkeypatch.setattr(server.pool, "ray_session", no_ray)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with caplog.at_level("ERROR", logger="server._runner"):
+            assert run_server(Settings(store=tmp_path, port=port)) == 1
+    assert f"cannot serve on 127.0.0.1:{port}: Address already in use" in caplog.text
