@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from experts_store import Clock, MonotonicClock
+from experts_store import Clock, ExpertTooLarge, MonotonicClock
 from server._settings import Settings
 from server.batching import OpenConnections
 from server.http._admin import add_admin_routes
@@ -92,6 +92,8 @@ def create_app(
             await serving.start()
         except STARTUP_ERRORS as exc:
             failure.message = f"cannot serve {settings.store}: {exc}"
+            if isinstance(exc, ExpertTooLarge):
+                failure.message += " (each actor's budget: --cache-bytes, MOMLP_CACHE_BYTES)"
             raise
         try:
             yield

@@ -291,6 +291,7 @@ def test_a_store_the_server_cannot_serve_is_one_line_at_startup(
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     reason = next(m for m in errors if m.startswith(f"cannot serve {store}: "))
     assert "expert 0 needs" in reason and "more than the cache budget of 64 bytes" in reason
+    assert reason.endswith("(each actor's budget: --cache-bytes, MOMLP_CACHE_BYTES)")
     assert "\n" not in reason
     assert not any("Traceback" in m for m in errors), errors
 
