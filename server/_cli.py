@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Build, serve and load-test a mixture of expert MLPs.",
     )
     parser.add_argument(
-        "--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING, ...)"
+        "--log-level", default="INFO", type=str.upper, choices=_LOG_LEVELS,
+        help="logging level (before the command: momlp --log-level DEBUG serve ...)",
     )
     parser.add_argument("--version", action="version", version=f"momlp {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -56,11 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        level=getattr(logging, args.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     # httpx logs every request at INFO; a load test would print thousands of lines.

@@ -358,3 +358,13 @@ def test_the_root_command_says_its_version(capsys: pytest.CaptureFixture[str]) -
         main(["--version"])
     assert info.value.code == 0
     assert capsys.readouterr().out.strip() == f"momlp {version('momlp')}"
+
+
+def test_an_unknown_log_level_is_refused_not_read_as_info(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--log-level", "verbose", "serve", "--help"])
+    assert exit_info.value.code == 2
+    assert "--log-level: invalid choice: 'VERBOSE'" in capsys.readouterr().err
+    assert build_parser().parse_args(["--log-level", "debug"]).log_level == "DEBUG"
