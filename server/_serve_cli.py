@@ -193,7 +193,14 @@ def _run(settings: Any) -> int:
             logger.error("%s", why)
             return code
 
-    if not _has_manifest(Path(settings.store)):
+    store = Path(settings.store)
+    if store.is_file():
+        logger.error(
+            "--store %s is a file; it takes the store's directory%s", store,
+            f" (its parent, {store.parent}?)" if _has_manifest(store.parent) else "",
+        )
+        return 2
+    if not _has_manifest(store):
         logger.error(
             "no store at %s (manifest.json missing): build one with `momlp build` or run "
             "`momlp demo`",

@@ -368,3 +368,16 @@ def test_an_unknown_log_level_is_refused_not_read_as_info(
     assert exit_info.value.code == 2
     assert "--log-level: invalid choice: 'VERBOSE'" in capsys.readouterr().err
     assert build_parser().parse_args(["--log-level", "debug"]).log_level == "DEBUG"
+
+
+@pytest.mark.parametrize("given", ["manifest", "elsewhere"])
+def test_a_store_option_naming_a_file_says_it_takes_the_directory(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, given: str
+) -> None:
+    store = build_small_store(tmp_path / "store")
+    path = store / "manifest.json" if given == "manifest" else tmp_path / "rows.npz"
+    path.touch()
+    with caplog.at_level("ERROR"):
+        assert main(["serve", "--store", str(path)]) == 2
+    hint = f" (its parent, {store}?)" if given == "manifest" else ""
+    assert f"--store {path} is a file; it takes the store's directory{hint}" in caplog.text
