@@ -125,9 +125,17 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         return Settings(**overrides)
     except ValidationError as exc:
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
+            f"{_setting_name(err['loc'], set(overrides))}: {err['msg']}" for err in exc.errors()
         )
         raise CliError(f"invalid settings: {problems}") from exc
+
+
+def _setting_name(loc: tuple[int | str, ...], given: set[str]) -> str:
+    """How the user set the field a validation error names: its option or its variable."""
+    field = ".".join(str(part) for part in loc)
+    if field in given and field != "api_key":
+        return "--" + field.replace("_", "-")
+    return "MOMLP_" + field.upper()
 
 
 def misspelt_settings(environ: Mapping[str, str], fields: Iterable[str]) -> list[str]:

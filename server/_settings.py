@@ -45,7 +45,8 @@ class Settings(BaseSettings):
     (or in a test, which passes values explicitly).
     """
 
-    model_config = SettingsConfigDict(env_prefix="MOMLP_", extra="ignore")
+    # inf and NaN are refused: MOMLP_WATCH_INTERVAL_S=inf passed gt=0 and never polled.
+    model_config = SettingsConfigDict(env_prefix="MOMLP_", extra="ignore", allow_inf_nan=False)
 
     store: Path = Field(default=Path("./store"), description="store directory to serve")
     model_name: str | None = Field(

@@ -84,4 +84,4 @@ def test_a_server_that_cannot_start_is_reported_at_once_with_its_reason(tmp_path
     )  # fmt: skip
     assert done.returncode != 0
     assert "before it was ready" in done.stderr and "the server exited with" in done.stderr
-    assert "invalid settings: access_log" in done.stderr  # the server's log, printed
+    assert "invalid settings: MOMLP_ACCESS_LOG" in done.stderr  # the server's log, printed

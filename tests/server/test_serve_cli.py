@@ -144,6 +144,18 @@ def test_invalid_values_are_reported_without_a_traceback(tmp_path: Path) -> None
     assert main(["serve", "--store", str(tmp_path), "--actors", "0"]) == 2
 
 
+def test_a_bad_value_is_named_as_it_was_given_and_infinity_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # "watch_interval_s" named neither the option nor the variable; inf passed "> 0", and the
+    # store watcher never polled.
+    with pytest.raises(CliError, match="--watch-interval-s: Input should be a finite number"):
+        settings_from_args(_args("--store", str(tmp_path), "--watch-interval-s", "inf"))
+    monkeypatch.setenv("MOMLP_REQUEST_TIMEOUT_S", "nan")
+    with pytest.raises(CliError, match="MOMLP_REQUEST_TIMEOUT_S: Input should be a finite"):
+        settings_from_args(_args("--store", str(tmp_path)))
+
+
 def test_serve_refuses_a_directory_without_a_store(tmp_path: Path) -> None:
     assert main(["serve", "--store", str(tmp_path / "nothing")]) == 2
 
