@@ -189,6 +189,19 @@ def background_pacer() -> Pacer:
     return Pacer(_SWAP_PACE_WORK_S, _SWAP_PACE_REST_S)
 
 
+def _capacity(version: StoreVersion, budget_bytes: int) -> str:
+    """The start-up line's account of the store against one actor's cache."""
+    manifest = version.manifest
+    total, count = manifest.total_expert_bytes, len(manifest.experts)
+    text = (f"kind {version.model.kind}, {manifest.num_experts} experts, "
+            f"{total / 2**20:.1f} MiB of expert files")
+    if count and total:
+        held = min(count, budget_bytes * count // total)
+        text += (f"; each actor's cache of {budget_bytes / 2**20:.1f} MiB holds about {held}"
+                 f" of the {count} files")
+    return text
+
+
 class ServingState:
     """The resources of one app, built by `start()` and released by `stop()`."""
 
@@ -235,12 +248,8 @@ class ServingState:
         except BaseException:
             await self._close_pool()
             raise
-        logger.info(
-            "serving store %s version %s (%d experts)",
-            self.settings.store,
-            self.version.version,
-            self.version.manifest.num_experts,
-        )
+        logger.info("serving store %s version %s: %s", self.settings.store,
+                    self.version.version, _capacity(self.version, self.pool.budget_bytes))
         if self.settings.watch_store:
             self._watcher = asyncio.create_task(self._watch(), name="momlp-store-watcher")
 

@@ -202,6 +202,23 @@ async def test_a_refused_version_is_logged_once_and_retried_less_often(
         assert (await client.get("/readyz")).json()["store_version"] == new_version
 
 
+async def test_the_start_says_how_much_of_the_store_one_actors_cache_holds(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = build_small_store(tmp_path / "store")
+    data = manifest(store)
+    sizes = [entry["bytes"] for entry in data["experts"]]
+    budget = 3 * max(sizes)
+    app = create_app(app_settings(store, cache_bytes=budget), pool_factory=fake_pool)
+    with caplog.at_level("INFO", logger="server.serving._state"):
+        async with running(app):
+            pass
+    held = min(len(sizes), budget * len(sizes) // sum(sizes))
+    assert (f"kind momlp, {len(sizes)} experts, {sum(sizes) / 2**20:.1f} MiB of expert files; "
+            f"each actor's cache of {budget / 2**20:.1f} MiB holds about {held} of the "
+            f"{len(sizes)} files") in caplog.text
+
+
 async def test_metrics_name_the_served_version_and_kind_and_a_refused_one(
     tmp_path: Path,
 ) -> None:
