@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import secrets
 from typing import Any
 
 from fastapi import FastAPI
@@ -122,8 +123,9 @@ def _server_error(exc: ServerError) -> JSONResponse:
         return _json(504, "timeout", exc.message, exc.fields)
     if isinstance(exc, InvalidRequest):
         return _json(422, "invalid_input", exc.message, exc.fields)
-    logger.error("unmapped server error %s: %s", type(exc).__name__, exc)
-    return _json(500, "internal", "internal server error")
+    error_id = _error_id()
+    logger.error("[error %s] unmapped server error %s: %s", error_id, type(exc).__name__, exc)
+    return _internal(error_id)
 
 
 def error_response(exc: BaseException, path: str = "") -> Response:
@@ -132,7 +134,7 @@ def error_response(exc: BaseException, path: str = "") -> Response:
     Under `/v2` (the Open Inference Protocol) the body is the protocol's `{"error": "..."}`
     and a refused input is 400, as its clients expect.
     """
-    response = _v1_error_response(exc)
+    response = _v1_error_response(exc, path)
     return _as_v2(response) if path.startswith(V2_PREFIX) else response
 
 
@@ -143,7 +145,7 @@ def _as_v2(response: JSONResponse) -> Response:
     return JSONResponse({"error": body["message"]}, status_code=status, headers=headers)
 
 
-def _v1_error_response(exc: BaseException) -> JSONResponse:
+def _v1_error_response(exc: BaseException, path: str) -> JSONResponse:
     if isinstance(exc, HttpError):
         return _json(exc.status, exc.code, exc.message, exc.detail, exc.headers)
     if isinstance(exc, ServerError):
@@ -172,8 +174,21 @@ def _v1_error_response(exc: BaseException) -> JSONResponse:
         # client's hang-up and not a server fault (499, as nginx names it).
         logger.info("the client closed the connection before its request body was read")
         return _json(499, "client_closed_request", "the client closed the connection")
-    logger.error("unhandled %s while serving a request", type(exc).__name__, exc_info=exc)
-    return _json(500, "internal", "internal server error")
+    error_id = _error_id()
+    logger.error("[error %s] unhandled %s while serving %s", error_id, type(exc).__name__,
+                 path or "a request", exc_info=exc)
+    return _internal(error_id)
+
+
+def _error_id() -> str:
+    return secrets.token_hex(6)
+
+
+def _internal(error_id: str) -> JSONResponse:
+    # The id is in the log line that holds the traceback: a user reporting the 500 can quote
+    # it, and the operator finds the cause without matching timestamps.
+    return _json(500, "internal", f"internal server error (error id {error_id} in the server's"
+                 " log)", {"error_id": error_id})
 
 
 async def _handle(request: Request, exc: Exception) -> Response:

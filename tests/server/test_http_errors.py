@@ -356,13 +356,18 @@ async def test_unexpected_errors_are_a_logged_500_without_traceback(
     async with running(app) as client:
         response = await client.post("/v1/predict", json={"inputs": X})
     assert response.status_code == 500
-    assert error_of(response) == {
+    error = error_of(response)
+    error_id = error["detail"]["error_id"]
+    assert error == {
         "code": "internal",
-        "message": "internal server error",
-        "detail": None,
+        "message": f"internal server error (error id {error_id} in the server's log)",
+        "detail": {"error_id": error_id},
     }
     assert "secret internals" not in response.text
-    assert "secret internals" in caplog.text
+    # The log line with the traceback carries the id the client was given.
+    [record] = [r for r in caplog.records if "secret internals" in r.exc_text or ""]
+    assert record.getMessage().startswith(f"[error {error_id}] unhandled RuntimeError while "
+                                          "serving /v1/predict")
 
 
 def _overflowing_store(root: Path) -> Path:
