@@ -67,3 +67,14 @@ def test_the_image_pins_the_ray_the_raycluster_declares() -> None:
     assert 'pip install "$RAY_SPEC" .' in dockerfile
     # KubeRay's probes of the Ray containers run wget inside the image.
     assert "wget" in dockerfile.split("apt-get install", 1)[1].split("\n", 1)[0]
+
+
+def test_the_server_leaves_the_service_before_it_stops_accepting() -> None:
+    # Two requests sent at SIGTERM got network errors: momlp closes its port at once.
+    [cluster] = [d for d in yaml.safe_load_all(MANIFEST.read_text()) if d["kind"] == "RayCluster"]
+    pod = cluster["spec"]["headGroupSpec"]["template"]["spec"]
+    [serve] = [c for c in pod["containers"] if c["name"] == "momlp-serve"]
+    command = serve["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep" and 0 < float(command[1]) < pod.get(
+        "terminationGracePeriodSeconds", 30
+    )
