@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from _paths import shown  # this folder, first on sys.path when run as a script
+
 HERE = Path(__file__).resolve().parent
 SYNTH_LOGIT_SCALE = 10.0
 LR = {"synthetic": 0.1, "rotation": 0.01}
@@ -320,9 +322,7 @@ def _save(fig: Any, path: Path) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
-    resolved = path.resolve()
-    return str(resolved.relative_to(HERE.parent) if resolved.is_relative_to(HERE.parent)
-               else resolved)
+    return shown(path)
 
 
 def main(argv: list[str] | None = None) -> int:

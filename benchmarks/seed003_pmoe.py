@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from _paths import shown  # this folder, first on sys.path when run as a script
+
 HERE = Path(__file__).resolve().parent
 PAPER = {
     "fig4_ratio_for_95": 0.6,
@@ -308,9 +310,7 @@ def _save(fig: Any, path: Path) -> str:
     import matplotlib.pyplot as plt
 
     plt.close(fig)
-    resolved = path.resolve()  # --plots may lie outside the checkout
-    return str(resolved.relative_to(HERE.parent) if resolved.is_relative_to(HERE.parent)
-               else resolved)
+    return shown(path)  # --plots may lie outside the checkout
 
 
 def jobs(plan: Plan) -> list[tuple[str, int, int, int, int]]:

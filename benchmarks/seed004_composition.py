@@ -33,6 +33,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from _paths import shown  # this folder, first on sys.path when run as a script
+
 HERE = Path(__file__).resolve().parent
 EPOCHS = 60
 LR = 3e-3
@@ -212,9 +214,7 @@ def plot(figures: list[dict[str, Any]], out: Path, tag: str) -> list[str]:
         path = out / f"seed004_d{d}{tag}.png"
         fig.savefig(path, dpi=90)
         plt.close(fig)
-        resolved = path.resolve()  # --plots may lie outside the checkout
-        written.append(str(resolved.relative_to(HERE.parent)
-                           if resolved.is_relative_to(HERE.parent) else resolved))
+        written.append(shown(path))  # --plots may lie outside the checkout
     return written
 
 
