@@ -207,6 +207,7 @@ class BaseClient:
             "detail": detail,
             "url": str(response.request.url) if _has_request(response) else "",
             "retry_after": _retry_after(response.headers.get("Retry-After")),
+            "request_id": response.headers.get("X-Request-ID"),
         }
         if status == 503 and (code == "expert_unavailable" or _detail_expert(detail) is not None):
             reason = str(detail.get("reason", "")) if isinstance(detail, Mapping) else ""

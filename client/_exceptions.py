@@ -10,7 +10,7 @@ MomlpError
  │    ├── NetworkError        the connection broke while sending or reading
  │    └── ProtocolError       malformed HTTP, bad URL, redirects, misuse of a stream
  └── HTTPStatusError         an HTTP answer with a non-2xx status (status_code, code, message,
-      │                      detail)
+      │                      detail, request_id)
       ├── InvalidInput        422
       ├── PayloadTooLarge     413
       ├── Unauthorized        401
@@ -103,7 +103,8 @@ class ProtocolError(TransportError):
 class HTTPStatusError(MomlpError):
     """A non-2xx answer, decoded from the server's `{"error": {code, message, detail}}` body.
 
-    `retry_after` is the Retry-After header in seconds (None when absent or an HTTP-date).
+    `retry_after` is the Retry-After header in seconds (None when absent or an HTTP-date);
+    `request_id` is the answer's X-Request-ID, the id the server logged a 5xx under.
     """
 
     def __init__(
@@ -115,6 +116,7 @@ class HTTPStatusError(MomlpError):
         detail: Any = None,
         url: str = "",
         retry_after: float | None = None,
+        request_id: str | None = None,
         **fields: Any,
     ) -> None:
         super().__init__(
@@ -124,9 +126,11 @@ class HTTPStatusError(MomlpError):
             detail=detail,
             url=url,
             retry_after=retry_after,
+            request_id=request_id,
             **fields,
         )
         self.retry_after = retry_after
+        self.request_id = request_id
         self.status_code = status_code
         self.code = code
         self.detail = detail
@@ -135,7 +139,12 @@ class HTTPStatusError(MomlpError):
     def __str__(self) -> str:
         text = f"{self.status_code} {self.code}: {self.message}"
         problems = _schema_problems(self.detail)
-        return f"{text} ({problems})" if problems else text
+        if problems:
+            text = f"{text} ({problems})"
+        if self.request_id and self.status_code >= 500 and self.request_id not in text:
+            # What to quote to the server's operator: its log names a 5xx by this id.
+            text = f"{text} [request id {self.request_id}]"
+        return text
 
 
 def _schema_problems(detail: Any, shown: int = 3) -> str:

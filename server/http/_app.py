@@ -25,6 +25,7 @@ from server.http._hot import HotRoutes
 from server.http._hyper import add_hyper_routes
 from server.http._metrics import Metrics, MetricsMiddleware, PoolSnapshot
 from server.http._openapi import install_openapi
+from server.http._request_id import RequestIdMiddleware
 from server.http._routes import HOT_ROUTES, add_routes
 from server.http._startup import STARTUP_ERRORS, StartupFailure
 from server.http._v2 import add_v2_routes, hot_v2_routes, model_name
@@ -118,10 +119,11 @@ def create_app(
     add_admin_routes(app)
     add_hyper_routes(app)
     install_openapi(app, serving, model_name(settings))
-    # Starlette runs the last added middleware first: metrics see every answer, the catch-all
-    # answers whatever escaped, the key check runs before any route or body is touched, and
-    # then the hot endpoints skip FastAPI's routing. The catch-all also puts a known reason
-    # the lifespan could not start in place of its traceback.
+    # Starlette runs the last added middleware first: every answer carries a request id,
+    # metrics see every answer, the catch-all answers whatever escaped, the key check runs
+    # before any route or body is touched, and then the hot endpoints skip FastAPI's routing.
+    # The catch-all also puts a known reason the lifespan could not start in place of its
+    # traceback.
     app.add_middleware(HotRoutes, routes={**HOT_ROUTES, **hot_v2_routes(settings)})
     app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(CatchAllMiddleware, startup=failure)
@@ -130,4 +132,5 @@ def create_app(
         metrics=metrics,
         known_paths=[getattr(r, "path", "") for r in app.routes],
     )
+    app.add_middleware(RequestIdMiddleware)
     return app

@@ -33,6 +33,7 @@ from server._exceptions import (
     ServerError,
 )
 from server.http._body import HttpError
+from server.http._request_id import request_id
 from server.http._startup import StartupFailure, reporting_send
 
 __all__ = ["V2_PREFIX", "CatchAllMiddleware", "error_response", "install_error_handlers"]
@@ -94,7 +95,7 @@ def _sanitized(errors: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _server_error(exc: ServerError) -> JSONResponse:
+def _server_error(exc: ServerError, error_id: str | None) -> JSONResponse:
     if isinstance(exc, PoolSaturated):
         retry = max(1, math.ceil(exc.retry_after_s))
         return _json(
@@ -123,18 +124,19 @@ def _server_error(exc: ServerError) -> JSONResponse:
         return _json(504, "timeout", exc.message, exc.fields)
     if isinstance(exc, InvalidRequest):
         return _json(422, "invalid_input", exc.message, exc.fields)
-    error_id = _error_id()
+    error_id = error_id or _error_id()
     logger.error("[error %s] unmapped server error %s: %s", error_id, type(exc).__name__, exc)
     return _internal(error_id)
 
 
-def error_response(exc: BaseException, path: str = "") -> Response:
-    """The error JSON for `exc`; unexpected exceptions are logged and become 500 `internal`.
+def error_response(exc: BaseException, path: str = "", request_id: str | None = None) -> Response:
+    """The error JSON for `exc`; unexpected exceptions are logged and become 500 `internal`,
+    their error id the request's id where it has one (`X-Request-ID`).
 
     Under `/v2` (the Open Inference Protocol) the body is the protocol's `{"error": "..."}`
     and a refused input is 400, as its clients expect.
     """
-    response = _v1_error_response(exc, path)
+    response = _v1_error_response(exc, path, request_id)
     return _as_v2(response) if path.startswith(V2_PREFIX) else response
 
 
@@ -145,11 +147,11 @@ def _as_v2(response: JSONResponse) -> Response:
     return JSONResponse({"error": body["message"]}, status_code=status, headers=headers)
 
 
-def _v1_error_response(exc: BaseException, path: str) -> JSONResponse:
+def _v1_error_response(exc: BaseException, path: str, error_id: str | None) -> JSONResponse:
     if isinstance(exc, HttpError):
         return _json(exc.status, exc.code, exc.message, exc.detail, exc.headers)
     if isinstance(exc, ServerError):
-        return _server_error(exc)
+        return _server_error(exc, error_id)
     if isinstance(exc, RequestValidationError):
         return _json(422, "invalid_input", "the request is not valid", _sanitized(exc.errors()))
     if isinstance(exc, RouterInputError):
@@ -174,7 +176,7 @@ def _v1_error_response(exc: BaseException, path: str) -> JSONResponse:
         # client's hang-up and not a server fault (499, as nginx names it).
         logger.info("the client closed the connection before its request body was read")
         return _json(499, "client_closed_request", "the client closed the connection")
-    error_id = _error_id()
+    error_id = error_id or _error_id()
     logger.error("[error %s] unhandled %s while serving %s", error_id, type(exc).__name__,
                  path or "a request", exc_info=exc)
     return _internal(error_id)
@@ -192,7 +194,7 @@ def _internal(error_id: str) -> JSONResponse:
 
 
 async def _handle(request: Request, exc: Exception) -> Response:
-    return error_response(exc, request.url.path)
+    return error_response(exc, request.url.path, request_id(request.scope))
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -241,4 +243,6 @@ class CatchAllMiddleware:
                 # Headers are out: nothing to answer with, the server closes the connection.
                 logger.error("error after the response started", exc_info=exc)
                 return
-            await error_response(exc, scope.get("path", ""))(scope, receive, send)
+            await error_response(exc, scope.get("path", ""), request_id(scope))(
+                scope, receive, send
+            )

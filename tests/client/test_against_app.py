@@ -80,6 +80,8 @@ async def test_every_sdk_call_decodes_the_app_answers(app_transport):
         with pytest.raises(client.InvalidInput) as caught:
             await momlp.predict([[1.0, 2.0]])
         assert caught.value.code == "invalid_input"
+        # The id the server gave the answer, for quoting to its operator.
+        assert re.fullmatch(r"[0-9a-f]{16}", caught.value.request_id or "")
 
 
 async def test_loadtest_figures_match_the_server_metrics(app_transport):

@@ -216,6 +216,16 @@ async def test_a_schema_error_names_its_field_in_the_message(under, make_error):
     )
 
 
+async def test_a_5xx_names_the_request_id_the_server_logged_it_under(under, make_error):
+    for status, code in ((503, "actor_failed"), (422, "invalid_input")):
+        response = make_error(status, code, "told you", None, **{"X-Request-ID": "req-7"})
+        with pytest.raises(client.HTTPStatusError) as caught:
+            await under(lambda request, r=response: r, max_retries=0).call("predict", [[0, 0]])
+        assert caught.value.request_id == "req-7"
+        shown = f"{status} {code}: told you"
+        assert str(caught.value) == (f"{shown} [request id req-7]" if status >= 500 else shown)
+
+
 async def test_a_server_that_hangs_up_is_a_network_error(under):
     def hang_up(request: httpx.Request) -> httpx.Response:
         raise httpx.RemoteProtocolError("Server disconnected without sending a response.")

@@ -116,7 +116,7 @@ def test_errors_over_the_wire(live_server: LiveServer) -> None:
     with httpx.Client(base_url=live_server.url) as http:
         wrong_dim = http.post("/v1/predict", json={"inputs": [[1.0, 2.0]]})
         too_many = http.post("/v1/predict", json={"inputs": [[0.0, 0.0, 0.0]] * 513})
-        missing = http.get("/v1/nothing")
+        missing = http.get("/v1/nothing", headers={"X-Request-ID": "lb-trace-42"})
         nan = http.post(
             "/v1/predict",
             content=b'{"inputs": [[NaN, 0, 0]]}',
@@ -126,6 +126,9 @@ def test_errors_over_the_wire(live_server: LiveServer) -> None:
     assert (too_many.status_code, too_many.json()["error"]["code"]) == (413, "payload_too_large")
     assert (missing.status_code, missing.json()["error"]["code"]) == (404, "not_found")
     assert nan.status_code == 422
+    # Over real uvicorn too: the caller's request id comes back, or the server makes one.
+    assert missing.headers["x-request-id"] == "lb-trace-42"
+    assert len(wrong_dim.headers["x-request-id"]) == 16
     with client.Client(live_server.url) as sdk, pytest.raises(client.InvalidInput):
         sdk.predict([[1.0, 2.0]])
 

@@ -39,6 +39,25 @@ def fake_app(store: Path, **overrides: Any) -> FastAPI:
     return create_app(app_settings(store, **overrides), pool_factory=fake_pool)
 
 
+class ExplodingBatcher:
+    """A batcher whose every submit raises an error the app does not expect."""
+
+    async def submit(self, x: Any, options: Any = None) -> Any:
+        raise RuntimeError("secret internals")
+
+    async def close(self) -> None:
+        return None
+
+
+def exploding_app(store: Path) -> FastAPI:
+    """An app whose predict raises `RuntimeError("secret internals")` inside the batcher."""
+    return create_app(
+        app_settings(store),
+        pool_factory=fake_pool,
+        batcher_factory=lambda *args: ExplodingBatcher(),
+    )
+
+
 @asynccontextmanager
 async def running(app: FastAPI, **client_kwargs: Any) -> AsyncIterator[httpx.AsyncClient]:
     """The app with its lifespan started, and an httpx client talking to it in-process."""

@@ -18,6 +18,7 @@ from app_support import (
     BlockingPool,
     app_settings,
     error_of,
+    exploding_app,
     fake_app,
     fake_pool,
     manifest,
@@ -341,19 +342,7 @@ async def test_broken_expert_is_503_naming_it_while_others_serve(store: Path) ->
 async def test_unexpected_errors_are_a_logged_500_without_traceback(
     store: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    class Exploding:
-        async def submit(self, x: Any, options: Any = None) -> Any:
-            raise RuntimeError("secret internals")
-
-        async def close(self) -> None:
-            return None
-
-    app = create_app(
-        app_settings(store),
-        pool_factory=fake_pool,
-        batcher_factory=lambda *args: Exploding(),
-    )
-    async with running(app) as client:
+    async with running(exploding_app(store)) as client:
         response = await client.post("/v1/predict", json={"inputs": X})
     assert response.status_code == 500
     error = error_of(response)

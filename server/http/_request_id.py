@@ -1,0 +1,67 @@
+"""`RequestIdMiddleware`: every answer carries an `X-Request-ID`, the caller's or a new one.
+
+A caller (or the proxy in front) that sends `X-Request-ID` gets the same id back, so one id
+follows a request through every hop's logs; one that sends none, or one unfit for a log line
+(over 128 characters, or anything but visible ASCII), gets a fresh id. A 500's `error_id` and
+its log line use the same id (`server.http._errors`).
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+__all__ = ["MAX_REQUEST_ID", "REQUEST_ID_HEADER", "RequestIdMiddleware", "request_id"]
+
+REQUEST_ID_HEADER = "x-request-id"
+MAX_REQUEST_ID = 128
+
+_HEADER = REQUEST_ID_HEADER.encode("latin-1")
+_STATE_KEY = "request_id"
+
+
+def request_id(scope: Scope) -> str | None:
+    """The id `RequestIdMiddleware` gave this request; None outside it (a bare app in tests)."""
+    state = scope.get("state")
+    return state.get(_STATE_KEY) if isinstance(state, dict) else None
+
+
+def _usable(raw: bytes) -> bool:
+    # Visible ASCII only: the id goes into log lines as it came, where a space or a control
+    # character could forge or split a line.
+    return 0 < len(raw) <= MAX_REQUEST_ID and all(0x21 <= byte <= 0x7E for byte in raw)
+
+
+def _incoming(scope: Scope) -> bytes | None:
+    for name, value in scope.get("headers", ()):
+        if name == _HEADER:
+            return value if _usable(value) else None
+    return None
+
+
+class RequestIdMiddleware:
+    """Gives each HTTP request an id (`request_id(scope)`) and puts it on the answer."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        raw = _incoming(scope) or secrets.token_hex(8).encode("ascii")
+        scope.setdefault("state", {})[_STATE_KEY] = raw.decode("ascii")
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [
+                    (name, value)
+                    for name, value in message.get("headers", ())
+                    if name.lower() != _HEADER
+                ]
+                headers.append((_HEADER, raw))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
