@@ -31,7 +31,7 @@ import torch
 
 from experts_store import Clock, MonotonicClock
 from router import RouterInputError
-from server._exceptions import InvalidRequest, PoolClosed, PoolSaturated
+from server._exceptions import ActorFailed, InvalidRequest, PoolClosed, PoolSaturated
 from server._settings import Settings
 from server.batching._assemble import BatchAnswers, Round
 from server.batching._route import RouteRunner
@@ -367,7 +367,10 @@ class Batcher:
                     item.future.set_exception(PoolClosed())
             raise
         except Exception as exc:
-            if not isinstance(exc, PoolClosed | InvalidRequest):
+            if isinstance(exc, ActorFailed):
+                # The pool logged why (once); a traceback per batch would flood an outage's log.
+                logger.warning("batch of %s requests failed: %s", len(batch), exc)
+            elif not isinstance(exc, PoolClosed | InvalidRequest):
                 logger.exception("batch of %s requests failed", len(batch))
             for item in batch:
                 if not item.future.done():

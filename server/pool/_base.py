@@ -96,6 +96,7 @@ class DispatchingPool(ABC):
         clock: Clock | None = None,
         failure_ttl_s: float = 30.0,
         revive_timeout_s: float = 60.0,
+        info_timeout_s: float = 2.0,
     ) -> None:
         self._dispatcher = Dispatcher(names, spill_queue_rows=spill_queue_rows)
         self._device = device
@@ -103,6 +104,11 @@ class DispatchingPool(ABC):
         self._clock: Clock = clock if clock is not None else MonotonicClock()
         self._failure_ttl_s = failure_ttl_s
         self._revive_timeout_s = revive_timeout_s
+        self._info_timeout_s = info_timeout_s
+        # Why the actors' runtime does not answer (set while it does not): requests stop
+        # waiting for revivals that cannot come and get 503 at once.
+        self._unreachable: str | None = None
+        self._lost_runtime = asyncio.Event()
         # Content hash -> (reason, until when): a bad file is not read again for a while. A
         # republished fix has another hash, so it is tried at once.
         self._failures: dict[str, tuple[str, float]] = {}
@@ -197,7 +203,10 @@ class DispatchingPool(ABC):
         if unplaced:
             for actor, idx in by_actor.items():
                 self._dispatcher.complete(actor, sum(int(groups[i].rows.shape[0]) for i in idx))
-            raise ActorFailed(actor="*", reason="no live actor in the pool")
+            reason = "no live actor in the pool"
+            if self._unreachable is not None:
+                reason += f": {self._unreachable}"
+            raise ActorFailed(actor="*", reason=reason)
         calls = [
             self._run_on(actor, groups, idx, results, retries_left=retries_left, exclude=exclude)
             for actor, idx in by_actor.items()
@@ -206,8 +215,13 @@ class DispatchingPool(ABC):
 
     async def _await_revival(self) -> None:
         reviving = [task for task in self._reviving.values() if not task.done()]
-        if reviving:
-            await asyncio.wait(reviving, return_when=asyncio.FIRST_COMPLETED)
+        if not reviving or self._unreachable is not None:
+            return
+        lost = asyncio.ensure_future(self._lost_runtime.wait())
+        try:
+            await asyncio.wait([*reviving, lost], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
 
     async def _run_on(
         self,
@@ -298,8 +312,15 @@ class DispatchingPool(ABC):
         waited, delay, gone = 0.0, 0.05, 0
         while waited < self._revive_timeout_s:
             try:
-                await self._call_info(actor)
-            except ActorDied as exc:
+                await asyncio.wait_for(self._call_info(actor), self._info_timeout_s)
+            except (ActorDied, TimeoutError) as exc:
+                # A call that hangs, or keeps failing, may mean that the runtime itself is
+                # gone (Ray's GCS stopped), which no wait will mend: ask it.
+                problem = await self._runtime_problem()
+                if problem is not None:
+                    self._runtime_lost(problem)
+                if isinstance(exc, TimeoutError):
+                    waited += self._info_timeout_s
                 gone = gone + 1 if isinstance(exc, ActorGone) else 0
                 if gone >= _GONE_ANSWERS:
                     # Waiting out the timeout would hold every request for it (60 s), to end
@@ -315,10 +336,35 @@ class DispatchingPool(ABC):
                 waited += delay
                 delay = min(1.0, delay * 2)
                 continue
+            if self._unreachable is not None:
+                self._unreachable = None
+                self._lost_runtime.clear()
+                logger.warning("the actors' runtime answers again")
             self._dispatcher.mark_alive(actor)
             logger.info("actor %s is back", actor)
             return
         logger.error("actor %s did not come back within %s s", actor, self._revive_timeout_s)
+
+    async def _runtime_problem(self) -> str | None:
+        """Why the runtime the actors live in does not answer now, or None when it does (or
+        when this pool cannot tell: the default)."""
+        return None
+
+    def _runtime_lost(self, problem: str) -> None:
+        """The runtime does not answer: every actor counts as dead until it answers again
+        (so /readyz says not ready), and requests waiting for a revival get 503 now."""
+        if self._unreachable is not None or self._closed:
+            return
+        self._unreachable = problem
+        self._lost_runtime.set()
+        logger.error(
+            "%s: every actor counts as dead, and requests get 503 actor_failed until it answers",
+            problem,
+        )
+        for name in self._dispatcher.names:
+            if self._dispatcher.alive(name):
+                self._dispatcher.mark_dead(name)
+                self._watch_revival(name)
 
     async def wait_until_alive(self, actor: str) -> bool:
         """Wait for a pending revival of `actor` to finish; True if it is alive."""

@@ -72,6 +72,19 @@ def _wait_until_up(refs: list[Any], timeout_s: float, stop: threading.Event | No
         _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(left, _STOP_POLL_S))
 
 
+# How long the GCS may take to accept a TCP connection before the cluster counts as gone.
+_GCS_PROBE_S = 2.0
+
+
+def _gcs_address(context: Any) -> str | None:
+    """host:port of the Ray cluster's GCS, or None where Ray does not say (Ray Client)."""
+    try:
+        address = context.gcs_address
+    except Exception:  # Ray raises its own errors for a context without one
+        return None
+    return address if isinstance(address, str) and ":" in address else None
+
+
 def _last_line(text: str) -> str:
     """The last non-blank line of a remote traceback: the exception and its message."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
@@ -109,6 +122,7 @@ class RayExpertPool(DispatchingPool):
         failure_ttl_s: float = 30.0,
         channels: Path | None = None,
         node_id: str | None = None,
+        gcs_address: str | None = None,
     ) -> None:
         super().__init__(
             list(handles),
@@ -121,6 +135,7 @@ class RayExpertPool(DispatchingPool):
         self._handles = handles
         self._channel_dir = channels
         self._node_id = node_id
+        self._gcs_address = gcs_address
         # Absent: not opened since the actor (re)started; None: this actor uses Ray's calls.
         self._channels: dict[str, Channel | None] = {}
         self._channel_locks = {name: asyncio.Lock() for name in handles}
@@ -238,14 +253,15 @@ class RayExpertPool(DispatchingPool):
                 channels = make_channel_folder()
             except OSError as exc:  # e.g. a read-only temporary directory
                 logger.warning("no folder for actor sockets (%s); batches go as Ray calls", exc)
-        node_id = ray.get_runtime_context().get_node_id()
+        context = ray.get_runtime_context()
         return cls(
             handles,
             device=device,
             settings=settings,
             clock=clock,
             channels=channels,
-            node_id=node_id,
+            node_id=context.get_node_id(),
+            gcs_address=_gcs_address(context),
         )
 
     def handle(self, actor: str) -> Any:
@@ -350,6 +366,22 @@ class RayExpertPool(DispatchingPool):
         except RayActorError as exc:
             raise ActorDied(actor) from exc
         return info
+
+    async def _runtime_problem(self) -> str | None:
+        # The GCS is what every actor call and restart goes through: when it takes no TCP
+        # connection, Ray's calls hang until Ray ends this process (60 s).
+        if self._gcs_address is None:
+            return None
+        host, _, port = self._gcs_address.rpartition(":")
+        try:
+            _, writer = await asyncio.wait_for(
+                asyncio.open_connection(host.strip("[]"), int(port)), _GCS_PROBE_S
+            )
+        except (OSError, TimeoutError, ValueError) as exc:
+            why = str(exc) or type(exc).__name__
+            return f"the Ray cluster does not answer (its GCS at {self._gcs_address}: {why})"
+        writer.close()
+        return None
 
     async def _shutdown(self) -> None:
         import ray

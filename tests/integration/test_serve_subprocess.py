@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -11,9 +12,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
-from live_support import LocalModel, build_store, serve_process
+from live_support import LocalModel, build_store, serve_process, wait_until
 
 import client
 
@@ -71,3 +73,49 @@ def test_momlp_serve_answers_then_stops_cleanly_on_sigterm(tmp_path: Path) -> No
     assert not Path(own.group(1)).parent.exists()
     assert not stale.exists()
     assert re.search(r"removed \d+ socket folder\(s\) of servers no longer running", text), text
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (for `momlp serve` with an embedded Ray: all of Ray's)."""
+    table = subprocess.run(
+        ["ps", "-eo", "pid=,ppid="], capture_output=True, text=True, check=True
+    ).stdout.split()
+    children: dict[int, list[int]] = {}
+    for child, parent in zip(table[::2], table[1::2], strict=True):
+        children.setdefault(int(parent), []).append(int(child))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found.extend(below)
+        todo.extend(below)
+    return found
+
+
+def test_a_server_whose_ray_cluster_dies_answers_503_at_once(tmp_path: Path) -> None:
+    # Requests waited for a revival that could not come until Ray ended the server (~57 s,
+    # then no answer at all), and /readyz said ready for an actor that had not been called.
+    store = build_store(tmp_path / "store")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    args = ["--store", str(store), "--port", "0", "--actors", "2", "--ray-num-cpus", "2",
+            "--no-watch-store"]
+    x = [[0.1, 0.2, 0.3]]
+    with serve_process(args, env=env, cwd=tmp_path) as served:
+        with httpx.Client(base_url=served.url, timeout=30) as http:
+            assert http.post("/v1/predict", json={"inputs": x}).status_code == 200
+            ray_processes = _descendants(served.process.pid)
+            assert ray_processes, "".join(served.log)
+            for pid in ray_processes:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            wait_until(lambda: http.get("/readyz").status_code == 503, 20, "/readyz is 503")
+            answer = http.post("/v1/predict", json={"inputs": x})
+        served.process.send_signal(signal.SIGTERM)
+        returncode = served.process.wait(timeout=60)
+    assert answer.status_code == 503, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "actor_failed"
+    assert "the Ray cluster does not answer (its GCS at 127.0.0.1:" in error["message"]
+    text = "".join(served.log)
+    assert "the Ray cluster does not answer" in text and "every actor counts as dead" in text
+    assert returncode == 0, text

@@ -4,6 +4,7 @@ import asyncio
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ import torch
 from pool_support import IdGroup, IdPool
 
 from experts_store import ExpertRef, ExpertTooLarge, Store, load_expert
-from server._exceptions import PoolClosed
+from server._exceptions import ActorFailed, PoolClosed
 from server._settings import Settings
 from server.pool import ActorDied, ActorReply, CacheCounts, FakeExpertPool
 
@@ -128,6 +129,66 @@ async def test_a_dead_actor_comes_back_after_its_restart(make_store: MakeStore) 
             break
         await pool.run([])
     assert pool.dispatcher.alive("actor-0")
+    await pool.close()
+
+
+class LosableRuntime(FakeExpertPool):
+    """A fake pool whose runtime can go away: calls to a dead actor then hang (as Ray's do
+    with its GCS gone) and the runtime probe names the problem, until it comes back."""
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self._info_timeout_s = 0.02
+        self.down: str | None = None
+
+    async def _call_info(self, actor: str) -> Any:
+        while self.down is not None:
+            await asyncio.sleep(1.0)
+        return await super()._call_info(actor)
+
+    async def _runtime_problem(self) -> str | None:
+        return self.down
+
+
+async def test_requests_stop_waiting_for_revivals_when_the_runtime_is_gone(
+    make_store: MakeStore,
+) -> None:
+    store = Store.open(make_store(K=8, n=3, width=6, out=2))
+    runtime = LosableRuntime(Settings(actors=2, cache_bytes=10**6))
+    pool = IdPool(store, runtime)
+    groups = groups_for(list(range(8)), 3)
+    runtime.down = "the cluster does not answer"
+    pool.kill("actor-0")
+    pool.kill("actor-1")
+    # Both die mid-call; the revivals' calls hang; the request is answered, not held.
+    with pytest.raises(ActorFailed) as caught:
+        await asyncio.wait_for(pool.run(groups), 10)
+    assert caught.value.fields["reason"] == "no live actor in the pool: the cluster does not answer"
+    assert [actor.alive for actor in pool.actors()] == [False, False]
+    with pytest.raises(ActorFailed):  # at once while it stays gone
+        await asyncio.wait_for(pool.run(groups), 1)
+    runtime.down = None  # back: the actors answer, and serve again
+    for name in ("actor-0", "actor-1"):
+        assert await asyncio.wait_for(pool.wait_until_alive(name), 10)
+    results = await pool.run(groups)
+    assert [r.error for r in results] == [None] * 8
+    await pool.close()
+
+
+async def test_a_lost_runtime_marks_idle_actors_dead_too(make_store: MakeStore) -> None:
+    # /readyz reads the actors' liveness: an actor no request had called stayed "alive".
+    store = Store.open(make_store(K=8, n=3, width=6, out=2))
+    runtime = LosableRuntime(Settings(actors=2, cache_bytes=10**6))
+    pool = IdPool(store, runtime)
+    runtime.down = "the cluster does not answer"
+    runtime._actor_lost("actor-1", "its socket closed")
+    for _ in range(200):
+        if not pool.dispatcher.alive("actor-0"):
+            break
+        await asyncio.sleep(0.01)
+    assert [actor.alive for actor in pool.actors()] == [False, False]
+    runtime.down = None
+    assert await asyncio.wait_for(pool.wait_until_alive("actor-0"), 10)
     await pool.close()
 
 
