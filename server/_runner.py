@@ -3,11 +3,13 @@
 uvicorn's graceful shutdown lets in-flight requests finish (each is bounded by
 `request_timeout_s`), then the lifespan closes the pool; Ray is shut down last, and only if
 this process started (or connected) it (`server.pool.ray_session`). So a SIGTERM stops the
-server within `request_timeout_s` plus a few seconds, whatever is in flight.
+server within `request_timeout_s` plus a few seconds, whatever is in flight, after the drain
+window (`drain_s`, `server._drain`) when one is set.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import math
@@ -19,6 +21,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from server._connections import ClosedConnectionLog, guarded_protocol
+from server._drain import DrainWindow
 from server._settings import Settings
 from server.batching import OpenConnections
 
@@ -265,6 +268,17 @@ def _stopped_while_starting() -> int:
     return 0
 
 
+def _start_draining(app: Any, settings: Settings) -> None:
+    serving = getattr(getattr(app, "state", None), "serving", None)
+    if serving is not None:
+        serving.draining = True
+    logger.info(
+        "draining: the readiness probes answer 503 and requests are still served for %g s,"
+        " then momlp stops (a second signal stops it now)",
+        settings.drain_s,
+    )
+
+
 def _serve(
     settings: Settings, app_factory: Callable[[Settings], Any] | None, stop: StopSignals
 ) -> int:
@@ -280,6 +294,8 @@ def _serve(
         else create_app(settings, pool_factory=ray_pool(stop.event))
     )
 
+    drain = DrainWindow(settings.drain_s, functools.partial(_start_draining, app, settings))
+
     class _Server(uvicorn.Server):
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets)
@@ -293,8 +309,15 @@ def _serve(
                 )
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if self.started and not self.should_exit and drain.ask():
+                return  # on_tick stops it when the window is over
             super().handle_exit(sig, frame)
             stop.event.set()  # a pool still starting stops waiting for its actors
+
+        async def on_tick(self, counter: int) -> bool:
+            if drain.due():
+                self.should_exit = True
+            return await super().on_tick(counter)
 
     server = _Server(uvicorn_config(app, settings))
     count_connections(app, server)

@@ -74,6 +74,12 @@ def _add_server_options(parser: argparse.ArgumentParser, *, store_help: str) -> 
         help="reload when the store's manifest.json changes (default on)",
     )
     parser.add_argument(
+        "--drain-s",
+        type=float,
+        metavar="S",
+        help="after SIGTERM/SIGINT, serve on for S seconds with /readyz 503 (default 0)",
+    )
+    parser.add_argument(
         "--watch-interval-s",
         type=float,
         metavar="S",
@@ -97,6 +103,7 @@ _FIELDS = (
     "max_body_bytes",
     "watch_store",
     "watch_interval_s",
+    "drain_s",
 )
 
 

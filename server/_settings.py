@@ -172,6 +172,14 @@ class Settings(BaseSettings):
         " read (lowered to half the process's file-descriptor limit where that is smaller)",
     )
     request_timeout_s: float = Field(default=60.0, gt=0.0)
+    drain_s: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=3600.0,
+        description="after SIGTERM/SIGINT, keep answering for this long while the readiness"
+        " probes say 503 draining, so that a load balancer stops sending first; a second"
+        " signal stops at once",
+    )
     default_top_k: int = Field(default=1, ge=1)
     default_mode: Literal["tree", "exact"] | None = Field(
         default=None, description="None uses the mode the store was trained for"

@@ -419,14 +419,7 @@ def add_routes(app: FastAPI) -> None:
 
     @app.get("/readyz", response_model=ReadyResponse, responses={503: ERROR_RESPONSES[503]})
     async def readyz(serving: Serving) -> ReadyResponse:
-        version = serving.version
-        if version is None or serving.stopping:
-            raise NotReady(reason="the store and the pool are not up")
-        actors = serving.pool.actors() if serving.pool is not None else []
-        if actors and not any(actor.alive for actor in actors):
-            # Restarting (seconds), or out of restarts: either way nothing can be answered.
-            raise NotReady(reason="no live actor in the pool")
-        return ReadyResponse(store_version=version.version)
+        return ReadyResponse(store_version=serving.check_ready().version)
 
     # HEAD too (load balancers and uptime monitors often probe with it), kept out of the
     # schema: one operation per path and method there.

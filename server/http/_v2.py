@@ -243,7 +243,7 @@ def add_v2_routes(app: FastAPI) -> None:
         "/v2/health/ready", response_model=ReadyResponse, responses=_ERRORS, tags=["v2"]
     )
     async def ready(request: Request) -> ReadyResponse:
-        _serving(request).current()  # NotReady (503) until the store and the pool are up
+        _serving(request).check_ready()  # NotReady (503), as /readyz
         return ReadyResponse(ready=True)
 
     @app.get("/v2", response_model=ServerMetadata, tags=["v2"])

@@ -227,6 +227,9 @@ class ServingState:
         self.pool: ExpertPool | None = None
         self.version: StoreVersion | None = None
         self.stopping = False
+        # Set when a stop with a drain window began (`momlp serve --drain-s`): the probes
+        # say not ready while requests are still answered, so load balancers move away.
+        self.draining = False
         self._watcher: asyncio.Task[None] | None = None
         self._swapping: asyncio.Task[StoreVersion | None] | None = None
         self._retiring: set[asyncio.Task[None]] = set()
@@ -306,6 +309,18 @@ class ServingState:
         version = self.version
         if version is None or self.stopping:
             raise NotReady(reason="the store and the pool are not up")
+        return version
+
+    def check_ready(self) -> StoreVersion:
+        """The version served when the readiness probes should say ready; NotReady (503)
+        saying why not: not up yet, stopping or draining, or no live actor."""
+        version = self.current()
+        if self.draining:
+            raise NotReady(reason="draining: the server is stopping")
+        actors = self.pool.actors() if self.pool is not None else []
+        if actors and not any(actor.alive for actor in actors):
+            # Restarting (seconds), or out of restarts: either way nothing can be answered.
+            raise NotReady(reason="no live actor in the pool")
         return version
 
     @contextlib.asynccontextmanager

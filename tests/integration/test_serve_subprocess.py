@@ -22,10 +22,16 @@ import client
 pytestmark = [pytest.mark.integration, pytest.mark.ray]
 
 
-def test_momlp_serve_answers_then_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
-    store = build_store(tmp_path / "store")
+def _embedded_ray_env() -> dict[str, str]:
+    """This environment for a `momlp serve` that starts its own Ray (not the tests' one)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
     env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def test_momlp_serve_answers_then_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+    store = build_store(tmp_path / "store")
+    env = _embedded_ray_env()
     args = [
         "--store",
         str(store),
@@ -95,8 +101,7 @@ def test_a_server_whose_ray_cluster_dies_answers_503_at_once(tmp_path: Path) -> 
     # Requests waited for a revival that could not come until Ray ended the server (~57 s,
     # then no answer at all), and /readyz said ready for an actor that had not been called.
     store = build_store(tmp_path / "store")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
-    env.pop("RAY_ADDRESS", None)
+    env = _embedded_ray_env()
     args = ["--store", str(store), "--port", "0", "--actors", "2", "--ray-num-cpus", "2",
             "--no-watch-store"]
     x = [[0.1, 0.2, 0.3]]
@@ -119,3 +124,32 @@ def test_a_server_whose_ray_cluster_dies_answers_503_at_once(tmp_path: Path) -> 
     text = "".join(served.log)
     assert "the Ray cluster does not answer" in text and "every actor counts as dead" in text
     assert returncode == 0, text
+
+
+@pytest.mark.parametrize("second_signal", [False, True])
+def test_a_drain_window_keeps_serving_with_readyz_503_after_sigterm(
+    tmp_path: Path, second_signal: bool
+) -> None:
+    store = build_store(tmp_path / "store")
+    env = _embedded_ray_env()
+    # The window is long where a second signal has to end it, short where it runs out.
+    drain_s = "300" if second_signal else "4"
+    args = ["--store", str(store), "--port", "0", "--actors", "1", "--ray-num-cpus", "1",
+            "--no-watch-store", "--drain-s", drain_s]
+    x = [[0.1, 0.2, 0.3]]
+    with serve_process(args, env=env, cwd=tmp_path) as served:
+        process = served.process
+        with httpx.Client(base_url=served.url, timeout=30) as http:
+            assert http.get("/readyz").status_code == 200
+            process.send_signal(signal.SIGTERM)
+            wait_until(lambda: http.get("/readyz").status_code == 503, 10, "/readyz is 503")
+            assert "draining" in http.get("/readyz").json()["error"]["message"]
+            assert http.post("/v1/predict", json={"inputs": x}).status_code == 200
+            assert process.poll() is None
+        if second_signal:
+            process.send_signal(signal.SIGTERM)
+        returncode = process.wait(timeout=60)
+    text = "".join(served.log)
+    assert returncode == 0, text
+    assert f"requests are still served for {drain_s} s, then momlp stops" in text
+    assert "momlp stopped" in text and "Traceback" not in text
