@@ -374,19 +374,21 @@ class DispatchingPool(ABC):
         return self._dispatcher.alive(actor)
 
     async def prefetch(self, experts: Sequence[ExpertRef]) -> None:
-        """Ask each expert's home actor to start loading it; returns without waiting."""
+        """Ask the actor each expert's rows will go to to start loading it, where that actor
+        does not hold it yet; returns without waiting."""
         if self._closed:
             return
-        residency = self._dispatcher.residency()
         now = self._clock.now()
         by_actor: dict[str, list[ExpertRef]] = {}
         for ref in dict.fromkeys(experts):
             failed = self._failures.get(ref.sha256)
-            if ref.sha256 in residency or (failed is not None and failed[1] > now):
+            if failed is not None and failed[1] > now:
                 continue
-            home = self._dispatcher.home(ref.sha256)
-            if home is not None:
-                by_actor.setdefault(home, []).append(ref)
+            # Held by the actor its rows go to: nothing to do. Held only by one whose copy
+            # rows no longer use (a restarted home reclaims its experts): load it at home.
+            target = self._dispatcher.load_target(ref.sha256)
+            if target is not None:
+                by_actor.setdefault(target, []).append(ref)
         for actor, refs in by_actor.items():
             self._spawn(self._prefetch_on(actor, refs))
 

@@ -107,13 +107,28 @@ class Dispatcher:
                 chosen.append(actor)
         return chosen
 
+    def load_target(self, key: Hashable) -> str | None:
+        """The actor that rows for `key` would go to now if it does not hold `key` yet (where
+        loading it ahead pays), else None (held there already, or no actor alive)."""
+        with self._lock:
+            live = [n for n in self._names if self._alive[n]]
+            if not live:
+                return None
+            ranked = rendezvous_rank(key, live)
+            return None if self._holders_locked(key, live, ranked) else ranked[0]
+
+    def _holders_locked(self, key: Hashable, live: list[str], ranked: list[str]) -> list[str]:
+        """The live actors rows for `key` may go to because they hold it."""
+        holders = [n for n in live if key in self._resident[n]]
+        if holders and ranked[0] in self._revived and ranked[0] not in holders:
+            return []  # reclaimed by its home; the other copies age out of their caches
+        return holders
+
     def _choose_locked(self, key: Hashable, live: list[str]) -> str | None:
         if not live:
             return None
-        holders = [n for n in live if key in self._resident[n]]
         ranked = rendezvous_rank(key, live)
-        if holders and ranked[0] in self._revived and ranked[0] not in holders:
-            holders = []  # reclaimed by its home; the other copies age out of their caches
+        holders = self._holders_locked(key, live, ranked)
         if holders:
             actor = min(holders, key=lambda n: (self._queued[n], ranked.index(n)))
         else:

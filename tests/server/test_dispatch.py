@@ -116,3 +116,21 @@ def test_a_revived_actor_takes_its_experts_back_from_the_actor_that_held_them(
     for actor in ("actor-0", "actor-1"):
         dispatcher.complete(actor, 1000)
     assert dispatcher.place([(homed[0], 1)]) == ["actor-0"]
+
+
+def test_load_target_is_where_the_rows_go_when_that_actor_lacks_the_expert() -> None:
+    dispatcher = Dispatcher(["actor-0", "actor-1"], spill_queue_rows=10_000)
+    experts = list(range(40))
+    homes = {e: dispatcher.home(e) for e in experts}
+    assert {e: dispatcher.load_target(e) for e in experts} == homes  # nothing held yet
+    dispatcher.update_residency("actor-1", dict.fromkeys(experts, 1))
+    assert all(dispatcher.load_target(e) is None for e in experts)  # rows go to the holder
+    dispatcher.mark_dead("actor-0")
+    dispatcher.mark_alive("actor-0")
+    # Restarted: its experts' rows go home again, where they are not held yet.
+    assert {e: dispatcher.load_target(e) for e in experts} == {
+        e: "actor-0" if home == "actor-0" else None for e, home in homes.items()
+    }
+    dispatcher.mark_dead("actor-0")
+    dispatcher.mark_dead("actor-1")
+    assert all(dispatcher.load_target(e) is None for e in experts)  # no actor alive

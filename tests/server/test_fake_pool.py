@@ -192,6 +192,30 @@ async def test_a_lost_runtime_marks_idle_actors_dead_too(make_store: MakeStore) 
     await pool.close()
 
 
+async def test_prefetch_after_a_restart_loads_at_the_home_the_rows_go_to(
+    make_store: MakeStore,
+) -> None:
+    # The survivor held every expert, so prefetch skipped them all as resident, while the
+    # rows went to the restarted home, and missed there.
+    store = Store.open(make_store(K=8, n=3, width=6, out=2))
+    pool = IdPool(store, FakeExpertPool(Settings(actors=2, cache_bytes=10**6)))
+    homed = [e for e in range(8) if pool.dispatcher.home(e) == "actor-0"]
+    assert homed
+    pool.kill("actor-0")
+    await pool.run(groups_for(list(range(8)), 3))  # actor-0 dies mid-call; actor-1 takes all
+    assert await pool.wait_until_alive("actor-0")
+    assert pool.residency() == {e: ["actor-1"] for e in range(8)}
+    await pool.prefetch(list(range(8)))
+    await asyncio.gather(*pool._background)
+    assert pool.residency() == {
+        e: ["actor-0", "actor-1"] if e in homed else ["actor-1"] for e in range(8)
+    }
+    results = await pool.run(groups_for(homed, 3))
+    # No miss: the home holds them now (held twice, the least queued of the two takes each).
+    assert all(r.hit for r in results) and results[0].actor == "actor-0"
+    await pool.close()
+
+
 async def test_a_failed_load_is_remembered_for_a_while(make_store: MakeStore) -> None:
     store = Store.open(make_store(K=4, n=3, width=6, out=2))
     path = store.expert_path(2)
