@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _paths import shown  # this folder, first on sys.path when run as a script
+from _jobs import gather_rows  # this folder, first on sys.path when run as a script
+from _paths import shown
 
 HERE = Path(__file__).resolve().parent
 SYNTH_LOGIT_SCALE = 10.0
@@ -350,25 +351,13 @@ def main(argv: list[str] | None = None) -> int:
         return _report(rows, plan, name, args, started)
     ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False,
              log_to_driver=False, configure_logging=False)
-    rows = []
     try:
         remote = ray.remote(num_cpus=1, max_retries=1)(run_one)
         pending = [remote.remote(*job) for job in jobs(plan)
                    if args.task is None or job[0] == args.task]
-        total = len(pending)
-        raw = args.raw.open("w") if args.raw else None
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            row = ray.get(done[0])
-            rows.append(row)
-            if raw:
-                raw.write(json.dumps(row) + "\n")
-                raw.flush()
-            print(f"[{len(rows)}/{total}] {row['task']} {row['model']} depth={row['depth']} "
-                  f"seed={row['seed']} lr={row['lr']:.2g} E={row['embedding_dim']}: "
-                  f"{row['test_error']:.4f}", file=sys.stderr, flush=True)
-        if raw:
-            raw.close()
+        rows = gather_rows(pending, raw=args.raw, describe=lambda row: (
+            f"{row['task']} {row['model']} depth={row['depth']} seed={row['seed']} "
+            f"lr={row['lr']:.2g} E={row['embedding_dim']}: {row['test_error']:.4f}"))
     finally:
         ray.shutdown()
     return _report(rows, plan, name, args, started)

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _paths import shown  # this folder, first on sys.path when run as a script
+from _jobs import gather_rows  # this folder, first on sys.path when run as a script
+from _paths import shown
 
 HERE = Path(__file__).resolve().parent
 PAPER = {
@@ -346,24 +347,12 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False,
              log_to_driver=False, configure_logging=False)
-    rows: list[dict[str, Any]] = []
     try:
         remote = ray.remote(num_cpus=1, max_retries=1)(run_one)
         pending = [remote.remote(*job, plan.num_test) for job in jobs(plan)]
-        total = len(pending)
-        raw = args.raw.open("w") if args.raw else None
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            row = ray.get(done[0])
-            rows.append(row)
-            if raw:
-                raw.write(json.dumps(row) + "\n")
-                raw.flush()
-            print(f"[{len(rows)}/{total}] {row['model']} N={row['train_size']} "
-                  f"seed={row['seed']} l={row['l']} c={row['classes']}: "
-                  f"acc {row['test_accuracy']:.3f}", file=sys.stderr, flush=True)
-        if raw:
-            raw.close()
+        rows = gather_rows(pending, raw=args.raw, describe=lambda row: (
+            f"{row['model']} N={row['train_size']} seed={row['seed']} l={row['l']} "
+            f"c={row['classes']}: acc {row['test_accuracy']:.3f}"))
     finally:
         ray.shutdown()
     figures = summarise(rows, plan)

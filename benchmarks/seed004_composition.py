@@ -33,7 +33,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from _paths import shown  # this folder, first on sys.path when run as a script
+from _jobs import gather_rows  # this folder, first on sys.path when run as a script
+from _paths import shown
 
 HERE = Path(__file__).resolve().parent
 EPOCHS = 60
@@ -243,23 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False,
              log_to_driver=False, configure_logging=False)
-    rows: list[dict[str, Any]] = []
     try:
         remote = ray.remote(num_cpus=1, max_retries=1)(run_one)
         pending = [remote.remote(*job) for job in jobs]
-        raw = args.raw.open("w") if args.raw else None
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            row = ray.get(done[0])
-            rows.append(row)
-            if raw:
-                raw.write(json.dumps(row) + "\n")
-                raw.flush()
-            print(f"[{len(rows)}/{len(jobs)}] {row['model']} d={row['d']} N={row['train_size']} "
-                  f"P~{row['budget']} seed={row['seed']}: mse {row['test_mse']:.5f} "
-                  f"({row['train_seconds']}s)", file=sys.stderr, flush=True)
-        if raw:
-            raw.close()
+        rows = gather_rows(pending, raw=args.raw, describe=lambda row: (
+            f"{row['model']} d={row['d']} N={row['train_size']} P~{row['budget']} "
+            f"seed={row['seed']}: mse {row['test_mse']:.5f} ({row['train_seconds']}s)"))
     finally:
         ray.shutdown()
     figures = summarise(rows)
