@@ -9,6 +9,7 @@ window (`drain_s`, `server._drain`) when one is set.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import logging
@@ -16,7 +17,7 @@ import math
 import signal
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,7 @@ __all__ = [
     "count_connections",
     "freeze_heap",
     "open_without_key",
+    "request_ids_in_access_log",
     "run_server",
     "uvicorn_config",
 ]
@@ -102,6 +104,20 @@ def uvicorn_config(app: Any, settings: Settings) -> uvicorn.Config:
         # Requests end by request_timeout_s on their own; past it, nothing is worth waiting for.
         timeout_graceful_shutdown=max(1, math.ceil(settings.request_timeout_s)),
     )
+
+
+@contextlib.contextmanager
+def request_ids_in_access_log() -> Iterator[None]:
+    """While inside, each access log line ends with its request's id (`X-Request-ID`)."""
+    from server.http import RequestIdLogFilter
+
+    access = logging.getLogger("uvicorn.access")
+    tagging = RequestIdLogFilter()
+    access.addFilter(tagging)
+    try:
+        yield
+    finally:
+        access.removeFilter(tagging)
 
 
 def connection_cap(wanted: int, nofile: Callable[[], int] = _nofile_soft_limit) -> int:
@@ -329,7 +345,8 @@ def _serve(
     quiet_stop = _StopIsNotAnError(stop.event, server)
     uvicorn_log.addFilter(quiet_stop)
     try:
-        server.run()
+        with request_ids_in_access_log():
+            server.run()
     except SystemExit as exc:
         # uvicorn exits this way when the lifespan fails or the port cannot be bound; it
         # has logged why. Ray still shuts down on the way out, and the caller gets 1.

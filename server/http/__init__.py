@@ -10,6 +10,7 @@ from server.http._app import create_app, pool_snapshot
 from server.http._body import HttpError
 from server.http._errors import error_response
 from server.http._metrics import CONTENT_TYPE, Metrics, PoolSnapshot
+from server.http._request_id import RequestIdLogFilter
 
 __all__ = [
     "CONTENT_TYPE",
@@ -17,6 +18,7 @@ __all__ = [
     "Metrics",
     "PoolSnapshot",
     "ReloadResponse",
+    "RequestIdLogFilter",
     "create_app",
     "error_response",
     "is_loopback",

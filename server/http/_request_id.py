@@ -3,28 +3,57 @@
 A caller (or the proxy in front) that sends `X-Request-ID` gets the same id back, so one id
 follows a request through every hop's logs; one that sends none, or one unfit for a log line
 (over 128 characters, or anything but visible ASCII), gets a fresh id. A 500's `error_id` and
-its log line use the same id (`server.http._errors`).
+its log line use the same id (`server.http._errors`); `RequestIdLogFilter` puts it at the end of
+uvicorn's access log line, so a 503 or 504 a user reports is found too.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
+from contextvars import ContextVar
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["MAX_REQUEST_ID", "REQUEST_ID_HEADER", "RequestIdMiddleware", "request_id"]
+__all__ = [
+    "MAX_REQUEST_ID",
+    "REQUEST_ID_HEADER",
+    "RequestIdLogFilter",
+    "RequestIdMiddleware",
+    "current_request_id",
+    "request_id",
+]
 
 REQUEST_ID_HEADER = "x-request-id"
 MAX_REQUEST_ID = 128
 
 _HEADER = REQUEST_ID_HEADER.encode("latin-1")
 _STATE_KEY = "request_id"
+# The id of the request whose task is running: uvicorn writes its access line from the
+# `send` the app awaits, inside that task.
+_CURRENT: ContextVar[str | None] = ContextVar("momlp_request_id", default=None)
 
 
 def request_id(scope: Scope) -> str | None:
     """The id `RequestIdMiddleware` gave this request; None outside it (a bare app in tests)."""
     state = scope.get("state")
     return state.get(_STATE_KEY) if isinstance(state, dict) else None
+
+
+def current_request_id() -> str | None:
+    """The id of the request being answered in this task, or None outside one."""
+    return _CURRENT.get()
+
+
+class RequestIdLogFilter(logging.Filter):
+    """Ends each record logged while a request is answered with `[request <id>]`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        request = _CURRENT.get()
+        if request is not None and isinstance(record.args, tuple):
+            record.msg = f"{record.msg} [request %s]"
+            record.args = (*record.args, request)
+        return True
 
 
 def _usable(raw: bytes) -> bool:
@@ -51,7 +80,8 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send)
             return
         raw = _incoming(scope) or secrets.token_hex(8).encode("ascii")
-        scope.setdefault("state", {})[_STATE_KEY] = raw.decode("ascii")
+        text = raw.decode("ascii")
+        scope.setdefault("state", {})[_STATE_KEY] = text
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -64,4 +94,8 @@ class RequestIdMiddleware:
                 message = {**message, "headers": headers}
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        token = _CURRENT.set(text)
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            _CURRENT.reset(token)

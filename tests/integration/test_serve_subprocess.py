@@ -70,6 +70,8 @@ def test_momlp_serve_answers_then_stops_cleanly_on_sigterm(tmp_path: Path) -> No
     text = "".join(log)
     assert "momlp stopped" in text
     assert "Traceback" not in text
+    # Each access line names its request's id, the X-Request-ID its answer carried.
+    assert re.search(r'"POST /v1/predict HTTP/1.1" 200 \[request [0-9a-f]{16}\]\n', text), text
     # The startup heap (torch, Ray, the app) was taken out of the cyclic GC's full collections.
     frozen = re.search(r"froze (\d+) objects alive after startup", text)
     assert frozen is not None and int(frozen.group(1)) > 10_000, text

@@ -15,7 +15,12 @@ from app_support import build_small_store, fake_app
 from starlette.responses import PlainTextResponse
 from starlette.types import Receive, Scope, Send
 
-from server._runner import count_connections, freeze_heap, uvicorn_config
+from server._runner import (
+    count_connections,
+    freeze_heap,
+    request_ids_in_access_log,
+    uvicorn_config,
+)
 from server._settings import Settings
 
 pytestmark = pytest.mark.unit
@@ -114,6 +119,40 @@ async def test_a_lone_client_skips_the_batch_window_an_idle_connection_keeps_it_
     finally:
         server.should_exit = True
         await serving
+
+
+async def test_each_access_log_line_ends_with_its_request_id(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A user reporting a 503 or 504 quotes X-Request-ID; only a 500's log line carried it.
+    app = fake_app(build_small_store(tmp_path / "store"))
+    server = uvicorn.Server(uvicorn_config(app, Settings(host="127.0.0.1", port=0)))
+    serving = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+        with caplog.at_level(logging.INFO, logger="uvicorn.access"), \
+                request_ids_in_access_log():
+            async with httpx.AsyncClient(base_url=url) as client:
+                answers = [
+                    await client.post("/v1/predict", json={"inputs": [[0.1, 0.2, 0.3, 0.4]]}),
+                    await client.post("/v1/predict", json={"inputs": [[1.0]]}),
+                    await client.get("/healthz", headers={"X-Request-ID": "from-the-proxy"}),
+                ]
+        with caplog.at_level(logging.INFO, logger="uvicorn.access"):
+            async with httpx.AsyncClient(base_url=url) as client:
+                untagged = await client.get("/healthz")
+    finally:
+        server.should_exit = True
+        await serving
+    lines = [r.getMessage() for r in caplog.records if r.name == "uvicorn.access"]
+    ids = [answer.headers["x-request-id"] for answer in (*answers, untagged)]
+    assert ids[2] == "from-the-proxy"
+    assert lines[0].endswith(f'"POST /v1/predict HTTP/1.1" 200 [request {ids[0]}]')
+    assert lines[1].endswith(f'"POST /v1/predict HTTP/1.1" 422 [request {ids[1]}]')
+    assert lines[2].endswith('"GET /healthz HTTP/1.1" 200 [request from-the-proxy]')
+    assert lines[3].endswith('"GET /healthz HTTP/1.1" 200')  # outside, lines are as before
 
 
 def test_a_port_in_use_is_refused_before_ray_starts(
