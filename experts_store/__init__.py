@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         ExpertLoadError,
         ExpertTooLarge,
         ManifestError,
+        StoreChanged,
         StoreError,
         StoreNotFound,
         UnknownExpert,
@@ -94,7 +95,7 @@ if TYPE_CHECKING:
     )
     from experts_store._progress import LOG_INTERVAL_S, progress_bar
     from experts_store._ref import ExpertRef, ExpertRefLoader
-    from experts_store._store import Store, StoreExpertLoader, StoreProblem
+    from experts_store._store import Store, StoreExpertLoader, StoreProblem, read_report
     from experts_store._writer import StoreWriter
 
 __all__ = [
@@ -177,8 +178,10 @@ __all__ = [
     "Store",
     "StoreError",
     "StoreExpertLoader",
+    "StoreChanged",
     "StoreNotFound",
     "StoreProblem",
+    "read_report",
     "StoreWriter",
     "UnknownExpert",
     "load_expert",
@@ -211,6 +214,7 @@ _HOMES = {
     "ExpertLoadError": "experts_store._exceptions",
     "ExpertTooLarge": "experts_store._exceptions",
     "ManifestError": "experts_store._exceptions",
+    "StoreChanged": "experts_store._exceptions",
     "StoreError": "experts_store._exceptions",
     "StoreNotFound": "experts_store._exceptions",
     "UnknownExpert": "experts_store._exceptions",
@@ -255,6 +259,7 @@ _HOMES = {
     "Store": "experts_store._store",
     "StoreExpertLoader": "experts_store._store",
     "StoreProblem": "experts_store._store",
+    "read_report": "experts_store._store",
     "StoreWriter": "experts_store._writer",
     "materialize_store": "experts_store._materialize",
     "ConditionTable": "experts_store._hyper",

@@ -3,6 +3,7 @@
     StoreError
      ├── StoreNotFound(root)
      ├── ManifestError(root)
+     ├── StoreChanged(root, based_on, live)
      ├── UnknownExpert(expert_id)
      ├── ExpertLoadError(expert_id)
      │    ├── ExpertChecksumError(expert_id, expected, actual)
@@ -29,6 +30,7 @@ __all__ = [
     "ExpertLoadError",
     "ExpertTooLarge",
     "ManifestError",
+    "StoreChanged",
     "StoreError",
     "StoreNotFound",
     "UnknownExpert",
@@ -61,6 +63,22 @@ class ManifestError(StoreError):
     def __init__(self, *, root: Path | str, message: str) -> None:
         self.root = Path(root)
         super().__init__(f"bad manifest in {self.root}: {message}")
+
+
+class StoreChanged(StoreError):
+    """Another version went live while a writer that derives from the version it started
+    from was at work (`StoreWriter(based_on=...)`, e.g. `momlp store calibrate`): nothing
+    was published, which would have undone the other one."""
+
+    def __init__(self, *, root: Path | str, based_on: str, live: str | None) -> None:
+        self.root = Path(root)
+        self.based_on = based_on
+        self.live = live
+        super().__init__(
+            f"the store at {self.root} changed while this ran: it started from version "
+            f"{based_on}, and {'version ' + live if live else 'no version'} is live now; "
+            "nothing was published (run it again on the live version)"
+        )
 
 
 class UnknownExpert(StoreError):

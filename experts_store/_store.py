@@ -42,7 +42,7 @@ from experts_store._pace import Pace, no_pace
 from experts_store._ref import ExpertRef
 from experts_store._writer import MANIFEST_NAME, REPORT_NAME
 
-__all__ = ["Store", "StoreExpertLoader", "StoreProblem"]
+__all__ = ["Store", "StoreExpertLoader", "StoreProblem", "read_report"]
 
 logger = logging.getLogger(__name__)
 
@@ -329,15 +329,29 @@ class Store:
         return problems
 
     def report(self) -> dict[str, Any] | None:
-        """report.json of the build, or None when the store has none."""
-        try:
-            data = json.loads((self.root / REPORT_NAME).read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            return None
-        except (OSError, json.JSONDecodeError):
-            logger.warning("unreadable %s in %s", REPORT_NAME, self.root)
-            return None
-        return data if isinstance(data, dict) else None
+        """report.json of the build of this version, or None when the store has none (or
+        only another version's, left by a publish cut short)."""
+        return read_report(self.root, self.version)
+
+
+def read_report(root: Path, version: str) -> dict[str, Any] | None:
+    """The report.json in `root` if it is the one of `version`, else None: none, unreadable,
+    or another version's (a later publish's, or one a publish cut short left behind)."""
+    try:
+        data = json.loads((root / REPORT_NAME).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError):
+        logger.warning("unreadable %s in %s", REPORT_NAME, root)
+        return None
+    if not isinstance(data, dict):
+        return None
+    described = data.get("store_version")  # absent in reports written before it was
+    if described is not None and described != version:
+        logger.warning("%s in %s describes version %s, not %s: ignored",
+                       REPORT_NAME, root, described, version)
+        return None
+    return data
 
 
 def _check_router_file(

@@ -2,11 +2,14 @@
 
 Publishing moves the staged files to content-addressed names (never overwriting a file
 the live manifest references), then replaces manifest.json with one ``os.replace``: a
-crash at any point leaves either the previous store or the new one readable.
+crash at any point leaves either the previous store or the new one readable. Writers into
+one store may run at once (`experts_store._locks`): each publish holds the store's lock, and
+no publish removes the staging folder of a writer still at work.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -14,7 +17,7 @@ import math
 import os
 import secrets
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
@@ -23,7 +26,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from experts_store._checksum import fast_checksum, new_fast_digest
-from experts_store._exceptions import ManifestError, StoreError
+from experts_store._exceptions import ManifestError, StoreChanged, StoreError
 from experts_store._format import (
     ExpertFile,
     parse_header,
@@ -33,6 +36,7 @@ from experts_store._format import (
 )
 from experts_store._graph import GraphBlock
 from experts_store._hyper import HyperSpec
+from experts_store._locks import FileLock, held_elsewhere
 from experts_store._manifest import (
     MANIFEST_FORMAT_VERSION,
     ExpertEntry,
@@ -42,6 +46,7 @@ from experts_store._manifest import (
     router_file_name,
 )
 from experts_store._model import ExpertMLP
+from experts_store._paced_json import decode_json_member
 from experts_store._pmoe import PMoESpec
 
 __all__ = ["StoreWriter"]
@@ -58,6 +63,14 @@ RETIRED_NAME = "retired.json"
 # it, or publishes came faster than its watch interval): ten minutes covers its lag, its
 # in-flight requests and an operator's fix of a refused version.
 DEFAULT_RETIRE_AFTER_S = 600.0
+# Held by each writer in its staging folder for its whole life, and by a publish in the root.
+WRITER_LOCK_NAME = ".writer.lock"
+PUBLISH_LOCK_NAME = ".publish.lock"
+# A writer locks its lock file right after creating it: one unlocked for longer than this
+# belongs to a writer that is gone (killed, or its machine rebooted).
+_UNLOCKED_GRACE_S = 10.0
+# A publish takes well under a second; one holding the lock this long is stuck.
+_PUBLISH_WAIT_S = 120.0
 
 
 def _fsync_dir(path: Path) -> None:
@@ -73,15 +86,30 @@ def _new_version(now: datetime) -> str:
     return now.strftime("%Y%m%dT%H%M%S%fZ") + "-" + secrets.token_hex(3)
 
 
-def _referenced_files(root: Path) -> set[str] | None:
-    """Files the current manifest references, or None if it cannot be read."""
+def _live_manifest(root: Path) -> tuple[str | None, set[str] | None]:
+    """The live version and the files its manifest references: (None, set()) for no store,
+    (None, None) for a manifest that cannot be read."""
     try:
         manifest = Manifest.model_validate_json((root / MANIFEST_NAME).read_bytes())
     except FileNotFoundError:
-        return set()
+        return None, set()
     except (OSError, ValidationError):
+        return None, None
+    return manifest.store_version, manifest.referenced_files
+
+
+def _live_version(root: Path) -> str | None:
+    """The live store_version, read from the manifest's start (None: no readable store)."""
+    try:
+        with open(root / MANIFEST_NAME, "rb") as fh:
+            raw = fh.read(1 << 16)
+            try:
+                version = decode_json_member(raw, "store_version")
+            except ValueError:  # the start did not settle it: a manifest past 64 KiB
+                version = decode_json_member(raw + fh.read(), "store_version")
+    except (OSError, ValueError, KeyError):
         return None
-    return manifest.referenced_files
+    return version if isinstance(version, str) else None
 
 
 def _read_retired(root: Path) -> dict[str, float]:
@@ -103,7 +131,7 @@ def _write_retired(root: Path, retired: dict[str, float]) -> None:
     if not retired:
         path.unlink(missing_ok=True)
         return
-    tmp = path.with_name(f".{RETIRED_NAME}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{RETIRED_NAME}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         tmp.write_text(json.dumps({"format": 1, "retired": retired}, indent=1, sort_keys=True),
                        encoding="utf-8")
@@ -117,8 +145,10 @@ class StoreWriter:
     """Stage experts, router and report under ``root``, then :meth:`publish` them.
 
     Use as a context manager: leaving it without publishing (or with an exception)
-    removes the staging directory and leaves the previous store untouched. One writer
-    at a time per store root.
+    removes the staging directory and leaves the previous store untouched. Writers may run
+    at the same time: the last to publish is live, and one that finds a version published
+    since it began says so (a warning). With `based_on` (the version it derives from, as
+    `momlp store calibrate` does) it refuses instead: `StoreChanged`, nothing published.
 
     A publish keeps every file the new and the previous manifest reference; a file neither
     references is retired (`retired.json` records when) and deleted by the first publish
@@ -132,6 +162,7 @@ class StoreWriter:
         now: Callable[[], datetime] | None = None,
         stale_staging_seconds: float = 3600.0,
         retire_after_s: float = DEFAULT_RETIRE_AFTER_S,
+        based_on: str | None = None,
     ) -> None:
         # Absolute: `expert_path` is handed to Ray tasks, which write there from their own
         # working directory (another one on another node).
@@ -139,16 +170,26 @@ class StoreWriter:
         self._now = now or (lambda: datetime.now(UTC))
         self._stale_staging_seconds = stale_staging_seconds
         self._retire_after_s = retire_after_s
+        self._based_on = based_on
         self.root.mkdir(parents=True, exist_ok=True)
+        self._started_on = _live_version(self.root)
+        # Named anew at publish, so that versions sort in the order they went live.
         self.version = _new_version(self._now())
         self.staging = self.root / f"{STAGING_PREFIX}{self.version}"
         (self.staging / "experts").mkdir(parents=True)
+        # Held until publish or abort: no other writer's publish takes this folder for the
+        # leftovers of a dead one, however long training runs.
+        lock = FileLock.take(self.staging / WRITER_LOCK_NAME, wait_s=1.0)
+        if lock is None:
+            shutil.rmtree(self.staging, ignore_errors=True)
+            raise StoreError(f"cannot lock the staging folder {self.staging}")
+        self._lock = lock
+        self._report: dict[str, Any] | None = None
         self.router_path = self.staging / "router.safetensors"
         self._entries: dict[int, ExpertEntry] = {}
         # Kind files (a hyper store's f and conditions): staged path -> store-relative name.
         self._kind_files: dict[str, Path] = {}
         self._routers: set[str] = set()  # kind routers staged by stage_router (names)
-        self._report_written = False
         self._closed = False
 
     def __enter__(self) -> StoreWriter:
@@ -166,6 +207,7 @@ class StoreWriter:
         """Drop everything staged (no-op after publish)."""
         self._closed = True
         shutil.rmtree(self.staging, ignore_errors=True)
+        self._lock.release()
 
     def expert_path(self, expert_id: int) -> Path:
         """Where a (Ray) task may write expert ``expert_id`` with ``save_expert``."""
@@ -227,18 +269,24 @@ class StoreWriter:
         return name
 
     def write_report(self, report: Mapping[str, Any]) -> None:
-        """Stage report.json; it is moved into the store right after the manifest."""
+        """Keep report.json for the publish, which writes it (naming the version it
+        describes, `store_version`) right after the manifest."""
         self._check_open()
         # A diverged run's NaN or infinity is written as null: JSON has neither, and other
         # readers (browsers, jq, most JSON libraries) refuse Python's NaN token.
-        text = json.dumps(_finite(dict(report)), indent=2, sort_keys=True, default=str,
-                          allow_nan=False)
+        finite: dict[str, Any] = _finite(dict(report))
+        _report_text(finite)  # refused here, not at publish, if it cannot be written
+        self._report = finite
+
+    def _stage_report(self) -> Path | None:
+        if self._report is None:
+            return None
         path = self.staging / REPORT_NAME
         with open(path, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+            f.write(_report_text({**self._report, "store_version": self.version}) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        self._report_written = True
+        return path
 
     def publish(
         self,
@@ -260,80 +308,105 @@ class StoreWriter:
 
         `gate`, when given, is the store's default gate and sets the temperature (manifest
         format 2); without it the gate block records `temperature` as given by the caller.
+        Waits for another publish into the same store to finish first.
         """
         self._check_open()
-        router_file: str | None
-        if self.router_path.is_file():
-            router_file = router_file_name(sha256_hex(self.router_path.read_bytes()))
-        elif graph is not None:
-            # A graph routes with its nodes' routers; the top-level name (format-1 readers
-            # need one) is its first node's.
-            router_file = graph.nodes[0].router_file
-        elif kind == "momlp":
-            raise StoreError(f"nothing staged at {self.router_path}: save the router first")
-        else:
-            router_file = None  # a kind without a router (a request-conditioned hyper store)
-        entries = [self._entries[i] for i in sorted(self._entries)]
-        try:
-            manifest = Manifest(
-                format_version=MANIFEST_FORMAT_VERSION,
-                store_version=self.version,
-                created_at=self._now().isoformat(),
-                task=task,
-                input_dim=input_dim,
-                output_dim=output_dim,
-                routing=routing,
-                branching=branching,
-                num_experts=len(entries),
-                temperature=gate.temperature if gate is not None else temperature,
-                router_file=router_file,
-                experts=entries,
-                extra=dict(extra or {}),
-                kind=kind,
-                gate=gate if gate is not None else GateSpec(temperature=temperature),
-                hyper=hyper,
-                pmoe=pmoe,
-                graph=graph,
-            )
-        except ValidationError as exc:
-            raise ManifestError(root=self.root, message=str(exc)) from exc
-        unstaged = sorted(manifest.referenced_files - self._routers - set(self._kind_files)
-                          - {manifest.router_file} - {e.file for e in entries})
-        if unstaged:
-            raise StoreError(f"nothing staged for {unstaged}: stage_router() them first")
-        previous = _referenced_files(self.root)
+        with self._publish_lock():
+            live, previous = _live_manifest(self.root)
+            if self._based_on is not None and live != self._based_on:
+                raise StoreChanged(root=self.root, based_on=self._based_on, live=live)
+            if live is not None and live != self._started_on:
+                logger.warning(
+                    "version %s went live in %s while this writer was at work; this publish "
+                    "replaces it", live, self.root,
+                )
+            self.version = _new_version(self._now())
+            router_file: str | None
+            if self.router_path.is_file():
+                router_file = router_file_name(sha256_hex(self.router_path.read_bytes()))
+            elif graph is not None:
+                # A graph routes with its nodes' routers; the top-level name (format-1 readers
+                # need one) is its first node's.
+                router_file = graph.nodes[0].router_file
+            elif kind == "momlp":
+                raise StoreError(f"nothing staged at {self.router_path}: save the router first")
+            else:
+                router_file = None  # a kind without a router (a request-conditioned hyper store)
+            entries = [self._entries[i] for i in sorted(self._entries)]
+            try:
+                manifest = Manifest(
+                    format_version=MANIFEST_FORMAT_VERSION,
+                    store_version=self.version,
+                    created_at=self._now().isoformat(),
+                    task=task,
+                    input_dim=input_dim,
+                    output_dim=output_dim,
+                    routing=routing,
+                    branching=branching,
+                    num_experts=len(entries),
+                    temperature=gate.temperature if gate is not None else temperature,
+                    router_file=router_file,
+                    experts=entries,
+                    extra=dict(extra or {}),
+                    kind=kind,
+                    gate=gate if gate is not None else GateSpec(temperature=temperature),
+                    hyper=hyper,
+                    pmoe=pmoe,
+                    graph=graph,
+                )
+            except ValidationError as exc:
+                raise ManifestError(root=self.root, message=str(exc)) from exc
+            unstaged = sorted(manifest.referenced_files - self._routers - set(self._kind_files)
+                              - {manifest.router_file} - {e.file for e in entries})
+            if unstaged:
+                raise StoreError(f"nothing staged for {unstaged}: stage_router() them first")
 
-        (self.root / "experts").mkdir(exist_ok=True)
-        for entry in entries:
-            os.replace(self.expert_path(entry.id), self.root / entry.file)
-        if self.router_path.is_file():
-            os.replace(self.router_path, self.root / str(manifest.router_file))
-        for name, staged in self._kind_files.items():
-            os.replace(staged, self.root / name)
-        for name in sorted(self._routers):
-            os.replace(self.staging / name, self.root / name)
-        _fsync_dir(self.root / "experts")
-        staged_manifest = self.staging / MANIFEST_NAME
-        with open(staged_manifest, "w", encoding="utf-8") as f:
-            f.write(manifest.model_dump_json(indent=2) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(staged_manifest, self.root / MANIFEST_NAME)
-        _fsync_dir(self.root)
-        if self._report_written:
-            os.replace(self.staging / REPORT_NAME, self.root / REPORT_NAME)
-        else:
-            # A report left from the previous publish would describe other experts.
-            (self.root / REPORT_NAME).unlink(missing_ok=True)
-        logger.info(
-            "published store %s version %s (%s experts)",
-            self.root,
-            manifest.store_version,
-            manifest.num_experts,
-        )
-        self._collect_garbage(manifest, previous)
-        self.abort()
-        return manifest
+            (self.root / "experts").mkdir(exist_ok=True)
+            for entry in entries:
+                os.replace(self.expert_path(entry.id), self.root / entry.file)
+            if self.router_path.is_file():
+                os.replace(self.router_path, self.root / str(manifest.router_file))
+            for name, staged in self._kind_files.items():
+                os.replace(staged, self.root / name)
+            for name in sorted(self._routers):
+                os.replace(self.staging / name, self.root / name)
+            _fsync_dir(self.root / "experts")
+            report = self._stage_report()  # written before the manifest goes live, moved after
+            staged_manifest = self.staging / MANIFEST_NAME
+            with open(staged_manifest, "w", encoding="utf-8") as f:
+                f.write(manifest.model_dump_json(indent=2) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(staged_manifest, self.root / MANIFEST_NAME)
+            _fsync_dir(self.root)
+            if report is not None:
+                os.replace(report, self.root / REPORT_NAME)
+            else:
+                # A report left from the previous publish would describe other experts.
+                (self.root / REPORT_NAME).unlink(missing_ok=True)
+            logger.info(
+                "published store %s version %s (%s experts)",
+                self.root,
+                manifest.store_version,
+                manifest.num_experts,
+            )
+            self._collect_garbage(manifest, previous)
+            self.abort()
+            return manifest
+
+    @contextlib.contextmanager
+    def _publish_lock(self) -> Iterator[None]:
+        """The store's publish lock, waited for while another publish holds it."""
+        lock = FileLock.take(self.root / PUBLISH_LOCK_NAME, wait_s=_PUBLISH_WAIT_S)
+        if lock is None:
+            raise StoreError(
+                f"another publish into {self.root} has held {PUBLISH_LOCK_NAME} for "
+                f"{_PUBLISH_WAIT_S:g} s; nothing was published"
+            )
+        try:
+            yield
+        finally:
+            lock.release()
 
     def _collect_garbage(self, manifest: Manifest, previous: set[str] | None) -> None:
         """Retire files neither the new nor the previous manifest references, and delete
@@ -362,15 +435,24 @@ class StoreWriter:
                     still[name] = since
             _write_retired(self.root, still)
         for staging in self.root.glob(f"{STAGING_PREFIX}*"):
-            if staging == self.staging or not staging.is_dir():
-                continue
-            try:
-                age = now - staging.stat().st_mtime
-            except FileNotFoundError:
-                continue
-            # A young staging dir may belong to a writer still at work; leave it.
-            if age > self._stale_staging_seconds:
+            if staging != self.staging and staging.is_dir() and self._abandoned(staging, now):
+                logger.info("removing %s, left by a writer no longer running", staging)
                 shutil.rmtree(staging, ignore_errors=True)
+
+    def _abandoned(self, staging: Path, now: float) -> bool:
+        """True for the staging folder of a writer that is gone: its lock is free (and has
+        been past the moment a writer takes it), or, for a folder without one, it is older
+        than `stale_staging_seconds`. A locked one is at work, however old."""
+        lock = staging / WRITER_LOCK_NAME
+        held = held_elsewhere(lock)
+        if held:
+            return False
+        try:
+            since = (staging if held is None else lock).stat().st_mtime
+        except FileNotFoundError:
+            return False
+        limit = self._stale_staging_seconds if held is None else _UNLOCKED_GRACE_S
+        return now - since > limit
 
     def _record(self, expert_id: int, written: ExpertFile) -> ExpertEntry:
         entry = ExpertEntry(
@@ -393,6 +475,10 @@ class StoreWriter:
     def _check_open(self) -> None:
         if self._closed:
             raise StoreError("this StoreWriter was already published or aborted")
+
+
+def _report_text(report: Mapping[str, Any]) -> str:
+    return json.dumps(report, indent=2, sort_keys=True, default=str, allow_nan=False)
 
 
 def _finite(value: Any) -> Any:

@@ -11,8 +11,12 @@ import argparse
 import importlib
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import Any
 
 __all__ = ["build_parser", "main"]
 
@@ -89,6 +93,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if code:
             print(f"momlp build: {why}", file=sys.stderr)
             return code
+    # SIGTERM unwinds as Ctrl-C does, so that a build's staging folder and a calibration's
+    # writer are removed (it killed the process where it stood, leaving them); `momlp
+    # serve` takes the signal over for its own graceful stop.
+    previous = _unwind_on_sigterm()
     try:
         code = handler(args)
         # Output to a pipe is buffered: a reader that went away shows here, not at exit.
@@ -96,6 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
     except KeyboardInterrupt:
         return 130
+    except Terminated:
+        return 143  # 128 + SIGTERM, as a shell reports a process it ended
     except BrokenPipeError:
         # The reader went away (`momlp store info STORE | head`): not an error of ours. Point
         # stdout at /dev/null so the interpreter's final flush does not raise again.
@@ -108,6 +118,25 @@ def main(argv: Sequence[str] | None = None) -> int:
               " (other server or build packages may be missing too: install momlp with its"
               " dependencies, `pip install momlp`)", file=sys.stderr)
         return 2
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(BaseException):
+    """SIGTERM came: raised where the main thread was, so that `with` blocks clean up."""
+
+
+def _raise_terminated(_sig: int, _frame: FrameType | None) -> None:
+    raise Terminated
+
+
+def _unwind_on_sigterm() -> Any:
+    """Let SIGTERM raise `Terminated`; the handler it replaced (None off the main thread,
+    where signals cannot be handled)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _raise_terminated)
 
 
 if __name__ == "__main__":

@@ -244,11 +244,13 @@ def calibrate_store(
         hierarchy={"branching": m.branching, "depth": tree.depth},
         tree_top_k="beam",
     )
-    with StoreWriter(store.root) as writer:
+    report = store.report()
+    # Based on the version it read: one published meanwhile (a build) is not undone by a
+    # publish of this one's experts; StoreChanged says so and publishes nothing.
+    with StoreWriter(store.root, based_on=store.version) as writer:
         for entry in m.experts:
             writer.link_expert_file(entry.id, store.root / entry.file)
         tree.with_temperature(fit.temperature).save(writer.router_path)
-        report = store.report()
         if report is not None:
             writer.write_report({**report, "calibration": fit.calibration})
         return writer.publish(

@@ -359,7 +359,6 @@ def _handle_build(args: argparse.Namespace) -> int:
         return 2
     import torch
 
-    from experts_store import Store
     from trainer import (
         BuildConfig,
         ConfigError,
@@ -368,6 +367,7 @@ def _handle_build(args: argparse.Namespace) -> int:
         build_store,
         quick_overrides,
     )
+    from trainer._summary import own_report
 
     options: dict[str, Any] = quick_overrides(args.dataset) if args.quick else {}
     options.update({k: getattr(args, k) for k in _CONFIG_OPTIONS if getattr(args, k) is not None})
@@ -379,16 +379,16 @@ def _handle_build(args: argparse.Namespace) -> int:
     except TrainerError as exc:
         print(f"momlp build: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, DataError | ConfigError) else 1
-    report = Store.open(args.out).report() or {}
+    report = own_report(args.out, manifest.store_version)
     summary = {
         "store": str(args.out),
         "store_version": manifest.store_version,
         "num_experts": manifest.num_experts,
-        "mixture": report["mixture"],
-        "baseline": None if report["baseline"] is None else {
+        "mixture": report["mixture"] if report else None,
+        "baseline": None if not report or report["baseline"] is None else {
             k: report["baseline"][k] for k in ("metric", "value", "params")
         },
-        "total_s": round(report["timings"]["total_s"], 2),
+        "total_s": round(report["timings"]["total_s"], 2) if report else None,
     }
     print(json.dumps(summary))
     return 0

@@ -46,14 +46,25 @@ def publish(
     """Publish ``num_experts`` random experts (and a stand-in router file) under ``root``;
     ``now`` is the writer's clock."""
     with StoreWriter(root, now=now) as writer:
-        for expert_id in range(num_experts):
-            writer.add_expert(expert_id, make_expert(widths, seed=seed * 1000 + expert_id))
-        writer.router_path.write_bytes(stand_in_router(num_experts, widths[0], seed))
-        writer.write_report({"seed": seed})
-        return writer.publish(
-            task="regression",
-            input_dim=widths[0],
-            output_dim=widths[-1],
-            routing="tree",
-            branching=2,
-        )
+        return publish_with(writer, num_experts=num_experts, seed=seed, widths=widths)
+
+
+def publish_with(
+    writer: StoreWriter,
+    *,
+    num_experts: int = 3,
+    seed: int = 0,
+    widths: tuple[int, ...] = (3, 8, 2),
+) -> Manifest:
+    """`publish`'s store, staged and published by `writer`."""
+    for expert_id in range(num_experts):
+        writer.add_expert(expert_id, make_expert(widths, seed=seed * 1000 + expert_id))
+    writer.router_path.write_bytes(stand_in_router(num_experts, widths[0], seed))
+    writer.write_report({"seed": seed})
+    return writer.publish(
+        task="regression",
+        input_dim=widths[0],
+        output_dim=widths[-1],
+        routing="tree",
+        branching=2,
+    )

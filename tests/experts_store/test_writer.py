@@ -36,10 +36,12 @@ def test_publish_creates_a_readable_store(tmp_path: Path) -> None:
     assert files_under(root) == {
         "manifest.json",
         "report.json",
+        ".publish.lock",  # kept: a lock file removed could be locked twice
         manifest.router_file,
         *(e.file for e in manifest.experts),
     }
-    assert store.report() == {"seed": 0}
+    # The report names the version it describes (a publish cut short leaves another's).
+    assert store.report() == {"seed": 0, "store_version": manifest.store_version}
     x = torch.randn(4, 3)
     assert torch.equal(store.load_expert(1)(x), make_expert((3, 8, 2), seed=1)(x))
 
@@ -85,7 +87,7 @@ def test_failing_manifest_replace_keeps_previous_store(
     store = Store.open(root)
     assert store.version == first.store_version
     assert store.verify() == []
-    assert store.report() == {"seed": 1}
+    assert store.report() == {"seed": 1, "store_version": first.store_version}
     x = torch.randn(3, 3)
     assert torch.equal(store.load_expert(0)(x), make_expert((3, 8, 2), seed=1000)(x))
     assert not list(root.glob(".staging-*"))
@@ -120,7 +122,8 @@ def test_republish_gets_new_version_and_keeps_previous_files(tmp_path: Path) -> 
     live = {fourth.router_file, fifth.router_file}
     live |= {e.file for m in (fourth, fifth) for e in m.experts}
     ledger = json.loads((root / "retired.json").read_text())["retired"]
-    assert files_under(root) == {"manifest.json", "report.json", "retired.json", *live, *ledger}
+    assert files_under(root) == {"manifest.json", "report.json", "retired.json", ".publish.lock",
+                                 *live, *ledger}
     assert not retired & files_under(root)  # deleted 600 s after they were retired
     # Retired by the fourth and fifth publishes (second's and third's), each kept until its
     # own 600 s are up.
@@ -202,20 +205,6 @@ def test_missing_ids_or_router_are_refused(tmp_path: Path) -> None:
                 task="regression", input_dim=3, output_dim=2, routing="tree", branching=2
             )
     assert not (root / "manifest.json").exists()
-
-
-def test_stale_staging_dirs_are_removed_on_publish(tmp_path: Path) -> None:
-    root = tmp_path / "store"
-    crashed = StoreWriter(root)
-    crashed.add_expert(0, make_expert())
-    young = StoreWriter(root, stale_staging_seconds=3600)
-    os.utime(crashed.staging, (0, 0))
-    publish(root)
-    assert not crashed.staging.exists()
-    assert young.staging.exists()
-    young.abort()
-    with pytest.raises(StoreError):
-        young.add_expert(0, make_expert())
 
 
 def test_a_writer_on_a_relative_path_gives_tasks_paths_that_hold_elsewhere(

@@ -431,3 +431,75 @@ def test_an_option_the_data_source_would_leave_unread_is_refused(
     npz = _npz(tmp_path, y=np.arange(40.0))
     err = _refused(tmp_path, capsys, *(npz if a == "{npz}" else a for a in argv))
     assert err == f"momlp build: {words}"
+
+
+@pytest.mark.unit
+def test_a_build_replaced_before_its_summary_prints_no_other_builds_figures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The summary was read back from the store: another build's figures (or, after a
+    # publish without a report, a KeyError traceback and exit 1 from a build that published).
+    import trainer
+    from experts_store import ExpertArch, ExpertMLP, Manifest, StoreWriter
+
+    def publish(out: Path, report: dict[str, Any]) -> Manifest:
+        with StoreWriter(out) as writer:
+            writer.add_expert(0, ExpertMLP(ExpertArch(widths=(2, 4, 1))))
+            writer.router_path.write_bytes(b"router")
+            writer.write_report(report)
+            return writer.publish(task="regression", input_dim=2, output_dim=1,
+                                  routing="tree", branching=2)
+
+    def build_store(config: Any, **_: Any) -> Manifest:
+        mine = publish(Path(config.out), {"mixture": {"metric": "mse", "value": 0.5},
+                                          "baseline": None, "timings": {"total_s": 3.0}})
+        publish(Path(config.out), {"other": "build"})  # a build into the same --out
+        return mine
+
+    monkeypatch.setattr(trainer, "build_store", build_store)
+    assert _build_into(str(tmp_path / "store")) == 0
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    assert (summary["mixture"], summary["baseline"], summary["total_s"]) == (None, None, None)
+    assert "another publish has replaced it since" in captured.err
+    assert "Traceback" not in captured.err
+    # Not replaced: its own figures.
+    monkeypatch.setattr(trainer, "build_store", lambda config, **_: publish(
+        Path(config.out), {"mixture": {"metric": "mse", "value": 0.25}, "baseline": None,
+                           "timings": {"total_s": 2.0}}))
+    assert _build_into(str(tmp_path / "store")) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (summary["mixture"]["value"], summary["total_s"]) == (0.25, 2.0)
+
+
+@pytest.mark.integration
+def test_sigterm_stops_a_build_as_ctrl_c_does_leaving_no_staging_folder(tmp_path: Path) -> None:
+    # SIGTERM (a CI job's cancel, `kill`, a pod's stop) ended the process where it stood:
+    # exit 143 with the staging folder left in the store for an hour.
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "store"
+    build = subprocess.Popen(
+        [sys.executable, "-m", "server._cli", "build", "--dataset", "ackley2d", "--experts",
+         "4", "--branching", "2", "--quick", "--epochs", "100000", "--executor", "local",
+         "--no-baseline", "--no-progress", "--torch-threads", "1", "--out", str(out)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not list(out.glob(".staging-*/experts")) and time.monotonic() < deadline:
+            assert build.poll() is None, build.communicate()[1]
+            time.sleep(0.1)
+        assert list(out.glob(".staging-*")), "the build never staged anything"
+        build.send_signal(signal.SIGTERM)
+        _, err = build.communicate(timeout=60)
+    finally:
+        if build.poll() is None:
+            build.kill()
+            build.communicate()
+    assert build.returncode == 143, err
+    assert not list(out.glob(".staging-*")), err
+    assert "Traceback" not in err

@@ -95,3 +95,44 @@ def test_store_calibrate_reads_a_table_by_its_target_column(
     c = Store.open(built).manifest.gate_spec.calibration
     assert c is not None and c["data"] == "fit.csv" and c["rows"] == 300
     assert "calibrated τ=" in capsys.readouterr().out
+
+
+def test_store_calibrate_refuses_to_undo_a_version_published_while_it_ran(
+    built: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # It relinked the experts of the version it had read: a build published meanwhile was
+    # silently replaced by the old experts, and both commands said they succeeded.
+    import shutil
+
+    import trainer._calibrate as calibrate
+    from experts_store import StoreWriter
+
+    store = tmp_path / "store"
+    shutil.copytree(built, store)
+    real_fit = calibrate.fit_temperature
+
+    def fit_while_a_build_publishes(*args: object, **kwargs: object) -> object:
+        fit = real_fit(*args, **kwargs)  # type: ignore[arg-type]
+        m = Store.open(store).manifest
+        with StoreWriter(store) as writer:
+            for entry in m.experts:
+                writer.link_expert_file(entry.id, store / entry.file)
+            writer.router_path.write_bytes((store / str(m.router_file)).read_bytes())
+            writer.publish(task=m.task, input_dim=m.input_dim, output_dim=m.output_dim,
+                           routing=m.routing, branching=m.branching, gate=m.gate_spec)
+        return fit
+
+    monkeypatch.setattr(calibrate, "fit_temperature", fit_while_a_build_publishes)
+    rng = np.random.default_rng(6)
+    x = rng.uniform(-1, 1, size=(300, 2))
+    np.savez(tmp_path / "fit.npz", X=x, y=ackley(x).reshape(-1, 1))
+    before = Store.open(store).version
+    assert main(["store", "calibrate", str(store), "--data", str(tmp_path / "fit.npz")]) == 1
+    after = Store.open(store)
+    assert after.version != before
+    err = capsys.readouterr().err
+    assert f"it started from version {before}, and version {after.version} is live now" in err
+    assert "nothing was published" in err
+    # The build's version stays live, with its own gate, not the calibration's.
+    assert after.manifest.gate_spec == Store.open(built).manifest.gate_spec

@@ -32,7 +32,7 @@ _PROTOTYPE_IGNORED = {
 def handle_hyper_build(args: argparse.Namespace) -> int:
     import torch
 
-    from experts_store import Store
+    from trainer._summary import own_report
 
     from ._exceptions import HyperError
     from ._publish import HyperBuildConfig, build_hyper_store
@@ -60,7 +60,7 @@ def handle_hyper_build(args: argparse.Namespace) -> int:
     except HyperError as exc:
         print(f"momlp build: {exc}", file=sys.stderr)
         return 2
-    report = Store.open(args.out).report() or {}
+    report = own_report(args.out, manifest.store_version) or {}
     keep = ("metric", "value", "params")
     hyper = manifest.hyper
     assert hyper is not None
@@ -68,12 +68,13 @@ def handle_hyper_build(args: argparse.Namespace) -> int:
         "store": str(args.out),
         "store_version": manifest.store_version,
         "kind": "hyper",
-        "hypernetwork": {k: _finite(report["hypernetwork"][k]) for k in keep},
+        "hypernetwork": {k: _finite(report["hypernetwork"][k]) for k in keep}
+        if report else None,
         "theta_params": hyper.theta_size,
         "baseline": None if report.get("baseline") is None
         else {k: _finite(report["baseline"][k]) for k in keep},
         "named_conditions": hyper.conditions.count if hyper.conditions else 0,
-        "total_s": round(report["timings"]["total_s"], 2),
+        "total_s": round(report["timings"]["total_s"], 2) if report else None,
     }))
     return 0
 
