@@ -52,10 +52,11 @@ def test_the_floors_exist() -> None:
     for floor in FLOORS:
         assert (SERVER / floor / "__init__.py").is_file(), floor
     # The flat modules of the old layout are gone: what is left at the top is the bottom
-    # (settings, errors) and the top (process runner, its uvicorn connections, and CLI).
+    # (settings, errors) and the top (process runner, its uvicorn connections and drain
+    # window, and CLI).
     flat = {p.name for p in SERVER.glob("_*.py")}
     assert flat == {"__init__.py", "_settings.py", "_exceptions.py", "_runner.py",
-                    "_connections.py", "_cli.py", "_serve_cli.py"}
+                    "_connections.py", "_drain.py", "_cli.py", "_serve_cli.py"}
 
 
 @pytest.mark.parametrize("name,path", modules(), ids=[name for name, _ in modules()])
