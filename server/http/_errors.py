@@ -33,7 +33,7 @@ from server._exceptions import (
     ServerError,
 )
 from server.http._body import HttpError
-from server.http._request_id import request_id
+from server.http._request_id import current_request_id
 from server.http._startup import StartupFailure, reporting_send
 
 __all__ = ["V2_PREFIX", "CatchAllMiddleware", "error_response", "install_error_handlers"]
@@ -194,7 +194,7 @@ def _internal(error_id: str) -> JSONResponse:
 
 
 async def _handle(request: Request, exc: Exception) -> Response:
-    return error_response(exc, request.url.path, request_id(request.scope))
+    return error_response(exc, request.url.path, current_request_id())
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -243,6 +243,6 @@ class CatchAllMiddleware:
                 # Headers are out: nothing to answer with, the server closes the connection.
                 logger.error("error after the response started", exc_info=exc)
                 return
-            await error_response(exc, scope.get("path", ""), request_id(scope))(
+            await error_response(exc, scope.get("path", ""), current_request_id())(
                 scope, receive, send
             )

@@ -21,23 +21,15 @@ __all__ = [
     "RequestIdLogFilter",
     "RequestIdMiddleware",
     "current_request_id",
-    "request_id",
 ]
 
 REQUEST_ID_HEADER = "x-request-id"
 MAX_REQUEST_ID = 128
 
 _HEADER = REQUEST_ID_HEADER.encode("latin-1")
-_STATE_KEY = "request_id"
-# The id of the request whose task is running: uvicorn writes its access line from the
-# `send` the app awaits, inside that task.
+# The id of the request whose task is running: the error handlers and uvicorn's access line
+# (written from the `send` the app awaits) run inside that task.
 _CURRENT: ContextVar[str | None] = ContextVar("momlp_request_id", default=None)
-
-
-def request_id(scope: Scope) -> str | None:
-    """The id `RequestIdMiddleware` gave this request; None outside it (a bare app in tests)."""
-    state = scope.get("state")
-    return state.get(_STATE_KEY) if isinstance(state, dict) else None
 
 
 def current_request_id() -> str | None:
@@ -70,7 +62,7 @@ def _incoming(scope: Scope) -> bytes | None:
 
 
 class RequestIdMiddleware:
-    """Gives each HTTP request an id (`request_id(scope)`) and puts it on the answer."""
+    """Gives each HTTP request an id (`current_request_id()`) and puts it on the answer."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -81,7 +73,6 @@ class RequestIdMiddleware:
             return
         raw = _incoming(scope) or secrets.token_hex(8).encode("ascii")
         text = raw.decode("ascii")
-        scope.setdefault("state", {})[_STATE_KEY] = text
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
