@@ -89,8 +89,16 @@ def _serving(request: Request) -> ServingState:
 
 def _version_for(serving: ServingState, name: str, version: str | None) -> StoreVersion:
     current = serving.current()
-    if name != model_name(serving.settings) or version not in (None, "", current.version):
+    if name != model_name(serving.settings):
         raise HttpError(404, "not_found", f"unknown model {name!r} (version {version!r})")
+    if version not in (None, "", current.version):
+        # A client pinned to a version a hot swap replaced: the model is there, not that.
+        raise HttpError(
+            404,
+            "not_found",
+            f"model {name!r} has no version {version!r}: it serves version "
+            f"{current.version!r}",
+        )
     return current
 
 

@@ -165,13 +165,20 @@ class ObservedPool:
 
 
 def _open_version_files(
-    root: Path, budget_bytes: int, pace: Pace | None, freeze_from: int, previous: Store | None
+    root: Path,
+    budget_bytes: int,
+    pace: Pace | None,
+    freeze_from: int,
+    previous: Store | None,
+    opened: Callable[[str], None],
 ) -> tuple[Store, ServedModel]:
     # A kind this server does not know is refused here, naming it (UnknownStoreKind): at
     # startup the server does not start, on a reload the old version keeps serving. The
     # served version's rows and refs are taken where the new manifest left them unchanged.
+    # `opened` learns the version of the manifest read, which a failure after it concerns.
     with collections_deferred(freeze_from=freeze_from):
         store = Store.open(root, pace=pace, previous=previous)
+        opened(store.version)
         model = open_model(store, pace or no_pace)
         check_budget(model.experts, budget_bytes)  # a pass over every expert: off the loop too
     return store, model
@@ -233,7 +240,7 @@ class ServingState:
         self._watcher: asyncio.Task[None] | None = None
         self._swapping: asyncio.Task[StoreVersion | None] | None = None
         self._retiring: set[asyncio.Task[None]] = set()
-        # The on-disk version the last swap read (the one a failed swap was opening).
+        # The on-disk version the last swap opened (the one a failed swap concerns).
         self._tried: str | None = None
         # The on-disk version the store watcher refuses ("" for a missing manifest), for
         # /metrics: a publish that never goes live is otherwise seen only in the log.
@@ -298,12 +305,17 @@ class ServingState:
             pace,
             freeze_from,
             served,
+            self._note_tried,
         )
         check_kind_budget(model, pool.budget_bytes)
         observed = ObservedPool(pool, self._on_batch, self._on_generated)
         batcher = self.batcher_factory(model, observed, self.settings, self.clock)
         route_runner = RouteRunner.for_settings(model.route, self.settings)
         return StoreVersion(store, model, batcher, route_runner)
+
+    def _note_tried(self, version: str) -> None:
+        # From the opening thread: the swap's read of the version may predate a publish.
+        self._tried = version
 
     def current(self) -> StoreVersion:
         version = self.version
@@ -339,13 +351,22 @@ class ServingState:
     async def swap(self) -> bool:
         """Make the store on disk current if its version is new; False if it is the one served.
 
-        Concurrent callers (the watcher, admin reloads) share one swap in progress.
+        Concurrent callers (the watcher, admin reloads) share one swap, but only one that
+        began after they called: a swap already running may have read manifest.json before
+        a publish its caller made, so it is waited out and the disk is read again.
         """
+        swapped = False
+        running = self._swapping
+        if running is not None and not running.done():
+            try:
+                swapped = await asyncio.shield(running) is not None
+            except Exception:  # that swap's version failed; the one read next decides
+                pass
         task = self._swapping
         if task is None or task.done():
             task = self._swapping = asyncio.create_task(self._swap(), name="momlp-swap")
         old = await asyncio.shield(task)
-        return old is not None
+        return swapped or old is not None
 
     async def reload(self) -> bool:
         """`swap()`, then wait until the replaced version's requests have finished."""

@@ -375,10 +375,10 @@ async def test_a_swap_opens_at_a_pace_and_frees_the_old_version_when_it_is_empty
     open_files = state._open_version_files
 
     def recording_open(
-        root: Path, budget_bytes: int, pace: Any, freeze_from: int, previous: Any
+        root: Path, budget_bytes: int, pace: Any, freeze_from: int, previous: Any, opened: Any
     ) -> Any:
         paces.append(pace)
-        return open_files(root, budget_bytes, pace, freeze_from, previous)
+        return open_files(root, budget_bytes, pace, freeze_from, previous, opened)
 
     monkeypatch.setattr(state, "_open_version_files", recording_open)
     app = create_app(app_settings(store), pool_factory=fake_pool)
@@ -487,3 +487,99 @@ async def test_a_republish_that_keeps_experts_keeps_their_rows_and_refs(tmp_path
         [expert_outputs(store, int(e), x[i : i + 1])[0] for i, e in enumerate(experts)]
     )
     np.testing.assert_allclose(answer["outputs"], expected, rtol=1e-5, atol=1e-6)
+
+
+class _HeldOpen:
+    """`_open_version_files`, replaced: when armed, an open waits after reading the store (as
+    a large one does) until `release` is set."""
+
+    __name__ = "_open_version_files"
+
+    def __init__(self, open_files: Any) -> None:
+        import threading
+
+        self._open_files = open_files
+        self.armed = False
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, *args: Any) -> Any:
+        armed, self.armed = self.armed, False
+        try:
+            return self._open_files(*args)
+        finally:
+            if armed:
+                self.entered.set()
+                self.release.wait(10)
+
+
+async def _until(done: Any) -> None:
+    for _ in range(2000):
+        if done():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("timed out")
+
+
+async def test_a_reload_after_a_publish_serves_it_though_an_older_swap_was_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import server.serving._state as state
+
+    store = build_small_store(tmp_path / "store")
+    held = _HeldOpen(state._open_version_files)
+    monkeypatch.setattr(state, "_open_version_files", held)
+    app = create_app(app_settings(store), pool_factory=fake_pool)
+    async with running(app) as client:
+        first_publish = republish(store, seed=5)
+        held.armed = True
+        first = asyncio.create_task(client.post("/v1/admin/reload"))
+        await _until(held.entered.is_set)  # that swap has read the first publish
+        second_publish = republish(store, seed=6)
+        second = asyncio.create_task(client.post("/v1/admin/reload"))
+        await asyncio.sleep(0.05)
+        held.release.set()
+        answers = [(await first).json(), (await second).json()]
+        ready = (await client.get("/readyz")).json()
+    assert answers[0]["store_version"] == first_publish
+    # The second reload was called after the second publish: it must not answer with the
+    # swap that read the disk before it.
+    assert answers[1]["reloaded"] and answers[1]["store_version"] == second_publish
+    assert ready["store_version"] == second_publish
+
+
+async def test_a_refusal_names_the_version_the_failed_open_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import os
+
+
+    store = build_small_store(tmp_path / "store")
+    app = create_app(app_settings(store, watch_store=True), pool_factory=fake_pool)
+    serving: ServingState = app.state.serving
+    polls = WatcherPolls()
+    serving.sleep = polls.sleep
+    reader = serving._version_on_disk
+    broken = "20990101T000000000001Z-broken"
+
+    def publish_broken_after_the_version_is_read(pace: Any = None) -> str | None:
+        # A publish lands between the watcher's read of the version and its open.
+        version = read_store_version(store)
+        gone = "router-0123456789abcdef.safetensors"  # well formed, not there
+        data = manifest(store) | {"store_version": broken, "router_file": gone}
+        (store / "manifest.tmp").write_text(json.dumps(data))
+        os.replace(store / "manifest.tmp", store / "manifest.json")
+        return version
+
+    async with running(app) as client:
+        first = serving.version
+        assert first is not None
+        good = republish(store, seed=3)
+        monkeypatch.setattr(reader, "store_version", publish_broken_after_the_version_is_read)
+        with caplog.at_level("ERROR", logger="server.serving._state"):
+            await polls.once()
+        metrics = (await client.get("/metrics")).text
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and f"store version {broken} failed" in errors[0], errors
+    assert f'momlp_store_refused{{version="{broken}"}} 1.0' in metrics
+    assert good not in metrics  # the good version read first was not the one refused

@@ -113,6 +113,8 @@ async def test_clients_extra_fields_are_ignored_and_parameters_set_top_k(store: 
     ("path", "body", "status", "words"),
     [
         ("/v2/models/other/infer", None, 404, "unknown model"),
+        # A version a hot swap replaced: the model is there and says which version it serves.
+        ("/v2/models/mystore/versions/0-gone/infer", None, 404, "has no version '0-gone'"),
         ("/v2/models/mystore/infer", "no-inputs", 400, "does not match"),
         ("/v2/models/mystore/infer", "wrong-dim", 400, f"expects {N}"),
         ("/v2/models/mystore/infer", "nan", 400, "finite"),
