@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         StoreChanged,
         StoreError,
         StoreNotFound,
+        StoreWriteError,
         UnknownExpert,
     )
     from experts_store._format import FORMAT_VERSION, ExpertFile, save_expert
@@ -181,6 +182,7 @@ __all__ = [
     "StoreChanged",
     "StoreNotFound",
     "StoreProblem",
+    "StoreWriteError",
     "read_report",
     "StoreWriter",
     "UnknownExpert",
@@ -217,6 +219,7 @@ _HOMES = {
     "StoreChanged": "experts_store._exceptions",
     "StoreError": "experts_store._exceptions",
     "StoreNotFound": "experts_store._exceptions",
+    "StoreWriteError": "experts_store._exceptions",
     "UnknownExpert": "experts_store._exceptions",
     "FORMAT_VERSION": "experts_store._format",
     "ExpertFile": "experts_store._format",

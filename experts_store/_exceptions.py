@@ -4,6 +4,7 @@
      ├── StoreNotFound(root)
      ├── ManifestError(root)
      ├── StoreChanged(root, based_on, live)
+     ├── StoreWriteError(path, reason, live)
      ├── UnknownExpert(expert_id)
      ├── ExpertLoadError(expert_id)
      │    ├── ExpertChecksumError(expert_id, expected, actual)
@@ -19,7 +20,9 @@ server's error handler) map them without parsing messages.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "CacheBusy",
@@ -33,6 +36,7 @@ __all__ = [
     "StoreChanged",
     "StoreError",
     "StoreNotFound",
+    "StoreWriteError",
     "UnknownExpert",
 ]
 
@@ -79,6 +83,33 @@ class StoreChanged(StoreError):
             f"{based_on}, and {'version ' + live if live else 'no version'} is live now; "
             "nothing was published (run it again on the live version)"
         )
+
+
+class StoreWriteError(StoreError):
+    """A file of a store could not be written (a full disk, a size limit, a read-only file
+    system, permissions): nothing was published by the write that failed. `live`: the
+    version still live, where the failure was a publish's."""
+
+    def __init__(self, *, path: Path | str, reason: str, live: str | None = None) -> None:
+        self.path = Path(path)
+        self.reason = reason
+        self.live = live
+        still = f" (version {live} is still live)" if live else ""
+        super().__init__(f"cannot write {self.path}: {reason}; nothing was published{still}")
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        # Keyword fields: the default (cls, (message,)) would not rebuild it where a Ray
+        # task's error arrives (a build's expert written on a full disk).
+        return functools.partial(
+            StoreWriteError, path=self.path, reason=self.reason, live=self.live
+        ), ()
+
+    @classmethod
+    def of(cls, exc: OSError, path: Path | str, live: str | None = None) -> StoreWriteError:
+        """From the OSError of a write to `path` (its message may name another file)."""
+        named = exc.filename is not None and str(exc.filename) != str(path)
+        reason = str(exc) if named else (exc.strerror or str(exc))
+        return cls(path=path, reason=reason, live=live)
 
 
 class UnknownExpert(StoreError):

@@ -29,6 +29,7 @@ from experts_store._exceptions import (
     ExpertFileMissing,
     ExpertFormatError,
     ExpertLoadError,
+    StoreWriteError,
 )
 from experts_store._hostbuf import HostBufferPool, fresh_host_buffer
 from experts_store._model import ExpertMLP
@@ -196,6 +197,8 @@ def save_expert(
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as exc:  # a full disk, a size limit, a read-only file system
+        raise StoreWriteError.of(exc, path) from exc
     finally:
         tmp.unlink(missing_ok=True)
     return ExpertFile(

@@ -38,7 +38,9 @@ class FileLock:
         sleep: Callable[[float], None] = time.sleep,
     ) -> FileLock | None:
         """The lock, waiting up to `wait_s` for its holder to let go; None if it did not."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        # Read-only, and created as the umask allows like every other store file: `flock`
+        # needs no write access, so a store a group shares takes any member's publish.
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)
         waited = 0.0
         while True:
             try:
@@ -62,7 +64,7 @@ def held_elsewhere(path: Path) -> bool | None:
     """Whether another open file holds the lock on `path` (in this process or another):
     None when `path` does not exist."""
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
     try:

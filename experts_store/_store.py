@@ -124,6 +124,9 @@ class Store:
         manifest is unchanged (`read_manifest_rows`)."""
         root = Path(root)
         path = root / MANIFEST_NAME
+        if path.exists() and not path.is_file():
+            # A FIFO there would block the read (a server's swap) for good.
+            raise ManifestError(root=root, message=f"cannot read {path.name}: not a regular file")
         try:
             raw = path.read_bytes()
         except (FileNotFoundError, NotADirectoryError) as exc:

@@ -26,7 +26,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from experts_store._checksum import fast_checksum, new_fast_digest
-from experts_store._exceptions import ManifestError, StoreChanged, StoreError
+from experts_store._exceptions import ManifestError, StoreChanged, StoreError, StoreWriteError
 from experts_store._format import (
     ExpertFile,
     parse_header,
@@ -79,6 +79,13 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _write_durably(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _new_version(now: datetime) -> str:
@@ -176,10 +183,15 @@ class StoreWriter:
         # Named anew at publish, so that versions sort in the order they went live.
         self.version = _new_version(self._now())
         self.staging = self.root / f"{STAGING_PREFIX}{self.version}"
-        (self.staging / "experts").mkdir(parents=True)
-        # Held until publish or abort: no other writer's publish takes this folder for the
-        # leftovers of a dead one, however long training runs.
-        lock = FileLock.take(self.staging / WRITER_LOCK_NAME, wait_s=1.0)
+        try:
+            (self.staging / "experts").mkdir(parents=True)
+            # Held until publish or abort: no other writer's publish takes this folder for
+            # the leftovers of a dead one, however long training runs.
+            lock = FileLock.take(self.staging / WRITER_LOCK_NAME, wait_s=1.0)
+        except OSError as exc:  # out of inodes, a read-only file system, permissions
+            # Unlocked, the folder would wait an hour for another writer to collect it.
+            shutil.rmtree(self.staging, ignore_errors=True)
+            raise StoreWriteError.of(exc, self.staging, self._started_on) from exc
         if lock is None:
             shutil.rmtree(self.staging, ignore_errors=True)
             raise StoreError(f"cannot lock the staging folder {self.staging}")
@@ -282,10 +294,7 @@ class StoreWriter:
         if self._report is None:
             return None
         path = self.staging / REPORT_NAME
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(_report_text({**self._report, "store_version": self.version}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        _write_durably(path, _report_text({**self._report, "store_version": self.version}) + "\n")
         return path
 
     def publish(
@@ -361,23 +370,49 @@ class StoreWriter:
             if unstaged:
                 raise StoreError(f"nothing staged for {unstaged}: stage_router() them first")
 
-            (self.root / "experts").mkdir(exist_ok=True)
-            for entry in entries:
-                os.replace(self.expert_path(entry.id), self.root / entry.file)
-            if self.router_path.is_file():
-                os.replace(self.router_path, self.root / str(manifest.router_file))
-            for name, staged in self._kind_files.items():
-                os.replace(staged, self.root / name)
-            for name in sorted(self._routers):
-                os.replace(self.staging / name, self.root / name)
-            _fsync_dir(self.root / "experts")
-            report = self._stage_report()  # written before the manifest goes live, moved after
-            staged_manifest = self.staging / MANIFEST_NAME
-            with open(staged_manifest, "w", encoding="utf-8") as f:
-                f.write(manifest.model_dump_json(indent=2) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(staged_manifest, self.root / MANIFEST_NAME)
+            self._go_live(manifest, entries, live, previous)
+            return manifest
+
+    def _go_live(
+        self,
+        manifest: Manifest,
+        entries: list[ExpertEntry],
+        live: str | None,
+        previous: set[str] | None,
+    ) -> None:
+        """Move the staged files in and replace the manifest. The report and the manifest
+        are written first, so a full disk stops the publish before anything is in the store;
+        past that only renames are left, and a failed one takes back what was moved in."""
+        report = self._write_staged(self._stage_report, self.staging / REPORT_NAME, live)
+        staged_manifest = self.staging / MANIFEST_NAME
+        self._write_staged(
+            lambda: _write_durably(staged_manifest, manifest.model_dump_json(indent=2) + "\n"),
+            staged_manifest,
+            live,
+        )
+        moves = [(self.expert_path(entry.id), self.root / entry.file) for entry in entries]
+        if self.router_path.is_file():
+            moves.append((self.router_path, self.root / str(manifest.router_file)))
+        moves += [(staged, self.root / name) for name, staged in self._kind_files.items()]
+        moves += [(self.staging / name, self.root / name) for name in sorted(self._routers)]
+        added: list[Path] = []  # files this publish put where none was (content addressed)
+        target = self.root / "experts"
+        try:
+            target.mkdir(exist_ok=True)
+            for source, target in moves:
+                new = not target.exists()
+                os.replace(source, target)
+                if new:
+                    added.append(target)
+            _fsync_dir(self.root / "experts")  # the files, before the manifest that names them
+            target = self.root / MANIFEST_NAME
+            os.replace(staged_manifest, target)
+        except OSError as exc:
+            for path in added:
+                path.unlink(missing_ok=True)
+            raise StoreWriteError.of(exc, target, live) from exc
+        try:
+            # Live from here: a failure is the tidying's, not the publish's.
             _fsync_dir(self.root)
             if report is not None:
                 os.replace(report, self.root / REPORT_NAME)
@@ -391,8 +426,19 @@ class StoreWriter:
                 manifest.num_experts,
             )
             self._collect_garbage(manifest, previous)
-            self.abort()
-            return manifest
+        except OSError as exc:
+            logger.warning(
+                "store %s version %s is live, but tidying up after it failed: %s",
+                self.root, manifest.store_version, exc,
+            )
+        self.abort()
+
+    @staticmethod
+    def _write_staged(write: Callable[[], Any], path: Path, live: str | None) -> Any:
+        try:
+            return write()
+        except OSError as exc:
+            raise StoreWriteError.of(exc, path, live) from exc
 
     @contextlib.contextmanager
     def _publish_lock(self) -> Iterator[None]:

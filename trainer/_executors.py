@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import math
 import os
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -203,11 +204,20 @@ def train_on_ray(plan: JobPlan, config: BuildConfig, progress: bool) -> Results:
                 result: dict[str, Any] = ray.get(ready[0])
             except ray.exceptions.RayError as exc:  # task error or dead worker, after retries
                 _cancel_and_wait(list(pending))
-                raise BuildFailed(expert_id=owner, reason=str(exc).splitlines()[0]) from exc
+                raise BuildFailed(expert_id=owner, reason=_task_reason(exc)) from exc
             bar.done(owner, result)
     finally:
         bar.close()
     return bar.results, bar.baseline
+
+
+def _task_reason(exc: BaseException) -> str:
+    """What a Ray task's failure says: its exception's type and message, as a local run's
+    (its first line is Ray's colored `ray::expert_job() (pid=..., ip=...)`)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, Exception):
+        return f"{type(cause).__name__}: {cause}"
+    return re.sub(r"\x1b\[[0-9;]*m", "", str(exc).splitlines()[0] if str(exc) else repr(exc))
 
 
 def _cancel_and_wait(refs: list[Any], timeout_s: float = 60.0) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import stat
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -22,7 +23,15 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from experts_store import Clock, ExpertRef, Manifest, Pace, Store, decode_json_member
+from experts_store import (
+    Clock,
+    ExpertRef,
+    Manifest,
+    Pace,
+    Store,
+    decode_json,
+    decode_json_member,
+)
 from server._settings import Settings
 from server.batching import BatchAnswer, Batcher, OpenConnections, RouteRunner
 from server.kinds import ServedModel
@@ -161,17 +170,26 @@ class StoreVersionReader:
         """As `read_store_version`, from the last parse while the file is the same. `pace`:
         see `experts_store.decode_json` (a changed K=100,000 manifest is 0.6 s of parsing)."""
         try:
-            with open(self._path, "rb") as fh:
+            # Not blocking: a FIFO put at the path would hold the watcher's thread for good.
+            with open(os.open(self._path, os.O_RDONLY | os.O_NONBLOCK), "rb") as fh:
                 # The stamp of the file read, not of whatever the path names a moment later.
                 st = os.fstat(fh.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    return None  # no version: the swap's open refuses it, naming why
                 stamp = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
                 with self._lock:
-                    if self._seen is not None and self._seen[0] == stamp:
-                        return self._seen[1]
+                    seen = self._seen
+                    if seen is not None and seen[0] == stamp:
+                        return seen[1]
                 head = fh.read(_HEAD_BYTES)
                 version = _version_in_head(head) if len(head) == _HEAD_BYTES else None
                 if version is None:
                     version = _store_version_of(head + fh.read(), pace)
+                elif seen is not None and version == seen[1] and st.st_size != seen[0][2]:
+                    # The served version in a file of another size: cut short or edited in
+                    # place (a publish names a new version). Only the whole file says whether
+                    # it still parses; one that does not is refused like an emptied one.
+                    version = _whole_manifest_version(head + fh.read(), pace)
         except OSError:
             return None
         with self._lock:
@@ -186,6 +204,15 @@ def _version_in_head(head: bytes) -> str | None:
         version = decode_json_member(head, "store_version")
     except (ValueError, KeyError):
         return None
+    return version if isinstance(version, str) else None
+
+
+def _whole_manifest_version(raw: bytes, pace: Pace | None) -> str | None:
+    try:
+        document = decode_json(raw, pace)
+    except (ValueError, RecursionError):
+        return None
+    version = document.get("store_version") if isinstance(document, dict) else None
     return version if isinstance(version, str) else None
 
 

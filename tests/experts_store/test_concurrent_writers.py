@@ -14,7 +14,7 @@ import pytest
 import torch
 from experts_store_helpers import make_expert, publish, publish_with
 
-from experts_store import Store, StoreChanged, StoreWriter
+from experts_store import Store, StoreChanged, StoreWriteError, StoreWriter
 
 pytestmark = pytest.mark.unit
 
@@ -166,3 +166,62 @@ def test_a_publish_waits_for_the_store_lock(tmp_path: Path) -> None:
     waiting.join(timeout=30)
     assert published == [Store.open(root).version]
 
+
+
+def test_a_publish_whose_tidying_fails_is_live_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The version went live, then the garbage collection raised: the command exited 1 and
+    # an operator took the live version for not published.
+    root = tmp_path / "store"
+    publish(root, seed=1)
+
+    def fails(*args: object) -> None:
+        raise PermissionError(13, "Permission denied", str(root / ".staging-x/.writer.lock"))
+
+    monkeypatch.setattr(StoreWriter, "_collect_garbage", fails)
+    with caplog.at_level(logging.WARNING, logger="experts_store._writer"):
+        second = publish(root, seed=2)
+    assert Store.open(root).version == second.store_version
+    assert f"version {second.store_version} is live, but tidying up after it failed" in caplog.text
+    assert not list(root.glob(".staging-*"))
+
+
+def test_a_writer_that_cannot_set_up_leaves_no_staging_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Out of inodes, the lock file could not be made: the unlocked folder stayed an hour.
+    import experts_store._writer as writer_module
+
+    root = tmp_path / "store"
+    first = publish(root, seed=1)
+
+    def no_inodes(path: Path, **options: object) -> None:
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(writer_module.FileLock, "take", no_inodes)
+    with pytest.raises(StoreWriteError, match="No space left on device") as caught:
+        StoreWriter(root)
+    assert f"(version {first.store_version} is still live)" in str(caught.value)
+    assert not list(root.glob(".staging-*"))
+
+
+def test_the_lock_files_are_made_as_the_umask_allows_like_every_other_store_file(
+    tmp_path: Path,
+) -> None:
+    # They were made 0644 whatever the umask: in a store a group shares (setgid folder,
+    # umask 002) the second member's publish failed with "Permission denied:
+    # .publish.lock", after the whole of its training. `flock` needs no write access, so
+    # they are opened read-only too.
+    root = tmp_path / "store"
+    previous = os.umask(0o002)
+    try:
+        writer = StoreWriter(root)
+        writer_lock = (writer.staging / ".writer.lock").stat().st_mode & 0o777
+        publish_with(writer, seed=1)
+        writer.abort()
+    finally:
+        os.umask(previous)
+    assert writer_lock == 0o664
+    assert (root / ".publish.lock").stat().st_mode & 0o777 == 0o664
+    assert (root / "manifest.json").stat().st_mode & 0o777 == 0o664

@@ -353,6 +353,7 @@ def _swap_router(root: Path, content: bytes) -> None:
     ("case", "words"),
     [
         ("manifest is a directory", "cannot read manifest.json"),
+        ("manifest is a FIFO", "cannot read manifest.json: not a regular file"),  # was a hang
         ("nested too deeply", "nested too deeply"),
         ("format 99", "format_version 99"),
         ("format 0", "format_version 0"),
@@ -370,6 +371,9 @@ def test_a_manifest_momlp_cannot_read_is_a_manifest_error(
     if case == "manifest is a directory":
         manifest.unlink()
         manifest.mkdir()
+    elif case == "manifest is a FIFO":
+        manifest.unlink()
+        os.mkfifo(manifest)
     elif case == "nested too deeply":
         data["extra"] = None
         deep = "[" * 10**5 + "]" * 10**5

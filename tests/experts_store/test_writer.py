@@ -15,6 +15,7 @@ from experts_store import (
     Store,
     StoreError,
     StoreNotFound,
+    StoreWriteError,
     StoreWriter,
     save_expert,
 )
@@ -80,10 +81,17 @@ def test_failing_manifest_replace_keeps_previous_store(
             raise OSError("disk full")
         real_replace(src, dst)
 
+    files_before = sorted(p for p in root.rglob("*") if ".staging-" not in str(p))
     monkeypatch.setattr(os, "replace", replace)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(StoreWriteError) as caught:
         publish(root, seed=2)
     monkeypatch.undo()
+    assert str(caught.value) == (
+        f"cannot write {root.absolute() / 'manifest.json'}: disk full; nothing was published "
+        f"(version {first.store_version} is still live)"
+    )
+    # The new version's experts and router, moved in before the manifest failed, are gone.
+    assert sorted(p for p in root.rglob("*") if ".staging-" not in str(p)) == files_before
     store = Store.open(root)
     assert store.version == first.store_version
     assert store.verify() == []

@@ -20,7 +20,7 @@ import pytest
 import torch
 from reliability_support import N, Reference, error_code, fake_app, publish_store, running
 
-from experts_store import Store
+from experts_store import Store, StoreWriteError
 
 pytestmark = pytest.mark.unit
 
@@ -258,12 +258,18 @@ def test_a_full_disk_mid_publish_leaves_the_previous_store_intact(
     else:
         real = getattr(os, call)
         monkeypatch.setattr(writer_module.os, call, full)
-    with pytest.raises(OSError) as caught:
+    files = sorted(p for p in store.rglob("*") if ".staging-" not in str(p))
+    with pytest.raises(StoreWriteError) as caught:
         publish_store(store, seed=1)
     monkeypatch.undo()
-    assert caught.value.errno == errno.ENOSPC
-    # The previous store is the live one, byte for byte, and every file it names verifies.
+    assert isinstance(caught.value.__cause__, OSError)
+    assert caught.value.__cause__.errno == errno.ENOSPC
+    assert str(caught.value).startswith(f"cannot write {store}")
+    assert "No space left on device; nothing was published" in str(caught.value)
+    # The previous store is the live one, byte for byte, and every file it names verifies;
+    # nothing of the new version stays in the store (its files took the room a retry needs).
     assert (store / "manifest.json").read_bytes() == before
+    assert sorted(p for p in store.rglob("*") if ".staging-" not in str(p)) == files
     reopened = Store.open(store)
     assert reopened.version == old.version
     assert reopened.verify() == []

@@ -583,3 +583,52 @@ async def test_a_refusal_names_the_version_the_failed_open_read(
     assert len(errors) == 1 and f"store version {broken} failed" in errors[0], errors
     assert f'momlp_store_refused{{version="{broken}"}} 1.0' in metrics
     assert good not in metrics  # the good version read first was not the one refused
+
+
+async def test_a_manifest_cut_short_in_place_is_refused_though_its_start_names_the_version(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A copy onto a full disk leaves the start, with the served version in it: the watcher
+    # said nothing, `momlp_store_refused` stayed empty, and the next restart failed.
+    store = build_small_store(tmp_path / "store", K=200)
+    app = create_app(app_settings(store, watch_store=True), pool_factory=fake_pool)
+    serving: ServingState = app.state.serving
+    polls = WatcherPolls()
+    serving.sleep = polls.sleep
+    text = (store / "manifest.json").read_bytes()
+    assert len(text) > 70_000  # longer than the start the watcher reads for the version
+    async with running(app) as client:
+        first = serving.version
+        assert first is not None
+        await polls.once()  # the watcher has seen the file whole
+        with open(store / "manifest.json", "r+b") as fh:
+            fh.truncate(len(text) - 1000)
+        with caplog.at_level("ERROR", logger="server.serving._state"):
+            await polls.once()
+        metrics = (await client.get("/metrics")).text
+        assert serving.version is first
+        assert 'momlp_store_refused{version=""} 1.0' in metrics
+        assert "not valid JSON" in caplog.text and f"{first.version} keeps serving" in caplog.text
+        # Put back whole (a file of the size first seen): nothing refused any more.
+        (store / "manifest.json").write_bytes(text)
+        await polls.once()
+        assert "momlp_store_refused{" not in (await client.get("/metrics")).text
+        assert serving.version is first
+
+
+def test_the_watchers_reader_does_not_wait_on_a_fifo_at_the_manifests_path(
+    tmp_path: Path,
+) -> None:
+    import os
+    import threading
+
+    store = build_small_store(tmp_path / "store")
+    reader = StoreVersionReader(store)
+    assert reader.store_version() == manifest(store)["store_version"]
+    (store / "manifest.json").unlink()
+    os.mkfifo(store / "manifest.json")
+    seen: list[str | None] = []
+    thread = threading.Thread(target=lambda: seen.append(reader.store_version()), daemon=True)
+    thread.start()
+    thread.join(10)
+    assert seen == [None]  # answered, and with no version

@@ -503,3 +503,43 @@ def test_sigterm_stops_a_build_as_ctrl_c_does_leaving_no_staging_folder(tmp_path
     assert build.returncode == 143, err
     assert not list(out.glob(".staging-*")), err
     assert "Traceback" not in err
+
+
+@pytest.mark.unit
+def test_a_build_that_cannot_write_its_store_says_so_in_one_line_and_leaves_it_as_it_was(
+    tmp_path: Path,
+) -> None:
+    # A file size limit stands in for a full disk: the experts (3.6 KB) fit under it, the
+    # report (~5 KB) does not. It was a 30-line traceback ending in "OSError: [Errno 27]",
+    # with the new version's experts and router left in the store, named by no manifest.
+    import os
+    import resource
+
+    out = tmp_path / "store"
+    command = [
+        sys.executable, "-m", "server._cli", "build", "--dataset", "ackley2d", "--executor",
+        "local", "--experts", "4", "--branching", "2", "--grid-size", "12", "--width", "16",
+        "--epochs", "2", "--prototype-epochs", "1", "--no-progress", "--torch-threads", "1",
+        "--out", str(out),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(command, capture_output=True, check=True, env=env, timeout=300)
+    live = json.loads((out / "manifest.json").read_text())["store_version"]
+    files = sorted(p.relative_to(out) for p in out.rglob("*"))
+
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+    failed = subprocess.run(
+        [*command, "--seed", "7"], capture_output=True, text=True, env=env, timeout=300,
+        preexec_fn=limit_file_size,
+    )
+    assert failed.returncode == 1, failed.stderr
+    last = failed.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"momlp build: cannot write {out.absolute()}/.staging-"), last
+    assert last.endswith(
+        f"/report.json: File too large; nothing was published (version {live} is still live)"
+    ), last
+    assert "Traceback" not in failed.stderr
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == files
+    assert main(["store", "verify", str(out)]) == 0

@@ -326,3 +326,28 @@ def test_on_a_gpu_the_joint_phase_trains_on_it_like_the_experts(
     build_store(config, progress=False)
     assert [d.type for d in seen] == ["cuda"]
     assert Store.open(config.out).verify() == []
+
+
+@pytest.mark.unit
+def test_a_ray_tasks_failure_is_named_by_its_cause_as_a_local_runs_is() -> None:
+    # It was the first line of Ray's message: "\x1b[36mray::expert_job()\x1b[39m (pid=6909,
+    # ip=127.0.0.1)", which says nothing of a full disk.
+    from ray.exceptions import RayTaskError
+
+    from experts_store import StoreWriteError
+    from trainer._executors import _task_reason
+
+    cause = StoreWriteError(path="/s/.staging-v/experts/2.safetensors",
+                            reason="No space left on device")
+    failed = RayTaskError("expert_job", "Traceback (most recent call last):\n  ...", cause)
+    assert _task_reason(failed) == (
+        "StoreWriteError: cannot write /s/.staging-v/experts/2.safetensors: No space left on "
+        "device; nothing was published"
+    )
+    # The error crosses from the task's worker to the driver by pickle, fields and all.
+    import pickle
+
+    again = pickle.loads(pickle.dumps(cause))
+    assert (type(again), again.path, again.reason, str(again)) == (
+        StoreWriteError, cause.path, cause.reason, str(cause)
+    )
