@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -256,7 +257,9 @@ def read_expert_bytes(
     """
     # A str path as given: building a Path costs ~6 µs, once per load of a small expert.
     try:
-        fd = os.open(path, os.O_RDONLY)
+        # Not blocking: a FIFO at the path would hold the actor's thread, and every expert
+        # behind it, for good. A regular file reads as without the flag.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError as exc:
         raise ExpertFileMissing(expert_id=expert_id, path=path) from exc
     except OSError as exc:
@@ -264,7 +267,10 @@ def read_expert_bytes(
             expert_id=expert_id, message=f"expert {expert_id}: cannot open {path}: {exc}"
         ) from exc
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ExpertFormatError(expert_id=expert_id, reason=f"{path} is not a regular file")
+        size = st.st_size
         if pin_memory or size < _HUGE_PAGE_MIN_BYTES:
             buf = torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory)
         elif host_pool is not None:
@@ -324,6 +330,8 @@ def _parse_header_bytes(header_bytes: bytes, total: int) -> ExpertHeader:
         header = json.loads(header_bytes)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise _BadHeader(f"header is not JSON: {exc}") from exc
+    except RecursionError:  # a header of deeply nested arrays
+        raise _BadHeader("header JSON nested too deeply") from None
     if not isinstance(header, dict):
         raise _BadHeader("header is not a JSON object")
     metadata = header.pop("__metadata__", None)

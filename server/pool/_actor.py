@@ -371,6 +371,12 @@ class ActorCore:
             return _Leased(None, None, ERROR_BUSY, str(exc))
         except (CacheError, StoreError) as exc:
             return _Leased(None, None, ERROR_LOAD, str(exc))
+        except Exception as exc:
+            # A file no check foresaw (a loader's own error): this expert's rows fail with a
+            # load error naming it; left to escape, it failed every group of the call.
+            logger.exception("actor %s: loading expert %s failed", self.name, ref.expert_id)
+            what = f"expert {ref.expert_id} could not be loaded: {type(exc).__name__}: {exc}"
+            return _Leased(None, None, ERROR_LOAD, what)
         return _Leased(manager, lease, None, None)
 
     def _compute(self, ref: ExpertRef, rows: np.ndarray, leased: _Leased) -> GroupOutcome:

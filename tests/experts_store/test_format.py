@@ -140,7 +140,16 @@ def test_bad_metadata_is_a_format_error(tmp_path: Path, metadata: dict[str, str]
 
 
 @pytest.mark.parametrize(
-    "payload", [b"", b"abc", struct.pack("<Q", 10**12) + b"{}", struct.pack("<Q", 4) + b"[1] "]
+    "payload",
+    [
+        b"",
+        b"abc",
+        struct.pack("<Q", 10**12) + b"{}",
+        struct.pack("<Q", 4) + b"[1] ",
+        # A header of nested arrays: RecursionError, which failed the actor's whole call.
+        struct.pack("<Q", 200_000) + b"[" * 100_000 + b"]" * 100_000,
+    ],
+    ids=["empty", "short", "header-bomb", "list", "nested"],
 )
 def test_garbage_files_are_format_errors(tmp_path: Path, payload: bytes) -> None:
     path = tmp_path / "e.safetensors"

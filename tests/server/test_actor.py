@@ -173,6 +173,54 @@ def test_a_corrupted_expert_fails_only_its_group(
     core.close()
 
 
+def test_a_fifo_at_an_experts_path_fails_its_group_without_holding_the_actor(
+    make_store: MakeStore,
+) -> None:
+    # The read blocked for good: that request, then every other expert's, timed out (504).
+    import os
+    import threading
+
+    store = Store.open(make_store(K=3, n=2, width=4, out=1))
+    store.expert_path(1).unlink()
+    os.mkfifo(store.expert_path(1))
+    core = IdCore(store, name="a0", budget_bytes=10**8)
+    replies: list[ActorReply] = []
+    groups = [(e, rows_for(2, 2, seed=e)) for e in range(3)]
+    worker = threading.Thread(target=lambda: replies.append(core.run(groups)), daemon=True)
+    worker.start()
+    worker.join(30)
+    assert replies, "the actor's run is still waiting on the FIFO"
+    good0, bad, good2 = replies[0].results
+    assert good0.error is None and good2.error is None
+    assert bad.error_kind == "load" and bad.error is not None
+    assert "not a regular file" in bad.error and "expert 1" in bad.error
+    core.close()
+
+
+def test_a_loader_error_no_check_foresaw_fails_only_its_group(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Escaping the load, it failed every group of the call (503 actor_failed for all).
+    store = Store.open(make_store(K=3, n=2, width=4, out=1))
+    core = IdCore(store, name="a0", budget_bytes=10**8)
+    cache = core.core._cache
+    real_lease = cache.lease
+
+    def lease(ref: Any, **options: Any) -> Any:
+        if ref.expert_id == 1:
+            raise RuntimeError("mat1 and mat2 must have the same dtype")
+        return real_lease(ref, **options)
+
+    monkeypatch.setattr(cache, "lease", lease)
+    good0, bad, good2 = core.run([(e, rows_for(2, 2, seed=e)) for e in range(3)]).results
+    assert good0.error is None and good2.error is None
+    assert bad.error_kind == "load"
+    assert bad.error == (
+        "expert 1 could not be loaded: RuntimeError: mat1 and mat2 must have the same dtype"
+    )
+    core.close()
+
+
 def test_missing_file_is_a_load_error(make_store: MakeStore) -> None:
     store = Store.open(make_store(K=2, n=2, width=4, out=1))
     store.expert_path(0).unlink()
