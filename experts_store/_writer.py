@@ -383,21 +383,19 @@ class StoreWriter:
         """Move the staged files in and replace the manifest. The report and the manifest
         are written first, so a full disk stops the publish before anything is in the store;
         past that only renames are left, and a failed one takes back what was moved in."""
-        report = self._write_staged(self._stage_report, self.staging / REPORT_NAME, live)
         staged_manifest = self.staging / MANIFEST_NAME
-        self._write_staged(
-            lambda: _write_durably(staged_manifest, manifest.model_dump_json(indent=2) + "\n"),
-            staged_manifest,
-            live,
-        )
         moves = [(self.expert_path(entry.id), self.root / entry.file) for entry in entries]
         if self.router_path.is_file():
             moves.append((self.router_path, self.root / str(manifest.router_file)))
         moves += [(staged, self.root / name) for name, staged in self._kind_files.items()]
         moves += [(self.staging / name, self.root / name) for name in sorted(self._routers)]
         added: list[Path] = []  # files this publish put where none was (content addressed)
-        target = self.root / "experts"
+        target = self.staging / REPORT_NAME  # the file being written, for the error
         try:
+            report = self._stage_report()
+            target = staged_manifest
+            _write_durably(staged_manifest, manifest.model_dump_json(indent=2) + "\n")
+            target = self.root / "experts"
             target.mkdir(exist_ok=True)
             for source, target in moves:
                 new = not target.exists()
@@ -432,13 +430,6 @@ class StoreWriter:
                 self.root, manifest.store_version, exc,
             )
         self.abort()
-
-    @staticmethod
-    def _write_staged(write: Callable[[], Any], path: Path, live: str | None) -> Any:
-        try:
-            return write()
-        except OSError as exc:
-            raise StoreWriteError.of(exc, path, live) from exc
 
     @contextlib.contextmanager
     def _publish_lock(self) -> Iterator[None]:

@@ -120,12 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               " (other server or build packages may be missing too: install momlp with its"
               " dependencies, `pip install momlp`)", file=sys.stderr)
         return 2
-    except StoreError as exc:  # e.g. a build's publish into a full disk: its own message
-        print(f"momlp {args.command}: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        # The machine's (a full disk, a read-only file system, permissions), not a bug of
-        # ours: one line, as every other failure of a command.
+    except (StoreError, OSError) as exc:
+        # A store's error (a build's publish into a full disk), or the machine's (a
+        # read-only file system, permissions): one line, as every other failure of a command.
         print(f"momlp {args.command}: {exc}", file=sys.stderr)
         return 1
     finally:

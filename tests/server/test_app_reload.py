@@ -110,13 +110,19 @@ class WatcherPolls:
         await self._ticks.put(await self._ticks.get())
 
 
-async def test_the_store_watcher_reloads_when_the_manifest_changes(tmp_path: Path) -> None:
-    store = build_small_store(tmp_path / "store")
+def watched_app(store: Path) -> tuple[Any, ServingState, WatcherPolls]:
+    """An app on a fake pool whose store watcher polls when the test lets it (`polls`)."""
     app = create_app(app_settings(store, watch_store=True), pool_factory=fake_pool)
     serving: ServingState = app.state.serving
     polls = WatcherPolls()
-    poll_once = polls.once
     serving.sleep = polls.sleep
+    return app, serving, polls
+
+
+async def test_the_store_watcher_reloads_when_the_manifest_changes(tmp_path: Path) -> None:
+    store = build_small_store(tmp_path / "store")
+    app, serving, polls = watched_app(store)
+    poll_once = polls.once
     async with running(app) as client:
         first = serving.version
         await poll_once()
@@ -225,10 +231,7 @@ async def test_metrics_name_the_served_version_and_kind_and_a_refused_one(
     import os
 
     store = build_small_store(tmp_path / "store")
-    app = create_app(app_settings(store, watch_store=True), pool_factory=fake_pool)
-    serving: ServingState = app.state.serving
-    polls = WatcherPolls()
-    serving.sleep = polls.sleep
+    app, serving, polls = watched_app(store)
 
     async def store_series(client: Any) -> list[str]:
         text = (await client.get("/metrics")).text
@@ -555,10 +558,7 @@ async def test_a_refusal_names_the_version_the_failed_open_read(
 
 
     store = build_small_store(tmp_path / "store")
-    app = create_app(app_settings(store, watch_store=True), pool_factory=fake_pool)
-    serving: ServingState = app.state.serving
-    polls = WatcherPolls()
-    serving.sleep = polls.sleep
+    app, serving, polls = watched_app(store)
     reader = serving._version_on_disk
     broken = "20990101T000000000001Z-broken"
 
@@ -591,10 +591,7 @@ async def test_a_manifest_cut_short_in_place_is_refused_though_its_start_names_t
     # A copy onto a full disk leaves the start, with the served version in it: the watcher
     # said nothing, `momlp_store_refused` stayed empty, and the next restart failed.
     store = build_small_store(tmp_path / "store", K=200)
-    app = create_app(app_settings(store, watch_store=True), pool_factory=fake_pool)
-    serving: ServingState = app.state.serving
-    polls = WatcherPolls()
-    serving.sleep = polls.sleep
+    app, serving, polls = watched_app(store)
     text = (store / "manifest.json").read_bytes()
     assert len(text) > 70_000  # longer than the start the watcher reads for the version
     async with running(app) as client:
