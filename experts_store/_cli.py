@@ -216,7 +216,7 @@ def _graph_summary(manifest: Any) -> dict[str, Any]:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from experts_store import Store, StoreError
+    from experts_store import Store, StoreError, StoreProblem
 
     try:
         store = Store.open(args.dir)
@@ -225,6 +225,12 @@ def _verify(args: argparse.Namespace) -> int:
     except StoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    if not any(p.expert_id is None for p in problems):
+        # Each file can check out and the store still not be one a server serves (a router
+        # of K prototypes for K+1 experts): open it as `momlp serve` does.
+        refused = _refused_by_server(store)
+        if refused is not None:
+            problems.append(StoreProblem(None, f"a server would refuse the store: {refused}"))
     if not problems and store.manifest.hyper is not None:
         print(f"ok: the hypernetwork and its conditions verified (store version {store.version})")
         return 0
@@ -252,6 +258,25 @@ def _verify(args: argparse.Namespace) -> int:
     else:
         print("no expert fails; the store's own files above do")
     return 1
+
+
+def _refused_by_server(store: Any) -> str | None:
+    """Why a server of this install would not serve `store`, or None (also when the server
+    is not installed here). The CLI glue sits above both packages: experts_store itself never
+    imports the server."""
+    try:
+        from server import ServerError
+        from server.kinds import open_model
+    except ImportError:
+        return None
+    from experts_store import StoreError
+    from router import RouterError
+
+    try:
+        open_model(store)
+    except (ServerError, StoreError, RouterError) as exc:
+        return str(exc)
+    return None
 
 
 @contextmanager

@@ -41,6 +41,7 @@ __all__ = [
     "ExpertHeader",
     "expected_tensors",
     "host_view",
+    "max_file_bytes",
     "parse_header",
     "read_expert_bytes",
     "save_expert",
@@ -180,6 +181,9 @@ def save_expert(
         if tensor.dtype != _DTYPES[expected[name][0]]:
             # The format stores float32 parameters only; convert explicitly before saving.
             raise ValueError(f"{name} is {tensor.dtype}, the format stores float32 parameters")
+        if not bool(torch.isfinite(tensor).all()):
+            # A server would refuse to load it: refused here, before anything is published.
+            raise ValueError(f"{name} holds NaN or infinite values (did its training diverge?)")
     header, ordered = _serialize_header(state, header_meta, expected)
     digest = hashlib.sha256(header)
     fast = new_fast_digest()
@@ -239,6 +243,13 @@ def _serialize_header(
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text, [state[name] for name in ordered]
+
+
+def max_file_bytes(nbytes: int) -> int:
+    """The largest file an expert of `nbytes` bytes of tensors can be: a file larger than
+    this is refused before it is read (a wrong file of gigabytes at an expert's name would
+    otherwise be read and hashed whole before its checksum fails)."""
+    return 8 + _MAX_HEADER_BYTES + nbytes
 
 
 def read_expert_bytes(

@@ -27,8 +27,13 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from safetensors.torch import save as safetensors_save
 
-from experts_store._exceptions import ExpertChecksumError, ExpertFileMissing, ExpertFormatError
-from experts_store._format import save_expert
+from experts_store._exceptions import (
+    ExpertChecksumError,
+    ExpertFileMissing,
+    ExpertFormatError,
+    ExpertLoadError,
+)
+from experts_store._format import read_expert_bytes, save_expert
 from experts_store._frozen import FrozenExpert
 from experts_store._hyper import HyperSpec
 from experts_store._model import ExpertMLP
@@ -36,6 +41,7 @@ from experts_store._ref import ExpertRef
 
 __all__ = [
     "FrozenHyperNetwork",
+    "check_hypernetwork_file",
     "GeneratedRef",
     "GeneratorRef",
     "condition_bytes",
@@ -54,6 +60,10 @@ HYPER_FORMAT = "momlp-hypernetwork"
 CONDITIONS_FORMAT = "momlp-conditions"
 # Named in errors about f: it is no expert of the store.
 GENERATOR_ID = -1
+# safetensors' names of the dtypes f could hold, for errors that compare with its header.
+_SAFETENSORS_DTYPES = {
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"
+}
 
 
 def condition_bytes(condition: np.ndarray | torch.Tensor | Sequence[float]) -> bytes:
@@ -129,15 +139,18 @@ def _write(path: Path, data: bytes) -> str:
 
 
 def _read(path: Path, expected_sha256: str | None, expert_id: int) -> bytes:
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError as exc:
-        raise ExpertFileMissing(expert_id=expert_id, path=path) from exc
+    # `read_expert_bytes`: a FIFO at the path is refused, not read for ever.
+    sha256 = hashlib.sha256()
+    data = read_expert_bytes(path, expert_id=expert_id, digests=(sha256,)).numpy().tobytes()
     if expected_sha256 is not None:
-        actual = hashlib.sha256(data).hexdigest()
+        actual = sha256.hexdigest()
         if actual != expected_sha256:
             raise ExpertChecksumError(expert_id=expert_id, expected=expected_sha256, actual=actual)
     return data
+
+
+def _bad(path: Path, reason: str) -> ExpertFormatError:
+    return ExpertFormatError(expert_id=GENERATOR_ID, reason=f"{path.name}: {reason}")
 
 
 def _tensors(data: bytes, path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -150,23 +163,88 @@ def _tensors(data: bytes, path: Path) -> tuple[dict[str, torch.Tensor], dict[str
         size = int.from_bytes(data[:8], "little")
         meta = json.loads(data[8 : 8 + size]).get("__metadata__") or {}
     except Exception as exc:  # a malformed file is a format error, whatever raised it
-        raise ExpertFormatError(expert_id=GENERATOR_ID, reason=f"{path.name}: {exc}") from exc
+        raise _bad(path, str(exc)) from exc
     return tensors, {str(k): str(v) for k, v in meta.items()}
 
 
+def _json_list(path: Path, meta: dict[str, str], key: str) -> list[object]:
+    try:
+        value = json.loads(meta.get(key, "[]"))
+    except ValueError:
+        raise _bad(path, f"its {key!r} metadata is not JSON") from None
+    if not isinstance(value, list):
+        raise _bad(path, f"its {key!r} metadata is not a JSON list")
+    return value
+
+
 def load_conditions(
-    path: Path, expected_sha256: str | None = None
+    path: Path, expected_sha256: str | None = None, *, shape: tuple[int, int] | None = None
 ) -> tuple[torch.Tensor, list[str]]:
-    """A named-conditions table and its ids, verified against `expected_sha256`."""
+    """A named-conditions table and its ids, verified against `expected_sha256` and, when
+    given, `shape` (the manifest's [count, m2]): float32, finite, one distinct id per row."""
     data = _read(path, expected_sha256, GENERATOR_ID)
     tensors, meta = _tensors(data, path)
     if meta.get("format") != CONDITIONS_FORMAT or "conditions" not in tensors:
-        raise ExpertFormatError(expert_id=GENERATOR_ID, reason=f"{path.name}: not a table")
-    ids = json.loads(meta.get("ids", "[]"))
+        raise _bad(path, "not a table")
     table = tensors["conditions"]
-    if not isinstance(ids, list) or len(ids) != table.shape[0]:
-        raise ExpertFormatError(expert_id=GENERATOR_ID, reason=f"{path.name}: ids and rows differ")
+    if table.dtype != torch.float32 or table.dim() != 2:
+        raise _bad(path, f"a {table.dtype} table of shape {list(table.shape)}, not float32 [C, m2]")
+    if shape is not None and tuple(table.shape) != shape:
+        raise _bad(path, f"a table of shape {list(table.shape)}, the manifest's is {list(shape)}")
+    if not bool(torch.isfinite(table).all()):
+        raise _bad(path, "the table holds NaN or infinite values")
+    ids = _json_list(path, meta, "ids")
+    if len(ids) != table.shape[0]:
+        raise _bad(path, "ids and rows differ")
+    if not all(isinstance(i, str) for i in ids) or len(set(ids)) != len(ids):
+        raise _bad(path, "the ids are not distinct strings")
     return table, [str(i) for i in ids]
+
+
+def check_hypernetwork_file(path: Path, widths: Sequence[int]) -> None:
+    """ExpertFormatError unless the file at `path` is f of `widths` (the manifest's): its
+    header only, names, dtypes and shapes; the arrays stay unread (`FrozenHyperNetwork.load`
+    reads and checks them where f is pinned). A server checks this before it goes live."""
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():  # safe_open would block on a FIFO
+        if not path.exists():
+            raise ExpertFileMissing(expert_id=GENERATOR_ID, path=path)
+        raise _bad(path, "not a regular file")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            slices = {name: f.get_slice(name) for name in f.keys()}
+            found = {name: (t.get_dtype(), tuple(t.get_shape())) for name, t in slices.items()}
+    except (SafetensorError, OSError) as exc:
+        raise _bad(path, f"not a readable safetensors file ({exc})") from exc
+    if meta.get("format") != HYPER_FORMAT:
+        raise _bad(path, "not f")
+    if _json_list(path, meta, "widths") != list(widths):
+        raise _bad(path, f"its widths metadata is not the manifest's {list(widths)}")
+    problem = _layers_problem(found, widths)
+    if problem is not None:
+        raise _bad(path, problem)
+
+
+def _layers_problem(
+    found: dict[str, tuple[str, tuple[int, ...]]], widths: Sequence[int]
+) -> str | None:
+    """How f's tensors (name → safetensors dtype, shape) differ from those of a ReLU MLP of
+    `widths` (float32 weight [out, in] and bias [out] per layer), or None."""
+    expected: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for i in range(len(widths) - 1):
+        expected[f"layers.{i}.weight"] = ("F32", (widths[i + 1], widths[i]))
+        expected[f"layers.{i}.bias"] = ("F32", (widths[i + 1],))
+    for name, (dtype, shape) in expected.items():
+        if name not in found:
+            return f"no tensor {name!r} (f of widths {list(widths)})"
+        if found[name] != (dtype, shape):
+            got_dtype, got_shape = found[name]
+            return (f"{name} is {got_dtype} {list(got_shape)}, f of widths {list(widths)} needs "
+                    f"{dtype} {list(shape)}")
+    extra = sorted(set(found) - set(expected))
+    return f"unexpected tensors {extra[:4]} (f of widths {list(widths)})" if extra else None
 
 
 class FrozenHyperNetwork:
@@ -191,19 +269,26 @@ class FrozenHyperNetwork:
         data = _read(path, expected_sha256, GENERATOR_ID)
         tensors, meta = _tensors(data, path)
         if meta.get("format") != HYPER_FORMAT:
-            raise ExpertFormatError(expert_id=GENERATOR_ID, reason=f"{path.name}: not f")
-        count = len(tensors) // 2
-        try:
-            layers = [
-                (tensors[f"layers.{i}.weight"].to(device), tensors[f"layers.{i}.bias"].to(device))
-                for i in range(count)
-            ]
-        except KeyError as exc:
-            raise ExpertFormatError(expert_id=GENERATOR_ID, reason=f"missing {exc}") from exc
-        net = cls(layers)
-        if net.widths != json.loads(meta.get("widths", "[]")):
-            raise ExpertFormatError(expert_id=GENERATOR_ID, reason="widths differ from tensors")
-        return net
+            raise _bad(path, "not f")
+        listed = _json_list(path, meta, "widths")
+        widths = [w for w in listed if type(w) is int and w >= 1]
+        if len(widths) < 2 or len(widths) != len(listed):
+            raise _bad(path, f"widths {listed} are not two or more positive ints")
+        found = {
+            name: (_SAFETENSORS_DTYPES.get(t.dtype, str(t.dtype)), tuple(t.shape))
+            for name, t in tensors.items()
+        }
+        problem = _layers_problem(found, widths)
+        if problem is not None:
+            raise _bad(path, problem)
+        if not all(bool(torch.isfinite(t).all()) for t in tensors.values()):
+            # θ = f(I) would be NaN for every condition.
+            raise _bad(path, "its weights hold NaN or infinite values")
+        count = len(widths) - 1
+        return cls([
+            (tensors[f"layers.{i}.weight"].to(device), tensors[f"layers.{i}.bias"].to(device))
+            for i in range(count)
+        ])
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self._layers for t in layer)
@@ -288,23 +373,24 @@ def verify_hyper_files(root: Path, spec: HyperSpec) -> list[str]:
         net = FrozenHyperNetwork.load(root / f.file, expected_sha256=f.sha256)
         if net.widths != f.widths:
             problems.append(f"hypernetwork {f.file}: widths {net.widths}, manifest {f.widths}")
-    except (ExpertFileMissing, ExpertChecksumError, ExpertFormatError) as exc:
+    except ExpertLoadError as exc:
         problems.append(own_file_problem(f"hypernetwork {f.file}", exc))
     table = spec.conditions
     if table is not None:
         try:
-            values, _ = load_conditions(root / table.file, table.sha256)
-            if list(values.shape) != [table.count, spec.condition_dim]:
-                problems.append(f"conditions {table.file}: shape {list(values.shape)}")
-        except (ExpertFileMissing, ExpertChecksumError, ExpertFormatError) as exc:
+            load_conditions(
+                root / table.file, table.sha256, shape=(table.count, spec.condition_dim)
+            )
+        except ExpertLoadError as exc:
             problems.append(own_file_problem(f"conditions {table.file}", exc))
     return problems
 
 
 def own_file_problem(label: str, exc: Exception) -> str:
     """`label: <what went wrong>` for an error reading a hyper store's own file (f, the
-    conditions table), without the "expert -1: " that its loader's stand-in id put in front:
-    these files are not experts."""
+    conditions table), without the "expert -1: bad expert file: " that its loader's stand-in
+    id put in front: these files are not experts, and `label` ends with the file's name."""
+    if isinstance(exc, ExpertFormatError):
+        return f"{label}: {exc.reason.removeprefix(label.rsplit(' ', 1)[-1] + ': ')}"
     message = str(exc)
-    prefix = f"expert {GENERATOR_ID}: "
-    return f"{label}: {message[len(prefix):] if message.startswith(prefix) else message}"
+    return f"{label}: {message.removeprefix(f'expert {GENERATOR_ID}: ')}"

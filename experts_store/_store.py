@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from experts_store._exceptions import (
     StoreError,
     StoreNotFound,
 )
-from experts_store._format import parse_header, read_expert_bytes, sha256_hex
+from experts_store._format import parse_header, read_expert_bytes, sha256_hex, tensor_views
 from experts_store._frozen import FrozenExpert
 from experts_store._hostbuf import HostBufferPool
 from experts_store._hypernet import verify_hyper_files
@@ -138,7 +139,7 @@ class Store:
                 raw, pace=pace, previous=previous.manifest_rows if previous is not None else None
             )
         except ValidationError as exc:
-            raise ManifestError(root=root, message=str(exc)) from exc
+            raise ManifestError(root=root, message=_validation_message(exc)) from exc
         except ValueError as exc:  # not UTF-8 JSON
             raise ManifestError(root=root, message=f"not valid JSON: {exc}") from exc
         except RecursionError:
@@ -291,6 +292,14 @@ class Store:
             problems += [StoreProblem(None, message) for message in found]
         for entry in self.manifest.experts:
             try:
+                size = _regular_file_size(self.root / entry.file)
+                if size is not None and size != entry.bytes:
+                    # The budget and the pool's plans trust the manifest's figure. Told
+                    # before the read: a wrong file of gigabytes is not read whole.
+                    problems.append(StoreProblem(
+                        entry.id, f"manifest says {entry.bytes} bytes, the file holds {size}"
+                    ))
+                    continue
                 sha256 = hashlib.sha256()
                 fast = (
                     ExpectedDigest(entry.checksum, expert_id=entry.id)
@@ -302,8 +311,7 @@ class Store:
                     expert_id=entry.id,
                     digests=(sha256,) if fast is None else (sha256, fast.digest),
                 )
-                if buf.numel() != entry.bytes:
-                    # The budget and the pool's plans trust the manifest's figure.
+                if buf.numel() != entry.bytes:  # it changed since the stat
                     problems.append(StoreProblem(
                         entry.id, f"manifest says {entry.bytes} bytes, the file holds "
                         f"{buf.numel()}"
@@ -324,6 +332,13 @@ class Store:
                 header = parse_header(buf, expert_id=entry.id)
                 if header.arch.to_dict() != entry.arch:
                     problems.append(StoreProblem(entry.id, "file's arch differs from manifest"))
+                    continue
+                weights = tensor_views(buf[header.data_offset :], header)
+                if not FrozenExpert(header.arch, weights).is_finite():
+                    # A server refuses to load it (503): outputs would be NaN.
+                    problems.append(StoreProblem(
+                        entry.id, "its weights hold NaN or infinite values"
+                    ))
             except ExpertLoadError as exc:
                 problems.append(StoreProblem(entry.id, exc.message))
             finally:
@@ -355,6 +370,28 @@ def read_report(root: Path, version: str) -> dict[str, Any] | None:
                        REPORT_NAME, root, described, version)
         return None
     return data
+
+
+def _validation_message(exc: ValidationError) -> str:
+    """pydantic's errors in one line, each as `field: why` (its own text spans lines, echoes
+    the input and ends with a link: `momlp serve` prints a refused store in one line)."""
+    parts = []
+    for error in exc.errors()[:3]:
+        where = ".".join(str(part) for part in error["loc"])
+        why = str(error["msg"]).removeprefix("Value error, ")
+        parts.append(f"{where}: {why}" if where else why)
+    more = exc.error_count() - len(parts)
+    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
+
+
+def _regular_file_size(path: Path) -> int | None:
+    """The size of the regular file at `path`; None for anything else (missing, a FIFO),
+    which the read that follows reports."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 def _check_router_file(

@@ -11,7 +11,9 @@
      ├── RequestTimeout         the answer did not come in time: 504
      ├── InvalidRequest         a request the router or pool refuses: 422
      │    └── CapExceeded       a gate setting beyond a server cap (names the cap): 422
-     └── UnknownStoreKind       a store of a kind this server cannot serve (startup, reload)
+     ├── UnknownStoreKind       a store of a kind this server cannot serve (startup, reload)
+     └── StoreNotServable       a store whose files disagree with each other or its manifest
+                                in a way its kind cannot serve (startup, reload)
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ __all__ = [
     "PoolStartFailed",
     "RequestTimeout",
     "ServerError",
+    "StoreNotServable",
     "UnknownStoreKind",
 ]
 
@@ -132,3 +135,12 @@ class UnknownStoreKind(ServerError):
             kind=kind,
             known=known,
         )
+
+
+class StoreNotServable(ServerError):
+    """The store's files are each readable but do not fit together (a router of K prototypes
+    for K+1 experts, a conditions table of the wrong width): nothing it answered would be
+    right, so it never goes live."""
+
+    def __init__(self, *, kind: str, reason: str) -> None:
+        super().__init__(f"{reason} (a store of kind {kind!r})", kind=kind, reason=reason)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from experts_store import (
+    ExpertLoadError,
     ExpertTooLarge,
     FrozenHyperNetwork,
     GeneratedRef,
@@ -29,10 +30,12 @@ from experts_store import (
     HyperSpec,
     Pace,
     Store,
+    check_hypernetwork_file,
     condition_bytes,
     condition_key,
     load_conditions,
     no_pace,
+    own_file_problem,
     theta_file_bytes,
 )
 from server._exceptions import CapExceeded, InvalidRequest
@@ -142,11 +145,12 @@ class HyperModel:
 
     @classmethod
     def open(cls, store: Store, pace: Pace = no_pace) -> HyperModel:
-        """Read the manifest block and the conditions table (verified); f stays a file
-        until an actor pins it. A hyper store has no expert rows: nothing to pace."""
+        """Read the manifest block and the conditions table (verified); f's header is checked
+        against the block, its arrays stay a file until an actor pins it. A hyper store has
+        no expert rows: nothing to pace. ValueError when its files do not fit together."""
         spec = store.manifest.hyper
         if spec is None:
-            raise InvalidRequest("the store has no hyper block", field="store")
+            raise ValueError("a store of kind 'hyper' without its hyper block")
         f = spec.hypernetwork
         generator = GeneratorRef(
             sha256=f.sha256,
@@ -156,17 +160,28 @@ class HyperModel:
         )
         table: torch.Tensor | None = None
         ids: list[str] = []
-        if spec.conditions is not None:
-            table, ids = load_conditions(
-                store.root / spec.conditions.file, spec.conditions.sha256
-            )
+        label = f"hypernetwork {f.file}"
+        try:
+            # f's header, not its arrays: an f no actor could pin would fail every request.
+            check_hypernetwork_file(store.root / f.file, f.widths)
+            if spec.conditions is not None:
+                label = f"conditions {spec.conditions.file}"
+                table, ids = load_conditions(
+                    store.root / spec.conditions.file,
+                    spec.conditions.sha256,
+                    shape=(spec.conditions.count, spec.condition_dim),
+                )
+        except ExpertLoadError as exc:
+            # These files are no experts: the message names the file, not "expert -1".
+            raise ValueError(own_file_problem(label, exc)) from exc
         router = None
         if spec.condition_source == "prototype":
             from router import PrototypeTree
 
             router = PrototypeTree.load(store.router_path)
-            if table is None or router.num_prototypes != table.shape[0]:
-                raise InvalidRequest("the router and the prototypes table differ", field="store")
+            # Row k of the table is the condition of prototype k: the two must be one set.
+            if table is None or not torch.equal(router.prototypes, table):
+                raise ValueError("the router's prototypes are not the conditions table's rows")
         return cls(spec, generator, table, ids, router)
 
     @property

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from experts_store import (
@@ -29,7 +31,7 @@ from experts_store import (
     Store,
     no_pace,
 )
-from router import PrototypeTree
+from router import PrototypeTree, RouterFileError
 from server._exceptions import InvalidRequest
 from server._settings import Settings
 from server.kinds._grouping import group_positions
@@ -153,6 +155,29 @@ def router_scores(patches: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, k, n)
 
 
+def _read_router_weight(path: Path) -> torch.Tensor:
+    """An expert-choice store's learned router [k, d]: float32 and finite (a NaN weight
+    would score every patch NaN, and the top-l of NaN scores is an arbitrary choice)."""
+    if not path.is_file():  # a FIFO, not only a missing file: it would block the read
+        found = "not a regular file" if path.exists() else "no such file"
+        raise RouterFileError(path=path, message=found)
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError) as exc:
+        raise RouterFileError(
+            path=path, message=f"not a readable safetensors file ({exc})"
+        ) from exc
+    weight = tensors.get(PMOE_ROUTER_TENSOR)
+    if weight is None or weight.dtype != torch.float32 or weight.dim() != 2:
+        got = "none" if weight is None else f"{weight.dtype} {list(weight.shape)}"
+        raise RouterFileError(
+            path=path, message=f"no float32 [k, d] {PMOE_ROUTER_TENSOR!r} (got {got})"
+        )
+    if not bool(torch.isfinite(weight).all()):
+        raise RouterFileError(path=path, message=f"{PMOE_ROUTER_TENSOR!r} is not finite")
+    return weight.contiguous()
+
+
 class PatchModel:
     """A store of kind "pmoe": its patch layout, its router and its per-patch experts."""
 
@@ -189,11 +214,8 @@ class PatchModel:
         if manifest.pmoe.routing == "token_choice":
             tree = PrototypeTree.load(store.router_path)
             return cls(manifest.pmoe, experts, tree=tree, default_mode=manifest.routing)
-        tensors = load_file(str(store.router_path))
-        weight = tensors.get(PMOE_ROUTER_TENSOR)
-        if weight is None or weight.dtype != torch.float32 or weight.dim() != 2:
-            raise ValueError(f"router file lacks a float32 [k, d] {PMOE_ROUTER_TENSOR!r}")
-        return cls(manifest.pmoe, experts, router_weight=weight.contiguous())
+        weight = _read_router_weight(store.router_path)
+        return cls(manifest.pmoe, experts, router_weight=weight)
 
     @property
     def input_dim(self) -> int:

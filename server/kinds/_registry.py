@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from safetensors import SafetensorError
+
 from experts_store import Pace, Store, no_pace
-from server._exceptions import UnknownStoreKind
+from server._exceptions import StoreNotServable, UnknownStoreKind
 from server.kinds._graph import GraphModel
 from server.kinds._hyper import HyperModel
 from server.kinds._momlp import MomlpModel
@@ -25,8 +27,18 @@ KINDS: dict[str, Callable[[Store, Pace], ServedModel]] = {
 
 def open_model(store: Store, pace: Pace = no_pace) -> ServedModel:
     """The served form of `store` (blocking reads); UnknownStoreKind naming its kind. `pace`
-    is called once per expert in its passes over the store's experts (`Pacer`)."""
-    opener = KINDS.get(store.manifest.kind)
+    is called once per expert in its passes over the store's experts (`Pacer`).
+
+    A kind's model refuses parts that do not fit together with ValueError (its constructor
+    is also called by tests and benchmarks, which have no store): here that is the store's
+    fault, StoreNotServable, so `momlp serve` prints one line and a reload keeps the served
+    version. Unreadable files are the openers' own errors (StoreError, RouterError), which
+    name the file."""
+    kind = store.manifest.kind
+    opener = KINDS.get(kind)
     if opener is None:
-        raise UnknownStoreKind(kind=store.manifest.kind, known=sorted(KINDS))
-    return opener(store, pace)
+        raise UnknownStoreKind(kind=kind, known=sorted(KINDS))
+    try:
+        return opener(store, pace)
+    except (ValueError, SafetensorError) as exc:
+        raise StoreNotServable(kind=kind, reason=str(exc)) from exc

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
 import torch
-from safetensors.torch import save
 
 from experts_store import ExpertArch, ExpertMLP, Manifest, StoreWriter
 
@@ -15,10 +15,16 @@ PublishStore = Callable[..., Manifest]
 
 
 def stand_in_router(num_prototypes: int, dim: int, seed: int = 0) -> bytes:
-    """A router file as `store verify` reads one: safetensors with a [K, n] float32
-    `prototypes` array (these tests never route, so no tree arrays)."""
+    """The file of a prototype tree over K random points in R^n: these tests never route,
+    but `momlp store verify` opens the store as a server does, which reads the whole tree."""
+    from router import PrototypeTree
+
     generator = torch.Generator().manual_seed(seed)
-    return save({"prototypes": torch.randn(num_prototypes, dim, generator=generator)})
+    points = torch.randn(num_prototypes, dim, generator=generator)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "router.safetensors"
+        PrototypeTree.build(points, branching=2, seed=seed).save(path)
+        return path.read_bytes()
 
 
 def make_expert(

@@ -61,6 +61,18 @@ def test_reserved_metadata_keys_are_refused(tmp_path: Path) -> None:
         save_expert(make_expert(), tmp_path / "e.safetensors", metadata={"arch": "x"})
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_weights_that_are_not_numbers_are_refused_before_anything_is_written(
+    tmp_path: Path, value: float
+) -> None:
+    expert = make_expert()
+    with torch.no_grad():
+        expert.linears[1].weight[0, 0] = value
+    with pytest.raises(ValueError, match=r"^linears\.1\.weight holds NaN or infinite values"):
+        save_expert(expert, tmp_path / "e.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_loaded_expert_can_be_saved_again_unchanged(tmp_path: Path) -> None:
     first = save_expert(make_expert(batchnorm=True), tmp_path / "a.safetensors")
     loaded = load_expert(tmp_path / "a.safetensors")

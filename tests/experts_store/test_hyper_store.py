@@ -12,6 +12,7 @@ import torch
 
 import trainer.hyper as hyper
 from experts_store import (
+    ExpertFormatError,
     FrozenHyperNetwork,
     Manifest,
     Store,
@@ -139,3 +140,19 @@ def test_a_hyper_version_opened_after_a_momlp_one_keeps_none_of_its_rows(tmp_pat
     # Nothing of the momlp version is held for refs that a store without rows never makes.
     assert store._prior_refs is None
     assert store.manifest.kind == "hyper" and store.expert_refs() == []
+
+
+def test_f_with_nan_weights_is_refused_where_it_is_loaded(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    manifest = hyper.publish_hypernetwork(tmp_path / "s", _f())
+    assert manifest.hyper is not None
+    path = tmp_path / "s" / manifest.hyper.hypernetwork.file
+    tensors = load_file(str(path))
+    tensors["layers.1.bias"][0] = float("nan")
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        metadata = json.loads(f.read(size))["__metadata__"]
+    save_file(tensors, str(path), metadata=metadata)
+    with pytest.raises(ExpertFormatError, match="its weights hold NaN or infinite values"):
+        FrozenHyperNetwork.load(path)

@@ -186,6 +186,26 @@ def test_missing_file_is_reported_naming_the_expert(store_root: Path) -> None:
     assert [p.expert_id for p in store.verify()] == [0]
 
 
+def test_a_file_too_large_for_its_expert_is_refused_before_it_is_read(
+    store_root: Path,
+) -> None:
+    from experts_store import ExpertRefLoader
+    from experts_store._format import max_file_bytes
+
+    store = Store.open(store_root)
+    ref = store.expert_ref(0)
+    assert ExpertRefLoader("cpu").load(ref).nbytes() == ref.nbytes
+    limit = max_file_bytes(ref.nbytes)
+    with open(store.expert_path(0), "r+b") as f:
+        f.truncate(limit + 1)  # sparse: nothing is written, and nothing should be read
+    with pytest.raises(ExpertFormatError) as info:
+        ExpertRefLoader("cpu").load(ref)
+    assert info.value.expert_id == 0
+    assert f"the file holds {limit + 1} bytes, more than an expert of {ref.nbytes}" in str(
+        info.value
+    )
+
+
 def test_bad_header_with_matching_checksum_is_a_format_error(store_root: Path) -> None:
     # A manifest that agrees with a broken file (e.g. written by a buggy tool) still fails.
     from experts_store._format import sha256_hex
@@ -388,6 +408,8 @@ def test_a_manifest_momlp_cannot_read_is_a_manifest_error(
     with pytest.raises(ManifestError) as info:
         Store.open(store_root)
     assert words in str(info.value), str(info.value)
+    # One line (`momlp serve` prints it as the reason it did not start), no pydantic boilerplate.
+    assert "\n" not in str(info.value) and "pydantic" not in str(info.value), str(info.value)
 
 
 def test_verify_reads_the_router_as_the_server_would(store_root: Path) -> None:
