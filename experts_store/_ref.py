@@ -77,24 +77,16 @@ class ExpertRefLoader:
         return ref.nbytes
 
     def load(self, ref: ExpertRef) -> FrozenExpert:
-        try:
-            size = os.stat(ref.path).st_size
-        except OSError:
-            size = 0  # the read reports it, naming the expert
-        if size > max_file_bytes(ref.nbytes):
-            raise ExpertFormatError(
-                expert_id=ref.expert_id,
-                reason=f"the file holds {size} bytes, more than an expert of {ref.nbytes} "
-                "bytes of weights can",
-            )
         fast = known_checksum(ref.checksum)
         with self._lock:
             verified = fast or ref.sha256 in self._verified
+            seen_finite = ref.sha256 in self._finite
             if self._host_pool is not None:
                 self._host_pool.max_bytes = max(self._host_pool.max_bytes, 2 * ref.nbytes)
         if self.host_tier is not None:
             expert = self._through_tier(self.host_tier, ref, fast=fast, verified=verified)
         else:
+            _check_size(ref)
             expert = load_frozen_expert(
                 ref.path,
                 self.device,
@@ -107,22 +99,23 @@ class ExpertRefLoader:
             raise ExpertFormatError(
                 expert_id=ref.expert_id, reason="file's arch differs from the manifest's"
             )
-        with self._lock:
-            seen_finite = ref.sha256 in self._finite
         if not seen_finite and not expert.is_finite():
             raise ExpertFormatError(
                 expert_id=ref.expert_id, reason="its weights hold NaN or infinite values"
             )
-        with self._lock:
-            self._finite.add(ref.sha256)
-            if not verified:
-                self._verified.add(ref.sha256)
+        if not (seen_finite and verified):
+            with self._lock:
+                self._finite.add(ref.sha256)
+                if not verified:
+                    self._verified.add(ref.sha256)
         return expert
 
     def _through_tier(
         self, tier: HostTier, ref: ExpertRef, *, fast: bool, verified: bool
     ) -> FrozenExpert:
         kept = tier.get(ref.sha256)
+        if kept is None:
+            _check_size(ref)
         # Read and checked as without a tier, and kept only once it checked and parsed.
         buf = kept if kept is not None else read_checked_bytes(
             ref.path,
@@ -135,3 +128,17 @@ class ExpertRefLoader:
         if kept is None and arch.nbytes() == ref.nbytes:
             tier.put(ref.sha256, buf)
         return FrozenExpert(arch, state)
+
+
+def _check_size(ref: ExpertRef) -> None:
+    """ExpertFormatError before the read if the file is larger than the ref's expert can be."""
+    try:
+        size = os.stat(ref.path).st_size
+    except OSError:
+        return  # the read reports it, naming the expert
+    if size > max_file_bytes(ref.nbytes):
+        raise ExpertFormatError(
+            expert_id=ref.expert_id,
+            reason=f"the file holds {size} bytes, more than an expert of {ref.nbytes} bytes of "
+            "weights can",
+        )

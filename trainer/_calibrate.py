@@ -232,22 +232,24 @@ def calibrate_store(
             return store.load_frozen(expert_id)(rows)
 
     spec = m.gate_spec
-    # Calibrated stores serve top_k > 1 in tree routing as the soft tree walk: the experts
-    # were trained on the tree's cells (format 1's exact nearest-k is kept for exact routing).
-    fit = fit_temperature(tree, forward, x, y, m.task, top_ks=top_ks, score=spec.score,
-                          mode=m.routing, tree_top_k="beam", source=data.name)
-    gate = GateSpec(
-        score=spec.score,
-        temperature=fit.temperature,
-        temperature_source="calibrated",
-        calibration=fit.calibration,
-        hierarchy={"branching": m.branching, "depth": tree.depth},
-        tree_top_k="beam",
-    )
-    report = store.report()
-    # Based on the version it read: one published meanwhile (a build) is not undone by a
-    # publish of this one's experts; StoreChanged says so and publishes nothing.
+    # The writer first, based on the version read: a store that cannot be written (read-only,
+    # full) says so before the fit, not after it; one published meanwhile (a build) is not
+    # undone by a publish of this one's experts (StoreChanged says so, publishing nothing).
     with StoreWriter(store.root, based_on=store.version) as writer:
+        # Calibrated stores serve top_k > 1 in tree routing as the soft tree walk: the
+        # experts were trained on the tree's cells (format 1's exact nearest-k is kept for
+        # exact routing).
+        fit = fit_temperature(tree, forward, x, y, m.task, top_ks=top_ks, score=spec.score,
+                              mode=m.routing, tree_top_k="beam", source=data.name)
+        gate = GateSpec(
+            score=spec.score,
+            temperature=fit.temperature,
+            temperature_source="calibrated",
+            calibration=fit.calibration,
+            hierarchy={"branching": m.branching, "depth": tree.depth},
+            tree_top_k="beam",
+        )
+        report = store.report()
         for entry in m.experts:
             writer.link_expert_file(entry.id, store.root / entry.file)
         tree.with_temperature(fit.temperature).save(writer.router_path)

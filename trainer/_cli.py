@@ -87,7 +87,11 @@ def register(subparsers: Any) -> None:
         help="join this Ray cluster (tasks write expert files under --out: use shared storage)",
     )
     p.add_argument("--num-cpus", type=_positive_int, default=None, help="CPUs of an embedded Ray")
-    p.add_argument("--max-retries", type=int, default=None)
+    p.add_argument(
+        "--max-retries", type=int, default=None, metavar="N",
+        help="tries again of an expert whose worker crashed or ran out of memory (default 3); "
+        "a store it cannot write or weights that are not numbers fail the build at once",
+    )
     p.add_argument("--torch-threads", type=_positive_int, default=None, metavar="N")
     p.add_argument(
         "--balanced-tree", action="store_true", default=None,

@@ -176,6 +176,14 @@ class _Progress:
         self._bar.close()
 
 
+# The failures a job's second try could mend: memory or a device running out, a torch
+# runtime error, an I/O hiccup (a crashed worker is retried by Ray whatever this says). Not
+# a store that cannot be written (StoreWriteError: a full or read-only disk), nor a
+# ValueError (weights that are not numbers: the same seed trains them again): a retry would
+# train the expert again only to fail again, so the build fails at once.
+_RETRIED: tuple[type[Exception], ...] = (RuntimeError, MemoryError, OSError)
+
+
 def train_on_ray(plan: JobPlan, config: BuildConfig, progress: bool) -> Results:
     """One Ray task per job, retried by Ray (a crashed worker included)."""
     import ray
@@ -184,7 +192,7 @@ def train_on_ray(plan: JobPlan, config: BuildConfig, progress: bool) -> Results:
     resources: dict[str, Any] = {"num_gpus": 1} if use_gpu else {"num_cpus": 1}
     remote_opts: dict[str, Any] = {
         "max_retries": config.max_retries,
-        "retry_exceptions": True,
+        "retry_exceptions": list(_RETRIED),
         **resources,
     }
     pending: dict[Any, int | None] = {}
@@ -262,8 +270,8 @@ def _attempt(
     for attempt in range(retries + 1):
         try:
             return job()
-        except Exception as exc:  # what Ray's retry_exceptions=True would retry
-            if attempt == retries:
+        except Exception as exc:  # what Ray's retry_exceptions=_RETRIED would retry
+            if attempt == retries or not isinstance(exc, _RETRIED):
                 raise BuildFailed(expert_id=owner, reason=f"{type(exc).__name__}: {exc}") from exc
             what = "the baseline" if owner is None else f"expert {owner}"
             logger.warning("training %s failed (%s); retrying", what, exc)

@@ -305,6 +305,30 @@ def test_the_local_executor_retries_a_failing_job_and_publishes_nothing_when_it_
     assert not (failing.out / "manifest.json").exists()
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("failure", ["disk full", "nan weights"])
+def test_a_failure_a_retry_cannot_mend_fails_the_build_without_training_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: str
+) -> None:
+    import trainer._executors as executors
+    from experts_store import StoreWriteError
+
+    calls: dict[int, int] = {}
+
+    def failing(job: Any, x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
+        calls[job.expert_id] = calls.get(job.expert_id, 0) + 1
+        if failure == "disk full":
+            raise StoreWriteError(path=job.out_path, reason="No space left on device")
+        raise ValueError("linears.0.weight holds NaN or infinite values")
+
+    monkeypatch.setattr(executors, "expert_job", failing)
+    config = tiny(tmp_path / "store", "ackley2d", executor="local", baseline=False, max_retries=3)
+    with pytest.raises(BuildFailed, match="expert 0 failed: (StoreWriteError|ValueError)"):
+        build_store(config, progress=False)
+    assert calls == {0: 1}  # once: a retry would train it again only to fail again
+    assert not (config.out / "manifest.json").exists()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_a_gpu_the_joint_phase_trains_on_it_like_the_experts(

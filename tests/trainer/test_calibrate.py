@@ -136,3 +136,33 @@ def test_store_calibrate_refuses_to_undo_a_version_published_while_it_ran(
     assert "nothing was published" in err
     # The build's version stays live, with its own gate, not the calibration's.
     assert after.manifest.gate_spec == Store.open(built).manifest.gate_spec
+
+
+def test_store_calibrate_on_a_store_it_cannot_write_says_so_before_fitting(
+    built: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # It fitted first (minutes on a large store) and only then found the store read-only.
+    import errno
+    import shutil
+
+    import experts_store._writer as writer_module
+    import trainer._calibrate as calibrate
+
+    store = tmp_path / "store"
+    shutil.copytree(built, store)
+    fitted: list[object] = []
+    monkeypatch.setattr(calibrate, "fit_temperature", lambda *a, **k: fitted.append(a))
+
+    def read_only(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(writer_module.FileLock, "take", read_only)
+    x = np.random.default_rng(7).uniform(-1, 1, size=(100, 2))
+    np.savez(tmp_path / "fit.npz", X=x, y=ackley(x).reshape(-1, 1))
+    before = Store.open(store).version
+    assert main(["store", "calibrate", str(store), "--data", str(tmp_path / "fit.npz")]) == 1
+    err = capsys.readouterr().err
+    assert "Read-only file system" in err and "nothing was published" in err
+    assert fitted == []
+    assert Store.open(store).version == before
