@@ -5,6 +5,7 @@ both packages; experts_store itself never imports trainer)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -14,8 +15,10 @@ from typing import Any
 __all__ = ["register"]
 
 
-def register(subparsers: Any) -> None:
-    """Add the ``store`` command group to the root ``momlp`` parser."""
+def register(subparsers: Any, *, serve_check: Callable[[Any], str | None] | None = None) -> None:
+    """Add the ``store`` command group to the root ``momlp`` parser. `serve_check(store)`:
+    why a server would refuse a store whose files each check out, or None (the CLI root
+    passes it: experts_store never imports the server)."""
     store = subparsers.add_parser("store", help="inspect and verify an expert store")
     commands = store.add_subparsers(dest="store_command", metavar="STORE_COMMAND", required=True)
     info = commands.add_parser("info", help="show a store's manifest summary and experts")
@@ -28,7 +31,7 @@ def register(subparsers: Any) -> None:
         "--no-progress", dest="progress", action="store_false",
         help="no progress bar on stderr (bytes read of the experts' total)",
     )
-    verify.set_defaults(handler=_verify)
+    verify.set_defaults(handler=functools.partial(_verify, serve_check=serve_check))
     calibrate = commands.add_parser(
         "calibrate",
         help="fit the gate temperature on data and republish the store with it",
@@ -215,7 +218,9 @@ def _graph_summary(manifest: Any) -> dict[str, Any]:
     }
 
 
-def _verify(args: argparse.Namespace) -> int:
+def _verify(
+    args: argparse.Namespace, *, serve_check: Callable[[Any], str | None] | None = None
+) -> int:
     from experts_store import Store, StoreError, StoreProblem
 
     try:
@@ -225,10 +230,10 @@ def _verify(args: argparse.Namespace) -> int:
     except StoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    if not any(p.expert_id is None for p in problems):
+    if serve_check is not None and not any(p.expert_id is None for p in problems):
         # Each file can check out and the store still not be one a server serves (a router
         # of K prototypes for K+1 experts): open it as `momlp serve` does.
-        refused = _refused_by_server(store)
+        refused = serve_check(store)
         if refused is not None:
             problems.append(StoreProblem(None, f"a server would refuse the store: {refused}"))
     if not problems and store.manifest.hyper is not None:
@@ -258,25 +263,6 @@ def _verify(args: argparse.Namespace) -> int:
     else:
         print("no expert fails; the store's own files above do")
     return 1
-
-
-def _refused_by_server(store: Any) -> str | None:
-    """Why a server of this install would not serve `store`, or None (also when the server
-    is not installed here). The CLI glue sits above both packages: experts_store itself never
-    imports the server."""
-    try:
-        from server import ServerError
-        from server.kinds import open_model
-    except ImportError:
-        return None
-    from experts_store import StoreError
-    from router import RouterError
-
-    try:
-        open_model(store)
-    except (ServerError, StoreError, RouterError) as exc:
-        return str(exc)
-    return None
 
 
 @contextmanager

@@ -13,6 +13,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import stat
 import struct
@@ -40,8 +41,9 @@ __all__ = [
     "ExpertFile",
     "ExpertHeader",
     "expected_tensors",
+    "all_finite",
+    "dtype_name",
     "host_view",
-    "max_file_bytes",
     "parse_header",
     "read_expert_bytes",
     "save_expert",
@@ -86,6 +88,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -183,7 +186,10 @@ def save_expert(
             raise ValueError(f"{name} is {tensor.dtype}, the format stores float32 parameters")
         if not bool(torch.isfinite(tensor).all()):
             # A server would refuse to load it: refused here, before anything is published.
-            raise ValueError(f"{name} holds NaN or infinite values (did its training diverge?)")
+            # A store error, not a ValueError: the weights' fault, not the caller's code.
+            raise StoreWriteError(
+                path=path, reason=f"{name} holds NaN or infinite values (did its training diverge?)"
+            )
     header, ordered = _serialize_header(state, header_meta, expected)
     digest = hashlib.sha256(header)
     fast = new_fast_digest()
@@ -245,13 +251,6 @@ def _serialize_header(
     return struct.pack("<Q", len(text)) + text, [state[name] for name in ordered]
 
 
-def max_file_bytes(nbytes: int) -> int:
-    """The largest file an expert of `nbytes` bytes of tensors can be: a file larger than
-    this is refused before it is read (a wrong file of gigabytes at an expert's name would
-    otherwise be read and hashed whole before its checksum fails)."""
-    return 8 + _MAX_HEADER_BYTES + nbytes
-
-
 def read_expert_bytes(
     path: Path | str,
     *,
@@ -259,12 +258,15 @@ def read_expert_bytes(
     pin_memory: bool = False,
     host_pool: HostBufferPool | None = None,
     digests: Sequence[Digest] = (),
+    expected_bytes: int | None = None,
 ) -> Tensor:
     """The whole file as one uint8 CPU tensor, read with a single unbuffered read loop.
 
     Buffers under 4 MiB come from the heap; larger ones from ``host_pool`` when given,
     else from a fresh huge-page mapping. Every byte read is fed to each of ``digests``, in
-    file order, chunk by chunk as it lands.
+    file order, chunk by chunk as it lands. A file of another size than ``expected_bytes``
+    (the manifest's) is refused before anything is read: a wrong file of gigabytes at an
+    expert's name would otherwise be read and hashed whole before its checksum failed.
     """
     # A str path as given: building a Path costs ~6 µs, once per load of a small expert.
     try:
@@ -282,6 +284,11 @@ def read_expert_bytes(
         if not stat.S_ISREG(st.st_mode):
             raise ExpertFormatError(expert_id=expert_id, reason=f"{path} is not a regular file")
         size = st.st_size
+        if expected_bytes is not None and size != expected_bytes:
+            raise ExpertFormatError(
+                expert_id=expert_id,
+                reason=f"the file holds {size} bytes, the manifest says {expected_bytes}",
+            )
         if pin_memory or size < _HUGE_PAGE_MIN_BYTES:
             buf = torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory)
         elif host_pool is not None:
@@ -412,6 +419,44 @@ def _uniform_layout(tensors: dict[str, TensorSpec], data_bytes: int) -> _Uniform
             strides[i] = strides[i + 1] * spec.shape[i + 1]
         layout.append((name, spec.shape, tuple(strides), spec.start // size))
     return dtype, tuple(layout)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """safetensors' name of a torch dtype ("F32"), for errors that compare with a header."""
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def all_finite(data: Tensor, header: ExpertHeader) -> bool:
+    """Whether every float32 value of the header's tensors in `data` (the file past its
+    header, uint8, on any device) is a number. One NaN weight makes every output it reaches
+    NaN, which a server could only blame on the input.
+
+    One aminmax per contiguous run of tensors (NaN propagates to both ends, ±inf is one of
+    them): 22 µs for a 0.55 MB expert, 0.45 ms for 12.9 MB on one core, where a check per
+    tensor paid ~10 µs of dispatch each, and a float64 sum (which no float32 overflows)
+    took three times as long.
+    """
+    runs: list[list[int]] = []
+    for start, end in sorted((spec.start, spec.end) for spec in header.tensors.values()):
+        if runs and start <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], end)
+        else:
+            runs.append([start, end])
+    chunks = [data[start:end] for start, end in runs]
+    if any(start % 4 or (end - start) % 4 for start, end in runs) or any(
+        chunk.storage_offset() % 4 for chunk in chunks
+    ):
+        # Overlapping or unaligned tensors (the format allows them): each on its own.
+        chunks = list(tensor_views(data, header).values())
+    ends = [torch.aminmax(chunk.view(torch.float32)) for chunk in chunks if chunk.numel()]
+    if not ends:
+        return True
+    if len(ends) == 1:
+        low, high = ends[0]
+    else:
+        low = torch.stack([end.min for end in ends]).min()  # NaN propagates through both
+        high = torch.stack([end.max for end in ends]).max()
+    return math.isfinite(low.item()) and math.isfinite(high.item())
 
 
 def tensor_views(data: Tensor, header: ExpertHeader) -> dict[str, Tensor]:

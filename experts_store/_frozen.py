@@ -107,14 +107,6 @@ class FrozenExpert:
     def device(self) -> torch.device:
         return self._layers[0][0].device
 
-    def is_finite(self) -> bool:
-        """Whether every weight is a number: one NaN would make every output it reaches NaN,
-        which a server could only blame on the input. One pass, and one device sync: each
-        tensor's min and max (NaN propagates through both, ±inf is one of them)."""
-        ends = [torch.stack(torch.aminmax(t)) for layer in self._layers for t in layer
-                if t.numel()]
-        return bool(torch.isfinite(torch.cat(ends)).all())
-
     def nbytes(self) -> int:
         """Bytes of the tensors it holds: an ExpertMLP's, less BatchNorm's batch counters."""
         return sum(t.numel() * t.element_size() for layer in self._layers for t in layer)

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as safetensors_save
 
 from experts_store._exceptions import (
@@ -32,8 +33,9 @@ from experts_store._exceptions import (
     ExpertFileMissing,
     ExpertFormatError,
     ExpertLoadError,
+    StoreWriteError,
 )
-from experts_store._format import read_expert_bytes, save_expert
+from experts_store._format import dtype_name, read_expert_bytes, save_expert
 from experts_store._frozen import FrozenExpert
 from experts_store._hyper import HyperSpec
 from experts_store._model import ExpertMLP
@@ -41,9 +43,9 @@ from experts_store._ref import ExpertRef
 
 __all__ = [
     "FrozenHyperNetwork",
-    "check_hypernetwork_file",
     "GeneratedRef",
     "GeneratorRef",
+    "check_hypernetwork_file",
     "condition_bytes",
     "condition_key",
     "load_conditions",
@@ -60,10 +62,6 @@ HYPER_FORMAT = "momlp-hypernetwork"
 CONDITIONS_FORMAT = "momlp-conditions"
 # Named in errors about f: it is no expert of the store.
 GENERATOR_ID = -1
-# safetensors' names of the dtypes f could hold, for errors that compare with its header.
-_SAFETENSORS_DTYPES = {
-    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"
-}
 
 
 def condition_bytes(condition: np.ndarray | torch.Tensor | Sequence[float]) -> bytes:
@@ -113,6 +111,8 @@ def save_hypernetwork(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], path:
         tensors[f"layers.{i}.weight"] = weight.detach().to("cpu", torch.float32).contiguous()
         tensors[f"layers.{i}.bias"] = bias.detach().to("cpu", torch.float32).contiguous()
         widths.append(int(weight.shape[0]))
+    for name, tensor in tensors.items():
+        _finite(path, name, tensor)
     meta = {"format": HYPER_FORMAT, "widths": json.dumps(widths)}
     return _write(path, safetensors_save(tensors, metadata=meta))
 
@@ -124,6 +124,7 @@ def save_conditions(conditions: torch.Tensor, ids: Sequence[str], path: Path) ->
     if len(set(ids)) != len(ids):
         raise ValueError("condition ids must be distinct")
     table = conditions.detach().to("cpu", torch.float32).contiguous()
+    _finite(path, "the conditions table", table)
     meta = {"format": CONDITIONS_FORMAT, "ids": json.dumps(list(ids))}
     return _write(path, safetensors_save({"conditions": table}, metadata=meta))
 
@@ -138,10 +139,15 @@ def _write(path: Path, data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _read(path: Path, expected_sha256: str | None, expert_id: int) -> bytes:
-    # `read_expert_bytes`: a FIFO at the path is refused, not read for ever.
+def _read(
+    path: Path, expected_sha256: str | None, expert_id: int, expected_bytes: int | None = None
+) -> bytes:
+    # `read_expert_bytes`: a FIFO at the path is refused, not read for ever, and a file of
+    # another size than the manifest's is refused unread.
     sha256 = hashlib.sha256()
-    data = read_expert_bytes(path, expert_id=expert_id, digests=(sha256,)).numpy().tobytes()
+    data = read_expert_bytes(
+        path, expert_id=expert_id, digests=(sha256,), expected_bytes=expected_bytes
+    ).numpy().tobytes()
     if expected_sha256 is not None:
         actual = sha256.hexdigest()
         if actual != expected_sha256:
@@ -170,25 +176,48 @@ def _tensors(data: bytes, path: Path) -> tuple[dict[str, torch.Tensor], dict[str
 def _json_list(path: Path, meta: dict[str, str], key: str) -> list[object]:
     try:
         value = json.loads(meta.get(key, "[]"))
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         raise _bad(path, f"its {key!r} metadata is not JSON") from None
     if not isinstance(value, list):
         raise _bad(path, f"its {key!r} metadata is not a JSON list")
     return value
 
 
+def _widths(path: Path, meta: dict[str, str]) -> list[int]:
+    """f's `widths` metadata: two or more positive JSON integers (not 5.0, not true)."""
+    listed = _json_list(path, meta, "widths")
+    widths = [w for w in listed if type(w) is int and w >= 1]
+    if len(widths) < 2 or len(widths) != len(listed):
+        raise _bad(path, f"widths {listed} are not two or more positive ints")
+    return widths
+
+
+def _finite(path: Path, name: str, tensor: torch.Tensor) -> None:
+    """StoreWriteError before a write: a server would refuse the file (or serve NaN)."""
+    if not bool(torch.isfinite(tensor).all()):
+        raise StoreWriteError(
+            path=path, reason=f"{name} holds NaN or infinite values (did its training diverge?)"
+        )
+
+
 def load_conditions(
-    path: Path, expected_sha256: str | None = None, *, shape: tuple[int, int] | None = None
+    path: Path,
+    expected_sha256: str | None = None,
+    *,
+    shape: tuple[int, int] | None = None,
+    expected_bytes: int | None = None,
 ) -> tuple[torch.Tensor, list[str]]:
-    """A named-conditions table and its ids, verified against `expected_sha256` and, when
-    given, `shape` (the manifest's [count, m2]): float32, finite, one distinct id per row."""
-    data = _read(path, expected_sha256, GENERATOR_ID)
+    """A named-conditions table and its ids, verified against `expected_sha256`,
+    `expected_bytes` and `shape` (the manifest's [count, m2]) when given: float32, finite,
+    one distinct id per row."""
+    data = _read(path, expected_sha256, GENERATOR_ID, expected_bytes)
     tensors, meta = _tensors(data, path)
     if meta.get("format") != CONDITIONS_FORMAT or "conditions" not in tensors:
         raise _bad(path, "not a table")
     table = tensors["conditions"]
     if table.dtype != torch.float32 or table.dim() != 2:
-        raise _bad(path, f"a {table.dtype} table of shape {list(table.shape)}, not float32 [C, m2]")
+        raise _bad(path, f"a {dtype_name(table.dtype)} table of shape {list(table.shape)}, "
+                   "not F32 [C, m2]")
     if shape is not None and tuple(table.shape) != shape:
         raise _bad(path, f"a table of shape {list(table.shape)}, the manifest's is {list(shape)}")
     if not bool(torch.isfinite(table).all()):
@@ -201,16 +230,20 @@ def load_conditions(
     return table, [str(i) for i in ids]
 
 
-def check_hypernetwork_file(path: Path, widths: Sequence[int]) -> None:
-    """ExpertFormatError unless the file at `path` is f of `widths` (the manifest's): its
-    header only, names, dtypes and shapes; the arrays stay unread (`FrozenHyperNetwork.load`
-    reads and checks them where f is pinned). A server checks this before it goes live."""
-    from safetensors import SafetensorError, safe_open
-
+def check_hypernetwork_file(
+    path: Path, widths: Sequence[int], *, expected_bytes: int | None = None
+) -> None:
+    """ExpertFormatError unless the file at `path` is f of `widths` (and `expected_bytes`),
+    the manifest's: its size and header only, names, dtypes and shapes; the arrays stay
+    unread (`FrozenHyperNetwork.load` reads and checks them where f is pinned, as the same
+    parse of `widths`). A server checks this before it goes live."""
     if not path.is_file():  # safe_open would block on a FIFO
         if not path.exists():
             raise ExpertFileMissing(expert_id=GENERATOR_ID, path=path)
         raise _bad(path, "not a regular file")
+    size = path.stat().st_size
+    if expected_bytes is not None and size != expected_bytes:
+        raise _bad(path, f"the file holds {size} bytes, the manifest says {expected_bytes}")
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
@@ -220,7 +253,7 @@ def check_hypernetwork_file(path: Path, widths: Sequence[int]) -> None:
         raise _bad(path, f"not a readable safetensors file ({exc})") from exc
     if meta.get("format") != HYPER_FORMAT:
         raise _bad(path, "not f")
-    if _json_list(path, meta, "widths") != list(widths):
+    if _widths(path, meta) != list(widths):
         raise _bad(path, f"its widths metadata is not the manifest's {list(widths)}")
     problem = _layers_problem(found, widths)
     if problem is not None:
@@ -264,20 +297,15 @@ class FrozenHyperNetwork:
         device: str | torch.device = "cpu",
         *,
         expected_sha256: str | None = None,
+        expected_bytes: int | None = None,
     ) -> FrozenHyperNetwork:
         path = Path(path)
-        data = _read(path, expected_sha256, GENERATOR_ID)
+        data = _read(path, expected_sha256, GENERATOR_ID, expected_bytes)
         tensors, meta = _tensors(data, path)
         if meta.get("format") != HYPER_FORMAT:
             raise _bad(path, "not f")
-        listed = _json_list(path, meta, "widths")
-        widths = [w for w in listed if type(w) is int and w >= 1]
-        if len(widths) < 2 or len(widths) != len(listed):
-            raise _bad(path, f"widths {listed} are not two or more positive ints")
-        found = {
-            name: (_SAFETENSORS_DTYPES.get(t.dtype, str(t.dtype)), tuple(t.shape))
-            for name, t in tensors.items()
-        }
+        widths = _widths(path, meta)
+        found = {name: (dtype_name(t.dtype), tuple(t.shape)) for name, t in tensors.items()}
         problem = _layers_problem(found, widths)
         if problem is not None:
             raise _bad(path, problem)
@@ -370,7 +398,9 @@ def verify_hyper_files(root: Path, spec: HyperSpec) -> list[str]:
     problems: list[str] = []
     f = spec.hypernetwork
     try:
-        net = FrozenHyperNetwork.load(root / f.file, expected_sha256=f.sha256)
+        net = FrozenHyperNetwork.load(
+            root / f.file, expected_sha256=f.sha256, expected_bytes=f.bytes
+        )
         if net.widths != f.widths:
             problems.append(f"hypernetwork {f.file}: widths {net.widths}, manifest {f.widths}")
     except ExpertLoadError as exc:
@@ -379,7 +409,8 @@ def verify_hyper_files(root: Path, spec: HyperSpec) -> list[str]:
     if table is not None:
         try:
             load_conditions(
-                root / table.file, table.sha256, shape=(table.count, spec.condition_dim)
+                root / table.file, table.sha256, shape=(table.count, spec.condition_dim),
+                expected_bytes=table.bytes,
             )
         except ExpertLoadError as exc:
             problems.append(own_file_problem(f"conditions {table.file}", exc))

@@ -15,7 +15,8 @@ from torch import Tensor, nn
 
 from experts_store._arch import ExpertArch
 from experts_store._checksum import ExpectedDigest
-from experts_store._format import parse_header, read_expert_bytes, tensor_views
+from experts_store._exceptions import ExpertFormatError
+from experts_store._format import all_finite, parse_header, read_expert_bytes, tensor_views
 from experts_store._frozen import FrozenExpert
 from experts_store._hostbuf import HostBufferPool
 from experts_store._model import ExpertMLP
@@ -85,8 +86,12 @@ def read_expert_state(
     expected_checksum: str | None = None,
     expert_id: int | None = None,
     host_pool: HostBufferPool | None = None,
+    expected_bytes: int | None = None,
+    check_finite: bool = False,
 ) -> tuple[ExpertArch, dict[str, Tensor]]:
-    """The expert's architecture and tensors on ``device``, checked as load_expert says."""
+    """The expert's architecture and tensors on ``device``, checked as load_expert says;
+    ``expected_bytes``: the file's size (refused unread if it differs); ``check_finite``:
+    ExpertFormatError if a weight is NaN or infinite."""
     target = torch.device(device)
     # On CUDA the read lands in pinned memory so the one host-to-device copy is a DMA.
     pin = target.type == "cuda" and torch.cuda.is_available()
@@ -97,8 +102,11 @@ def read_expert_state(
         expert_id=expert_id,
         pin_memory=pin,
         host_pool=None if pin else host_pool,
+        expected_bytes=expected_bytes,
     )
-    return state_from_bytes(buf, target, expert_id=expert_id, pinned=pin)
+    return state_from_bytes(
+        buf, target, expert_id=expert_id, pinned=pin, check_finite=check_finite
+    )
 
 
 def read_checked_bytes(
@@ -109,8 +117,10 @@ def read_checked_bytes(
     expert_id: int | None = None,
     pin_memory: bool = False,
     host_pool: HostBufferPool | None = None,
+    expected_bytes: int | None = None,
 ) -> Tensor:
-    """The file's bytes on the host, hashed as they are read and checked before returning."""
+    """The file's bytes on the host, hashed as they are read and checked before returning
+    (a file of another size than ``expected_bytes`` is refused unread)."""
     checks: list[ExpectedDigest] = []
     if expected_checksum is not None:
         checks.append(ExpectedDigest(expected_checksum, expert_id=expert_id))
@@ -122,6 +132,7 @@ def read_checked_bytes(
         pin_memory=pin_memory,
         host_pool=host_pool,
         digests=[check.digest for check in checks],
+        expected_bytes=expected_bytes,
     )
     for check in checks:
         check.check()
@@ -129,17 +140,28 @@ def read_checked_bytes(
 
 
 def state_from_bytes(
-    buf: Tensor, device: torch.device, *, expert_id: int | None = None, pinned: bool = False
+    buf: Tensor,
+    device: torch.device,
+    *,
+    expert_id: int | None = None,
+    pinned: bool = False,
+    check_finite: bool = False,
 ) -> tuple[ExpertArch, dict[str, Tensor]]:
     """Parse a whole expert file held in `buf` (host uint8) into tensors on `device`.
 
     On CPU the tensors are views of `buf`; elsewhere one copy, non-blocking from `pinned`
     memory and waited for before returning, so `buf` may be reused or kept afterwards.
+    `check_finite`: ExpertFormatError if a weight is NaN or infinite (checked where the
+    tensors landed, so on a GPU by the GPU).
     """
     header = parse_header(buf, expert_id=expert_id)
     data = buf[header.data_offset :]
     if device.type != "cpu":
         data = data.to(device, non_blocking=pinned)
+    if check_finite and not all_finite(data, header):
+        raise ExpertFormatError(
+            expert_id=expert_id, reason="its weights hold NaN or infinite values"
+        )
     state = tensor_views(data, header)
     if pinned and device.type == "cuda":
         # The copy reads `buf`, which the caller frees or keeps: make it finish first.
@@ -156,8 +178,11 @@ def load_frozen_expert(
     expected_checksum: str | None = None,
     expert_id: int | None = None,
     host_pool: HostBufferPool | None = None,
+    expected_bytes: int | None = None,
+    check_finite: bool = False,
 ) -> FrozenExpert:
-    """The expert at ``path`` for inference only (see FrozenExpert); checked as load_expert."""
+    """The expert at ``path`` for inference only (see FrozenExpert); checked as
+    read_expert_state says."""
     arch, state = read_expert_state(
         path,
         device,
@@ -165,5 +190,7 @@ def load_frozen_expert(
         expected_checksum=expected_checksum,
         expert_id=expert_id,
         host_pool=host_pool,
+        expected_bytes=expected_bytes,
+        check_finite=check_finite,
     )
     return FrozenExpert(arch, state)

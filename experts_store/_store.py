@@ -25,7 +25,7 @@ from experts_store._exceptions import (
     StoreError,
     StoreNotFound,
 )
-from experts_store._format import parse_header, read_expert_bytes, sha256_hex, tensor_views
+from experts_store._format import all_finite, parse_header, read_expert_bytes, sha256_hex
 from experts_store._frozen import FrozenExpert
 from experts_store._hostbuf import HostBufferPool
 from experts_store._hypernet import verify_hyper_files
@@ -192,7 +192,9 @@ class Store:
         # manifest's derived "experts/<id>-<hash>.safetensors", checked when it was read.
         if nbytes is None:
             nbytes = entry.expert_arch.nbytes()
-        return ExpertRef(entry.sha256, prefix + entry.file, nbytes, entry.id, entry.checksum)
+        return ExpertRef(
+            entry.sha256, prefix + entry.file, nbytes, entry.id, entry.checksum, entry.bytes
+        )
 
     def expert_refs(self, pace: Pace = no_pace) -> list[ExpertRef]:
         """`expert_ref` of every expert, in id order (a new list each call; the refs are made
@@ -333,8 +335,7 @@ class Store:
                 if header.arch.to_dict() != entry.arch:
                     problems.append(StoreProblem(entry.id, "file's arch differs from manifest"))
                     continue
-                weights = tensor_views(buf[header.data_offset :], header)
-                if not FrozenExpert(header.arch, weights).is_finite():
+                if not all_finite(buf[header.data_offset :], header):
                     # A server refuses to load it (503): outputs would be NaN.
                     problems.append(StoreProblem(
                         entry.id, "its weights hold NaN or infinite values"
@@ -400,6 +401,8 @@ def _check_router_file(
     """A problem if the router file is missing, unreadable, not its name's hash, not a
     safetensors file, without a 2-D float32 `prototypes` array (`tree`: a prototype tree's
     file), or (`expect`: [K, n]) of another shape than the manifest's experts and inputs."""
+    if path.exists() and _regular_file_size(path) is None:  # a FIFO's read would block
+        return StoreProblem(None, f"{who} file {path.name}: not a regular file")
     try:
         sha = sha256_hex(path.read_bytes())
     except FileNotFoundError:

@@ -29,6 +29,27 @@ _REGISTRARS = (
     "client._cli",
 )
 
+
+def _refused_by_server(store: Any) -> str | None:
+    """Why this server would not serve `store` (an open `experts_store.Store`), or None:
+    opened as `momlp serve` opens it, for `momlp store verify`."""
+    from experts_store import StoreError
+    from router import RouterError
+    from server._exceptions import ServerError
+    from server.kinds import open_model
+
+    try:
+        open_model(store)
+    except (ServerError, StoreError, RouterError) as exc:
+        return str(exc)
+    return None
+
+
+# What a registrar's commands need from the layers above it, passed down to `register`.
+_INJECTED: dict[str, dict[str, Any]] = {
+    "experts_store._cli": {"serve_check": _refused_by_server},
+}
+
 Handler = Callable[[argparse.Namespace], int]
 
 
@@ -59,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         except ImportError:
             # A part not installed here (e.g. the client-only environment) offers no commands.
             continue
-        module.register(subparsers)
+        module.register(subparsers, **_INJECTED.get(name, {}))
     return parser
 
 

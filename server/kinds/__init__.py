@@ -20,6 +20,7 @@ from server.kinds._registry import KINDS, open_model
 from server.kinds._types import (
     BatchRun,
     GateRequest,
+    ModelMismatch,
     Plan,
     PlannedGroup,
     RowRouting,
@@ -48,6 +49,7 @@ __all__ = [
     "GraphModel",
     "GraphOptions",
     "GraphRouting",
+    "ModelMismatch",
     "MomlpModel",
     "PatchChoice",
     "PatchInputs",

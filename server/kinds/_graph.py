@@ -36,7 +36,7 @@ from router import PrototypeTree
 from server._exceptions import InvalidRequest
 from server._settings import Settings
 from server.kinds._grouping import group_positions
-from server.kinds._types import GateRequest, Plan, PlannedGroup
+from server.kinds._types import GateRequest, ModelMismatch, Plan, PlannedGroup
 from server.pool import GroupResult
 
 __all__ = ["GraphModel", "GraphOptions", "GraphRouting"]
@@ -142,7 +142,7 @@ class GraphModel:
             tree = trees[entry.name]
             arity = sum(graph.width(r, manifest.input_dim, node=entry.name) for r in entry.inputs)
             if tree.num_prototypes != entry.num_experts or tree.dim != arity:
-                raise ValueError(
+                raise ModelMismatch(
                     f"node {entry.name!r}: its router has {tree.num_prototypes} prototypes in "
                     f"{tree.dim} dims, the node {entry.num_experts} experts on {arity} inputs"
                 )
@@ -159,7 +159,7 @@ class GraphModel:
         """Read every node's router (blocking); experts stay files until the pool loads them."""
         graph = store.manifest.graph
         if graph is None:
-            raise ValueError("a store of kind 'graph' without a graph block")
+            raise ModelMismatch("a store of kind 'graph' without a graph block")
         trees = {n.name: PrototypeTree.load(store.node_router_path(n.name)) for n in graph.nodes}
         experts = store.expert_refs(pace)
         return cls(graph, trees, experts, store.manifest)

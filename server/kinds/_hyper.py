@@ -41,7 +41,7 @@ from experts_store import (
 from server._exceptions import CapExceeded, InvalidRequest
 from server._settings import Settings
 from server.kinds._one_round import OneRoundRun
-from server.kinds._types import GateRequest, Plan, PlannedGroup
+from server.kinds._types import GateRequest, ModelMismatch, Plan, PlannedGroup
 from server.pool import GroupResult
 
 __all__ = ["ConditionRequest", "HyperModel", "HyperOptions", "HyperRouting"]
@@ -150,30 +150,32 @@ class HyperModel:
         no expert rows: nothing to pace. ValueError when its files do not fit together."""
         spec = store.manifest.hyper
         if spec is None:
-            raise ValueError("a store of kind 'hyper' without its hyper block")
+            raise ModelMismatch("a store of kind 'hyper' without its hyper block")
         f = spec.hypernetwork
         generator = GeneratorRef(
             sha256=f.sha256,
             path=str(store.root / f.file),
             nbytes=4 * f.params,
             expert_id=GENERATOR_ID,
+            file_bytes=f.bytes,
         )
         table: torch.Tensor | None = None
         ids: list[str] = []
         label = f"hypernetwork {f.file}"
         try:
             # f's header, not its arrays: an f no actor could pin would fail every request.
-            check_hypernetwork_file(store.root / f.file, f.widths)
+            check_hypernetwork_file(store.root / f.file, f.widths, expected_bytes=f.bytes)
             if spec.conditions is not None:
                 label = f"conditions {spec.conditions.file}"
                 table, ids = load_conditions(
                     store.root / spec.conditions.file,
                     spec.conditions.sha256,
                     shape=(spec.conditions.count, spec.condition_dim),
+                    expected_bytes=spec.conditions.bytes,
                 )
         except ExpertLoadError as exc:
             # These files are no experts: the message names the file, not "expert -1".
-            raise ValueError(own_file_problem(label, exc)) from exc
+            raise ModelMismatch(own_file_problem(label, exc)) from exc
         router = None
         if spec.condition_source == "prototype":
             from router import PrototypeTree
@@ -181,7 +183,7 @@ class HyperModel:
             router = PrototypeTree.load(store.router_path)
             # Row k of the table is the condition of prototype k: the two must be one set.
             if table is None or not torch.equal(router.prototypes, table):
-                raise ValueError("the router's prototypes are not the conditions table's rows")
+                raise ModelMismatch("the router's prototypes are not the conditions table's rows")
         return cls(spec, generator, table, ids, router)
 
     @property
@@ -363,7 +365,9 @@ class HyperModel:
         with self._local_lock:
             if self._local is None:
                 self._local = FrozenHyperNetwork.load(
-                    self.generator.path, expected_sha256=self.generator.sha256
+                    self.generator.path,
+                    expected_sha256=self.generator.sha256,
+                    expected_bytes=self.generator.file_bytes,
                 )
             net = self._local
         tensor = torch.from_numpy(np.asarray(condition, dtype=np.float32).reshape(1, -1))

@@ -26,7 +26,7 @@ from server._exceptions import CapExceeded, InvalidRequest
 from server._settings import Settings
 from server.kinds._grouping import sorted_groups
 from server.kinds._one_round import OneRoundRun
-from server.kinds._types import GateRequest, Plan, PlannedGroup
+from server.kinds._types import GateRequest, ModelMismatch, Plan, PlannedGroup
 from server.pool import GroupResult
 
 __all__ = ["GateRouter", "MomlpModel"]
@@ -58,7 +58,7 @@ class MomlpModel:
         gate: GateSpec | None = None,
     ) -> None:
         if len(experts) != router.num_prototypes:
-            raise ValueError(
+            raise ModelMismatch(
                 f"{len(experts)} experts for a router of {router.num_prototypes} prototypes"
             )
         self.router = router

@@ -36,7 +36,7 @@ from server._exceptions import InvalidRequest
 from server._settings import Settings
 from server.kinds._grouping import group_positions
 from server.kinds._one_round import OneRoundRun
-from server.kinds._types import GateRequest, Plan, PlannedGroup
+from server.kinds._types import GateRequest, ModelMismatch, Plan, PlannedGroup
 from server.kinds._views import PatchChoice
 from server.pool import GroupResult
 
@@ -198,18 +198,27 @@ class PatchModel:
         self.tree = tree
         self.default_mode = default_mode
         k = len(self.experts)
+        d = spec.layout.patch_dim
         if spec.routing == "expert_choice":
-            if router_weight is None or tuple(router_weight.shape) != (k, spec.layout.patch_dim):
-                raise ValueError(f"expert choice needs a [{k}, {spec.layout.patch_dim}] router")
-        elif tree is None or tree.num_prototypes != k or tree.dim != spec.layout.patch_dim:
-            raise ValueError(f"token choice needs a tree of {k} prototypes in R^d")
+            if router_weight is None or tuple(router_weight.shape) != (k, d):
+                got = "none" if router_weight is None else list(router_weight.shape)
+                raise ModelMismatch(
+                    f"expert choice over {k} experts of patches of {d} needs a [{k}, {d}] "
+                    f"router, got {got}"
+                )
+        elif tree is None or tree.num_prototypes != k or tree.dim != d:
+            got = "none" if tree is None else f"{tree.num_prototypes} in R^{tree.dim}"
+            raise ModelMismatch(
+                f"token choice over {k} experts of patches of {d} needs a tree of {k} "
+                f"prototypes in R^{d}, got {got}"
+            )
 
     @classmethod
     def open(cls, store: Store, pace: Pace = no_pace) -> PatchModel:
         """Read the store's router file (blocking); experts stay files until the pool loads."""
         manifest = store.manifest
         if manifest.pmoe is None:
-            raise ValueError("a pmoe store without its pmoe block")
+            raise ModelMismatch("a pmoe store without its pmoe block")
         experts = store.expert_refs(pace)
         if manifest.pmoe.routing == "token_choice":
             tree = PrototypeTree.load(store.router_path)

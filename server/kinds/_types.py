@@ -28,11 +28,19 @@ from server.pool import Group, GroupResult
 __all__ = [
     "BatchRun",
     "GateRequest",
+    "ModelMismatch",
     "Plan",
     "PlannedGroup",
     "RowRouting",
     "ServedModel",
 ]
+
+
+class ModelMismatch(ValueError):
+    """A kind's parts do not fit together (a router of K prototypes for K+1 experts). Read
+    from a store, the store's fault: `open_model` reports it as StoreNotServable. A
+    ValueError to whoever builds a model by hand (tests, benchmarks); any other ValueError
+    from an opener is a defect and keeps its traceback."""
 
 
 @dataclass(frozen=True)

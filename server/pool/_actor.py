@@ -144,7 +144,9 @@ class _DeviceLoader:
 
     def load(self, ref: ExpertRef) -> Cached:
         if isinstance(ref, GeneratorRef):
-            return FrozenHyperNetwork.load(ref.path, self._device, expected_sha256=ref.sha256)
+            return FrozenHyperNetwork.load(
+                ref.path, self._device, expected_sha256=ref.sha256, expected_bytes=ref.file_bytes
+            )
         # Every kind's experts are served with aligned widths (batch invariance; see
         # experts_store._frozen.ROW_ALIGN). The cache counts the ref's unpadded bytes.
         if isinstance(ref, GeneratedRef):
@@ -157,7 +159,10 @@ class _DeviceLoader:
             # The actor pins f before leasing its keys; only a pin released in between (a
             # third f pinned concurrently) lands here: read f for this one generation.
             generator = FrozenHyperNetwork.load(
-                ref.generator.path, self._device, expected_sha256=ref.generator.sha256
+                ref.generator.path,
+                self._device,
+                expected_sha256=ref.generator.sha256,
+                expected_bytes=ref.generator.file_bytes,
             )
         expert = generator.expert(ref.condition_tensor(), ref.spec())
         if expert.nbytes() != ref.nbytes:

@@ -309,6 +309,7 @@ def _ref_to_json(ref: ExpertRef) -> dict[str, Any]:
         "nbytes": ref.nbytes,
         "expert_id": ref.expert_id,
         "checksum": ref.checksum,
+        "file_bytes": ref.file_bytes,
     }
     if isinstance(ref, GeneratedRef):
         fields["generator"] = _ref_to_json(ref.generator)
@@ -326,6 +327,7 @@ def _ref_from_json(fields: Any) -> ExpertRef:
     sha256, path = _str(fields["sha256"]), _str(fields["path"])
     nbytes, expert_id = _int(fields["nbytes"]), _int(fields["expert_id"])
     checksum = _opt_str(fields["checksum"])
+    file_bytes = None if fields["file_bytes"] is None else _int(fields["file_bytes"])
     if cls is GeneratedRef:
         generator = _ref_from_json(fields["generator"])
         if not isinstance(generator, GeneratorRef):
@@ -340,11 +342,12 @@ def _ref_from_json(fields: Any) -> ExpertRef:
             nbytes,
             expert_id,
             checksum,
+            file_bytes,
             generator=generator,
             condition=condition,
             spec_json=_str(fields["spec_json"]),
         )
-    return cls(sha256, path, nbytes, expert_id, checksum)
+    return cls(sha256, path, nbytes, expert_id, checksum, file_bytes)
 
 
 def _shape(value: Any, *, ndim: int) -> tuple[int, ...]:

@@ -156,3 +156,17 @@ def test_f_with_nan_weights_is_refused_where_it_is_loaded(tmp_path: Path) -> Non
     save_file(tensors, str(path), metadata=metadata)
     with pytest.raises(ExpertFormatError, match="its weights hold NaN or infinite values"):
         FrozenHyperNetwork.load(path)
+
+
+def test_f_or_a_table_that_is_not_numbers_is_not_written(tmp_path: Path) -> None:
+    from experts_store import StoreWriteError, save_conditions, save_hypernetwork
+
+    weight, bias = torch.zeros(4, 3), torch.zeros(4)
+    bias[2] = float("inf")
+    with pytest.raises(StoreWriteError, match="layers.0.bias holds NaN or infinite values"):
+        save_hypernetwork([(weight, bias)], tmp_path / "f.safetensors")
+    table = torch.zeros(2, 3)
+    table[1, 1] = float("nan")
+    with pytest.raises(StoreWriteError, match="the conditions table holds NaN or infinite"):
+        save_conditions(table, ["a", "b"], tmp_path / "c.safetensors")
+    assert list(tmp_path.iterdir()) == []

@@ -186,24 +186,31 @@ def test_missing_file_is_reported_naming_the_expert(store_root: Path) -> None:
     assert [p.expert_id for p in store.verify()] == [0]
 
 
-def test_a_file_too_large_for_its_expert_is_refused_before_it_is_read(
-    store_root: Path,
+def test_a_file_of_another_size_than_the_manifests_is_refused_unread(
+    store_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import experts_store._store as store_module
     from experts_store import ExpertRefLoader
-    from experts_store._format import max_file_bytes
 
     store = Store.open(store_root)
     ref = store.expert_ref(0)
+    assert ref.file_bytes == store.expert_entry(0).bytes
     assert ExpertRefLoader("cpu").load(ref).nbytes() == ref.nbytes
-    limit = max_file_bytes(ref.nbytes)
     with open(store.expert_path(0), "r+b") as f:
-        f.truncate(limit + 1)  # sparse: nothing is written, and nothing should be read
+        f.truncate(2**40)  # sparse: a wrong file of a terabyte, nothing written to disk
     with pytest.raises(ExpertFormatError) as info:
-        ExpertRefLoader("cpu").load(ref)
+        ExpertRefLoader("cpu").load(ref)  # a read would take minutes, or fail to allocate
     assert info.value.expert_id == 0
-    assert f"the file holds {limit + 1} bytes, more than an expert of {ref.nbytes}" in str(
-        info.value
-    )
+    assert f"the file holds {2**40} bytes, the manifest says {ref.file_bytes}" in str(info.value)
+    read: list[object] = []
+    real = store_module.read_expert_bytes
+    monkeypatch.setattr(store_module, "read_expert_bytes",
+                        lambda path, **kw: read.append(path) or real(path, **kw))
+    problems = store.verify()
+    assert [(p.expert_id, p.message) for p in problems] == [
+        (0, f"manifest says {ref.file_bytes} bytes, the file holds {2**40}")
+    ]
+    assert store.expert_path(0) not in read and len(read) == len(store.manifest.experts) - 1
 
 
 def test_bad_header_with_matching_checksum_is_a_format_error(store_root: Path) -> None:
@@ -434,7 +441,11 @@ def test_verify_reads_the_router_as_the_server_would(store_root: Path) -> None:
     router.unlink()
     router.mkdir()
     problems = Store.open(store_root).verify()
-    assert "unreadable" in problems[0].message
+    assert "not a regular file" in problems[0].message
+    router.rmdir()
+    os.mkfifo(router)  # its read blocked `verify` for good
+    problems = Store.open(store_root).verify()
+    assert [p.message for p in problems] == [f"router file {router.name}: not a regular file"]
 
 
 def test_verify_names_a_kind_momlp_does_not_serve(store_root: Path) -> None:

@@ -171,20 +171,25 @@ def test_a_pmoe_router_that_is_not_a_finite_float32_matrix_is_refused(
     assert expected in str(error)
 
 
-@pytest.mark.parametrize("case", ["columns", "ids", "nan", "f16"])
+@pytest.mark.parametrize("case", ["columns", "ids", "deep ids", "nan", "f16", "float widths"])
 def test_a_hyper_store_whose_f_or_table_differs_from_its_block_is_refused(
     tmp_path: Path, case: str
 ) -> None:
     root = hyper_store(tmp_path / "h")
-    block = "hypernetwork" if case == "f16" else "conditions"
+    of_f = case in ("f16", "float widths")
+    block = "hypernetwork" if of_f else "conditions"
 
     def change(tensors: Tensors, metadata: dict[str, str]) -> bytes:
         if case == "columns":
             tensors["conditions"] = tensors["conditions"][:, :3].contiguous()
         elif case == "ids":
             metadata["ids"] = "[oops"
+        elif case == "deep ids":
+            metadata["ids"] = "[" * 100_000  # past the JSON parser's depth: RecursionError
         elif case == "nan":
             tensors["conditions"][1, 2] = float("nan")
+        elif case == "float widths":
+            metadata["widths"] = "[5.0, 16, 16, 48]"  # equal to the manifest's, as floats
         else:
             tensors = {name: t.half() for name, t in tensors.items()}
         return save(tensors, metadata=metadata)
@@ -192,14 +197,34 @@ def test_a_hyper_store_whose_f_or_table_differs_from_its_block_is_refused(
     name = rewrite(root, ["hyper", block], change)
     error = refusal(root)
     assert isinstance(error, StoreNotServable)
-    label = "hypernetwork" if case == "f16" else "conditions"
+    label = "hypernetwork" if of_f else "conditions"
     expected = {
         "columns": "a table of shape [3, 3], the manifest's is [3, 5]",
         "ids": "its 'ids' metadata is not JSON",
+        "deep ids": "its 'ids' metadata is not JSON",
         "nan": "the table holds NaN or infinite values",
         "f16": "layers.0.weight is F16 [16, 5], f of widths [5, 16, 16, 48] needs F32 [16, 5]",
+        # What an actor pinning f would refuse, refused before the store goes live.
+        "float widths": "widths [5.0, 16, 16, 48] are not two or more positive ints",
     }[case]
     assert str(error) == f"{label} {name}: {expected} (a store of kind 'hyper')"
+
+
+def test_a_prototype_hyper_store_whose_router_is_not_its_table_is_refused(
+    tmp_path: Path,
+) -> None:
+    torch.manual_seed(2)
+    f = HyperNetwork(4, PrimarySpec(4, (8,), 2), depth=1, width=16)
+    prototypes = torch.randn(6, 4, generator=torch.Generator().manual_seed(3))
+    other = PrototypeTree.build(prototypes.flip(0).contiguous(), branching=2, seed=0)
+    root = tmp_path / "h"
+    publish_hypernetwork(root, f, conditions=prototypes,
+                         condition_ids=[str(k) for k in range(6)], router=other)
+    # Row k would be served by g(·; f(p_k)) of another prototype than the one it was routed to.
+    error = refusal(root)
+    assert str(error) == (
+        "the router's prototypes are not the conditions table's rows (a store of kind 'hyper')"
+    )
 
 
 def test_verify_fails_a_store_a_server_would_refuse(

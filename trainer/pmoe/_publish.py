@@ -29,6 +29,7 @@ from experts_store import (
     Manifest,
     PatchLayout,
     PMoESpec,
+    StoreWriteError,
     StoreWriter,
 )
 from router import PrototypeTree
@@ -143,6 +144,13 @@ def publish_pmoe(
             tree.save(writer.router_path)
         else:
             weight = model.router.detach().to(torch.float32).contiguous()
+            if not bool(torch.isfinite(weight).all()):
+                # A server refuses such a router (every patch's score would be NaN).
+                raise StoreWriteError(
+                    path=writer.router_path,
+                    reason="the router's weights hold NaN or infinite values (did its "
+                    "training diverge?)",
+                )
             # Not save_file, which creates its file 0600: the router must be as readable as
             # the store's other files (router/_io.py says why).
             writer.router_path.write_bytes(save({PMOE_ROUTER_TENSOR: weight}))
