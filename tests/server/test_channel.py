@@ -35,9 +35,9 @@ from server.pool._wire import (
     parse_prefix,
 )
 
-GENERATOR = GeneratorRef("f" * 64, "/store/hyper.safetensors", 4096, -1, "xxh3:0123")
+GENERATOR = GeneratorRef("f" * 64, "/store/hyper.safetensors", 4096, -1, "xxh3:0123", 4200)
 REFS: list[ExpertRef] = [
-    ExpertRef("a" * 64, "/store/experts/e0.safetensors", 1000, 0, "xxh3:abcd"),
+    ExpertRef("a" * 64, "/store/experts/e0.safetensors", 1000, 0, "xxh3:abcd", 1064),
     ExpertRef("b" * 64, "/store/experts/e1.safetensors", 2000, 1, None),
     GeneratedRef(
         "c" * 64,
