@@ -11,6 +11,8 @@ numpy is needed (imported only here, only when --eval is given).
 
 from __future__ import annotations
 
+import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,14 +67,31 @@ def _read(path: Path) -> tuple[Any, Any]:
     np = numpy_or_none()
     if np is None:
         raise InputError("--eval needs numpy (pip install numpy)")
+    if not path.is_file():  # a FIFO would block the read for good
+        raise InputError(f"{path}: {'not a regular file' if path.exists() else 'no such file'}")
     try:
-        with np.load(path, allow_pickle=False) as data:
-            name = "x" if "x" in data.files else "X"
-            return np.asarray(data[name], dtype=np.float64), np.asarray(data["y"])
+        # The file opened here, not by np.load: numpy leaves its own handle open when the
+        # zip is damaged.
+        with path.open("rb") as handle:
+            loaded = np.load(handle, allow_pickle=False)
+            if not isinstance(loaded, np.lib.npyio.NpzFile):
+                raise InputError(f"{path}: one array (np.save), not an .npz archive (np.savez)")
+            with loaded as data:
+                name = "x" if "x" in data.files else "X"
+                x, y = data[name], data["y"]
+    except InputError:
+        raise
     except KeyError as exc:
         raise InputError(f"{path}: an --eval file needs arrays 'x' (or 'X') and 'y'") from exc
-    except (OSError, ValueError) as exc:
-        raise InputError(f"{path}: cannot read an .npz: {exc}") from exc
+    except (OSError, ValueError, EOFError, MemoryError, zipfile.BadZipFile, zlib.error,
+            NotImplementedError) as exc:
+        # A damaged or empty file, a member numpy cannot parse, a header claiming TiBs.
+        raise InputError(f"{path}: cannot read an .npz: {str(exc) or type(exc).__name__}") from exc
+    for label, values in (("x", x), ("y", y)):
+        if not isinstance(values, np.ndarray) or values.dtype.kind not in "biuf":
+            kind = values.dtype if isinstance(values, np.ndarray) else "not an .npy array"
+            raise InputError(f"{path}: {label} must hold real numbers ({kind})")
+    return np.asarray(x, dtype=np.float64), y
 
 
 def load_eval_set(path: Path, *, task: str, input_dim: int, output_dim: int) -> EvalSet:
@@ -87,6 +106,8 @@ def load_eval_set(path: Path, *, task: str, input_dim: int, output_dim: int) -> 
     if len(y) != len(x):
         raise InputError(f"{path}: y has {len(y)} rows, x has {len(x)}")
     if task == "classification":
+        if y.ndim > 2 or not np.isfinite(y).all():
+            raise InputError(f"{path}: y must be finite labels [N] or rows [N, C] of scores")
         # Labels [N], or one-hot / probability rows [N, C] read by their argmax.
         labels = y.argmax(axis=1) if y.ndim == 2 and y.shape[1] > 1 else y.reshape(len(y))
         return EvalSet(str(path), task, x, labels.astype(np.int64))

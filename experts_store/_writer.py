@@ -178,6 +178,9 @@ class StoreWriter:
         self._stale_staging_seconds = stale_staging_seconds
         self._retire_after_s = retire_after_s
         self._based_on = based_on
+        # A store folder this writer made is removed again if nothing is published in it: a
+        # failed first build leaves no empty folder behind.
+        self._made_root = not self.root.exists()
         self.root.mkdir(parents=True, exist_ok=True)
         self._started_on = _live_version(self.root)
         # Named anew at publish, so that versions sort in the order they went live.
@@ -190,10 +193,10 @@ class StoreWriter:
             lock = FileLock.take(self.staging / WRITER_LOCK_NAME, wait_s=1.0)
         except OSError as exc:  # out of inodes, a read-only file system, permissions
             # Unlocked, the folder would wait an hour for another writer to collect it.
-            shutil.rmtree(self.staging, ignore_errors=True)
+            self._remove_staging()
             raise StoreWriteError.of(exc, self.staging, self._started_on) from exc
         if lock is None:
-            shutil.rmtree(self.staging, ignore_errors=True)
+            self._remove_staging()
             raise StoreError(f"cannot lock the staging folder {self.staging}")
         self._lock = lock
         self._report: dict[str, Any] | None = None
@@ -218,8 +221,14 @@ class StoreWriter:
     def abort(self) -> None:
         """Drop everything staged (no-op after publish)."""
         self._closed = True
-        shutil.rmtree(self.staging, ignore_errors=True)
+        self._remove_staging()
         self._lock.release()
+
+    def _remove_staging(self) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
+        if self._made_root:
+            with contextlib.suppress(OSError):  # not empty: something was published there
+                self.root.rmdir()
 
     def expert_path(self, expert_id: int) -> Path:
         """Where a (Ray) task may write expert ``expert_id`` with ``save_expert``."""

@@ -6,21 +6,27 @@
 
 from __future__ import annotations
 
+import os
+import stat
 import zipfile
 import zlib
+from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import numpy.typing as npt
 
 __all__ = ["FLOAT32_MAX", "MAX_CLASSES", "UNREADABLE_ARRAY_FILE", "class_count_problem",
-           "number_problem"]
+           "number_problem", "open_regular"]
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 # What np.load and the zip reader raise on a file that is not a readable .npz or .npy: an
 # empty file (EOFError), a truncated or foreign one (BadZipFile, zlib.error), a compression
-# method the zip module lacks (NotImplementedError), a member numpy cannot parse (ValueError).
+# method the zip module lacks (NotImplementedError), a member numpy cannot parse (ValueError),
+# a header that claims more memory than there is (MemoryError: a 1 KB file can claim TiBs).
 UNREADABLE_ARRAY_FILE = (
     OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error, NotImplementedError,
+    MemoryError,
 )
 # Class labels are the output layer's unit indices (0..C-1): a stray 10**9 would otherwise ask
 # for a layer of 10**9 units and end the build in an out-of-memory kill, not in an error.
@@ -62,3 +68,17 @@ def class_count_problem(name: str, labels: npt.NDArray[np.generic]) -> str | Non
 def _bad_rows(bad: npt.NDArray[np.bool_]) -> tuple[int, int]:
     rows = np.flatnonzero(bad.reshape(bad.shape[0], -1).any(axis=1))
     return int(rows.size), int(rows[0])
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """`path` opened for reading; an OSError (which every reader reports as unreadable) if it
+    is not a regular file: a FIFO would block the read for good, /dev/zero never end it."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise

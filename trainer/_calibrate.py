@@ -223,6 +223,11 @@ def calibrate_store(
         raise DataError(
             f"X has {x.shape[1]} columns, the store takes {m.input_dim}", source=str(data)
         )
+    if m.task == "regression" and y.reshape(len(y), -1).shape[1] != m.output_dim:
+        raise DataError(
+            f"y has {y.reshape(len(y), -1).shape[1]} columns, the store's experts output "
+            f"{m.output_dim}", source=str(data),
+        )
     if m.task == "classification":
         y = _store_labels(dataset.classes, m.extra.get("classes"), y, str(data))
     tree = PrototypeTree.load(store.router_path)

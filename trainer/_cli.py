@@ -363,6 +363,7 @@ def _handle_build(args: argparse.Namespace) -> int:
         return 2
     import torch
 
+    from router import RouterError
     from trainer import (
         BuildConfig,
         ConfigError,
@@ -380,7 +381,8 @@ def _handle_build(args: argparse.Namespace) -> int:
         if args.torch_threads is not None:
             torch.set_num_threads(args.torch_threads)
         manifest = build_store(config, progress=args.progress)
-    except TrainerError as exc:
+    except (TrainerError, RouterError) as exc:
+        # RouterError: data the checks let through but the router cannot take (|x| > 1e15).
         print(f"momlp build: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, DataError | ConfigError) else 1
     report = own_report(args.out, manifest.store_version)

@@ -15,7 +15,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from ._arrays import FLOAT32_MAX, UNREADABLE_ARRAY_FILE
+from ._arrays import FLOAT32_MAX, UNREADABLE_ARRAY_FILE, open_regular
 from ._exceptions import DataError
 
 __all__ = [
@@ -76,6 +76,11 @@ class Dataset:
     @property
     def upper(self) -> npt.NDArray[np.float32]:
         return np.asarray(self.x_train.max(axis=0), dtype=np.float32)
+
+
+# Complex, datetime, timedelta and structured dtypes: numbers only by a cast that loses what
+# they mean.
+_NOT_REAL = "cmMV"
 
 
 def ackley(x: npt.ArrayLike, a: float = 20.0, b: float = 0.2) -> FloatArray:
@@ -180,13 +185,13 @@ def load_data_file(
     .csv/.parquet (all columns but `target` are inputs)."""
     source = str(path)
     if not path.is_file():
-        raise DataError("no such file", source=source)
+        raise DataError("not a regular file" if path.exists() else "no such file", source=source)
     suffix = path.suffix.lower()
     if suffix == ".npz":
         try:
             # The file opened here, not by np.load: numpy leaves its own handle open when
             # the zip is damaged.
-            with path.open("rb") as handle:
+            with open_regular(path) as handle:
                 archive = np.load(handle, allow_pickle=False)
                 if not isinstance(archive, np.lib.npyio.NpzFile):
                     raise DataError("not an .npz archive (a single .npy array?)", source=source)
@@ -222,6 +227,12 @@ def load_data_file(
             f" shape {y_raw.shape}",
             source=source,
         )
+    for name, values in (("X", x_raw), ("y", y_raw)):
+        if values.dtype.kind in _NOT_REAL:
+            # numpy would cast them (a complex number's imaginary part dropped with a warning,
+            # a date as a day count) and the store would learn from something else.
+            raise DataError(f"{name} is of dtype {values.dtype}, not real numbers",
+                            source=source)
     try:
         x = np.asarray(x_raw, dtype=np.float64)
     except (TypeError, ValueError) as exc:
@@ -274,6 +285,16 @@ def _read_table(
         # would misreport as non-numeric inputs.
         raise DataError(f"the table holds no rows, only columns {list(frame.columns)}",
                         source=source)
+    if not frame.index.equals(pd.RangeIndex(len(frame))):
+        # pandas takes a CSV's first field as the rows' names when each row has one field
+        # more than the header: that column would silently leave the inputs.
+        raise DataError("its rows have more fields than its header names", source=source)
+    unnamed = [str(c) for c in frame.columns if str(c).startswith("Unnamed: ")]
+    if unnamed:
+        raise DataError(
+            f"columns without a name in the header {unnamed} (row numbers written by pandas'"
+            " to_csv? write it with index=False)", source=source,
+        )
     if target not in frame.columns:
         raise DataError(
             f"no column {target!r}; columns are {list(frame.columns)}", source=source
@@ -292,6 +313,13 @@ def _read_table(
             source=source,
         )
     numeric = pd.api.types.is_numeric_dtype(column)
+    named = pd.api.types.is_string_dtype(column) or isinstance(column.dtype, pd.CategoricalDtype)
+    if not numeric and not named:
+        # Lists, timestamps, bytes: str() of each would make a class of every value.
+        raise DataError(
+            f"the target column {target!r} holds {column.dtype} values, neither numbers nor "
+            "class names", source=source,
+        )
     y = column.to_numpy() if numeric else column.astype(str).to_numpy()
     return inputs.to_numpy(dtype=np.float64), y
 

@@ -255,3 +255,41 @@ def test_the_gate_comparison_plot_names_its_metric_and_a_readable_unit(
     assert labels["ylabel"] == ("test MSE" if metric == "mse" else "test accuracy")
     assert labels["title"] == title
     assert got_scale == scale
+
+
+def test_an_eval_file_that_is_not_an_eval_set_is_one_clean_error(tmp_path):
+    import io
+    import os
+    import zipfile
+    from pathlib import Path
+
+    from client._eval import load_eval_set
+    from client._exceptions import InputError
+
+    x = np.random.default_rng(0).uniform(-1, 1, (20, 2))
+    np.save(tmp_path / "plain.npy", x)
+    (tmp_path / "empty.npz").write_bytes(b"")
+    np.savez(tmp_path / "strings.npz", x=x, y=np.array(["a", "b"] * 10))
+    np.savez(tmp_path / "nan.npz", x=x, y=np.where(np.arange(20) == 3, np.nan, 1.0))
+    np.savez(tmp_path / "complex.npz", x=x + 1j, y=np.zeros(20))
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": "<f4", "fortran_order": False, "shape": (10**6, 10**6)}
+    )
+    with zipfile.ZipFile(tmp_path / "lying.npz", "w") as archive:
+        archive.writestr("x.npy", header.getvalue())
+        archive.writestr("y.npy", b"")
+    os.mkfifo(tmp_path / "fifo.npz")  # its read blocked the load test for good
+    cases = {
+        "plain.npy": ("regression", "one array (np.save), not an .npz archive"),
+        "empty.npz": ("regression", "cannot read an .npz"),
+        "strings.npz": ("classification", "y must hold real numbers (<U1)"),
+        "nan.npz": ("classification", "y must be finite labels"),
+        "complex.npz": ("regression", "x must hold real numbers (complex128)"),
+        "lying.npz": ("regression", "Unable to allocate 3.64 TiB"),
+        "fifo.npz": ("regression", "not a regular file"),
+    }
+    for name, (task, words) in cases.items():
+        with pytest.raises(InputError) as info:
+            load_eval_set(Path(tmp_path / name), task=task, input_dim=2, output_dim=1)
+        assert words in str(info.value), (name, str(info.value))

@@ -55,6 +55,12 @@ def test_nothing_is_published_without_publish(tmp_path: Path) -> None:
     assert files_under(root) == set()
     with pytest.raises(StoreNotFound):
         Store.open(root)
+    # The folder it made for the store is gone too: a failed first build leaves nothing.
+    assert not root.exists()
+    root.mkdir()
+    with StoreWriter(root):
+        pass
+    assert root.is_dir()  # one it found stays
 
 
 def test_exception_before_publish_keeps_previous_store(tmp_path: Path) -> None:

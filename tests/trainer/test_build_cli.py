@@ -60,6 +60,38 @@ def test_bad_data_exits_2_with_a_clear_message(
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.parametrize("kind", ["hyper", "pmoe"])
+def test_a_fifo_for_data_is_refused_not_read_for_ever(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    import os
+
+    fifo = tmp_path / ("f.npz" if kind == "hyper" else "f.npy")
+    os.mkfifo(fifo)
+    np.save(tmp_path / "y.npy", np.zeros(8, dtype=np.int64))
+    data = [str(fifo)] if kind == "hyper" else [str(fifo), str(tmp_path / "y.npy")]
+    code = main(["build", "--kind", kind, "--data", *data, "--out", str(tmp_path / "s"),
+                 "--no-progress", "--quick"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "f.np" in err and "is not a regular file" in err, err
+    assert not (tmp_path / "s").exists()
+
+
+def test_inputs_beyond_what_the_router_can_take_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    x = np.random.default_rng(0).uniform(-1, 1, (60, 2)) * 1e20  # finite, even as float32
+    np.savez(tmp_path / "big.npz", X=x, y=np.zeros(60))
+    code = main(["build", "--data", str(tmp_path / "big.npz"), "--out", str(tmp_path / "s"),
+                 "--no-progress", "--quick", "--executor", "local", "--experts", "2",
+                 "--branching", "2", "--no-baseline"])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and err.startswith("momlp build: ") and len(err.splitlines()) == 1, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "s").exists()
+
+
 @pytest.mark.ray
 def test_momlp_build_then_store_verify(
     ray_session: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -166,3 +166,15 @@ def test_store_calibrate_on_a_store_it_cannot_write_says_so_before_fitting(
     assert "Read-only file system" in err and "nothing was published" in err
     assert fitted == []
     assert Store.open(store).version == before
+
+
+def test_store_calibrate_refuses_targets_wider_than_the_stores_outputs(
+    built: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    x = np.random.default_rng(8).uniform(-1, 1, size=(60, 2))
+    np.savez(tmp_path / "wide.npz", X=x, y=np.zeros((60, 3)))  # was a RuntimeError traceback
+    before = Store.open(built).version
+    assert main(["store", "calibrate", str(built), "--data", str(tmp_path / "wide.npz")]) == 1
+    err = capsys.readouterr().err
+    assert "y has 3 columns, the store's experts output 1" in err and "Traceback" not in err
+    assert Store.open(built).version == before

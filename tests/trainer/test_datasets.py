@@ -189,3 +189,60 @@ def test_parquet_regression_table(tmp_path: Path) -> None:
     np.testing.assert_allclose(
         data.y_train[:, 0], data.x_train[:, 0] * 3 + data.x_train[:, 1], rtol=1e-5
     )
+
+
+def _lying_npz(path: Path) -> None:
+    """An .npz of ~1 KB whose X header claims a [10^6, 10^6] float32 array (3.6 TiB)."""
+    import io
+    import zipfile
+
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": "<f4", "fortran_order": False, "shape": (10**6, 10**6)}
+    )
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("X.npy", header.getvalue() + b"\0" * 64)
+        buf = io.BytesIO()
+        np.save(buf, np.zeros(3))
+        archive.writestr("y.npy", buf.getvalue())
+
+
+def test_files_that_are_not_data_are_refused_in_one_line(tmp_path: Path) -> None:
+    import os
+
+    x = np.random.default_rng(0).uniform(-1, 1, (40, 2))
+    cases: dict[str, str] = {}
+    np.savez(tmp_path / "complex.npz", X=x + 1j, y=x[:, 0])
+    cases["complex.npz"] = "X is of dtype complex128, not real numbers"
+    np.savez(tmp_path / "dates.npz", X=x, y=np.arange(40).astype("datetime64[D]"))
+    cases["dates.npz"] = "y is of dtype datetime64[D], not real numbers"
+    _lying_npz(tmp_path / "lying.npz")
+    cases["lying.npz"] = "cannot read the archive: Unable to allocate 3.64 TiB"
+    os.mkfifo(tmp_path / "fifo.npz")  # its read blocked the build for good
+    cases["fifo.npz"] = "not a regular file"
+    rows = "".join(f"{a},{b},{a + b},{a * b}\n" for a, b in x[:10])
+    (tmp_path / "shifted.csv").write_text("a,b,t\n" + rows)  # one field more than the header
+    cases["shifted.csv"] = "its rows have more fields than its header names"
+    (tmp_path / "indexed.csv").write_text(
+        ",a,b,t\n" + "".join(f"{i},{a},{b},{a + b}\n" for i, (a, b) in enumerate(x[:10]))
+    )
+    cases["indexed.csv"] = "columns without a name in the header ['Unnamed: 0']"
+    for name, words in cases.items():
+        with pytest.raises(DataError) as info:
+            load_data_file(tmp_path / name, target="t")
+        assert words in str(info.value), (name, str(info.value))
+        assert "\n" not in str(info.value)
+
+
+def test_a_parquet_target_of_lists_or_times_is_no_class(tmp_path: Path) -> None:
+    pd = pytest.importorskip("pandas")
+    pytest.importorskip("pyarrow")
+    frame = pd.DataFrame({"a": np.arange(12.0), "t": [[1.0, float(i % 2)] for i in range(12)]})
+    frame.to_parquet(tmp_path / "lists.parquet")
+    # str() of each list made a class of it, and the store was published.
+    with pytest.raises(DataError, match="holds object values, neither numbers nor class names"):
+        load_data_file(tmp_path / "lists.parquet", target="t")
+    frame["t"] = pd.date_range("2020-01-01", periods=12)
+    frame.to_parquet(tmp_path / "times.parquet")
+    with pytest.raises(DataError, match="holds datetime64"):
+        load_data_file(tmp_path / "times.parquet", target="t")

@@ -244,3 +244,30 @@ def test_an_unreadable_archive_is_one_line_naming_the_file(
     path.write_bytes(content)
     err = refused(tmp_path, capsys, "--graph", str(spec_file(tmp_path)), "--data", str(path))
     assert f"{path}: {says}" in err
+
+
+@pytest.mark.parametrize(
+    ("case", "says"),
+    [
+        ("latin-1", "cannot read the graph spec: 'utf-8' codec can't decode"),
+        ("nested", "cannot read the graph spec: JSON nested too deeply"),
+        ("fifo", "is not a regular file"),  # its read blocked the build for good
+        ("huge widths", "node 'a': widths [2, 10000000, 10000000, 1] make experts of"),
+    ],
+)
+def test_a_spec_file_that_cannot_be_a_spec_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str, says: str
+) -> None:
+    import os
+
+    path = tmp_path / "spec.json"
+    if case == "latin-1":
+        path.write_bytes('{"nodes": [{"name": "é"}]}'.encode("latin-1"))
+    elif case == "nested":
+        path.write_text("[" * 100_000)
+    elif case == "fifo":
+        os.mkfifo(path)
+    else:
+        spec_file(tmp_path, a={"widths": [2, 10_000_000, 10_000_000, 1]})
+    err = refused(tmp_path, capsys, "--graph", str(path), "--data", str(data_file(tmp_path)))
+    assert says in err, err

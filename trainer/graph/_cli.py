@@ -17,6 +17,7 @@ def handle_graph_build(args: argparse.Namespace) -> int:
     """Build and publish a graph store from the parsed `momlp build` arguments."""
     import torch
 
+    from router import RouterError
     from trainer import ConfigError, TrainerError
 
     from ._publish import GraphBuildConfig, build_graph_store, load_graph_spec
@@ -62,7 +63,7 @@ def handle_graph_build(args: argparse.Namespace) -> int:
             num_cpus=args.num_cpus,
         )
         manifest = build_graph_store(config, progress=args.progress)
-    except TrainerError as exc:
+    except (TrainerError, RouterError) as exc:  # RouterError: inputs the router cannot take
         print(f"momlp build: {exc}", file=sys.stderr)
         return 2
     assert manifest.graph is not None

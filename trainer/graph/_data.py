@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from .._arrays import UNREADABLE_ARRAY_FILE, number_problem
+from .._arrays import UNREADABLE_ARRAY_FILE, number_problem, open_regular
 from .._exceptions import DataError
 
 __all__ = ["TARGET_PREFIX", "read_graph_npz"]
@@ -53,7 +53,7 @@ def _read_members(path: Path, source: str) -> dict[str, Array]:
     try:
         # The file opened here, not by np.load: numpy leaves its own handle open when the
         # zip is damaged.
-        with path.open("rb") as handle:
+        with open_regular(path) as handle:
             loaded = np.load(handle, allow_pickle=False)
             if not isinstance(loaded, np.lib.npyio.NpzFile):
                 raise DataError("holds one array (np.save), not an .npz archive (np.savez)",

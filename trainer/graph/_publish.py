@@ -32,6 +32,7 @@ from experts_store import (
     progress_bar,
 )
 
+from .._arrays import open_regular
 from .._exceptions import ConfigError, DataError
 from ._data import read_graph_npz
 from ._exceptions import GraphSpecError, OutputWidthMismatch, TooManyExperts
@@ -49,6 +50,9 @@ __all__ = [
     "publish_graph",
     "tree_target",
 ]
+
+# A spec names a few nodes: a file larger than this is not one (and is not read whole).
+_MAX_SPEC_BYTES = 1 << 20
 
 GRAPH_DATASETS = ("tree8", "tree16")
 MIN_SAMPLES, MAX_SAMPLES = 16, 10_000_000  # rows of tree8/tree16 (caps the build's memory)
@@ -99,9 +103,17 @@ def load_graph_spec(path: Path) -> GraphSpec:
     """A spec JSON file (GraphSpec.from_dict); DataError if unreadable, GraphSpecError if
     malformed."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
+        with open_regular(path) as handle:
+            raw = handle.read(_MAX_SPEC_BYTES + 1)
+        if len(raw) > _MAX_SPEC_BYTES:
+            raise DataError(f"a graph spec is at most {_MAX_SPEC_BYTES} bytes",
+                            source=str(path))
+        data = json.loads(raw.decode("utf-8"))
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8, not JSON
         raise DataError(f"cannot read the graph spec: {exc}", source=str(path)) from exc
+    except RecursionError:
+        raise DataError("cannot read the graph spec: JSON nested too deeply",
+                        source=str(path)) from None
     return GraphSpec.from_dict(data)
 
 

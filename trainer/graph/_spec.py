@@ -27,6 +27,7 @@ from ._exceptions import (
 )
 
 __all__ = [
+    "MAX_EXPERT_PARAMS",
     "GraphSpec",
     "InputRef",
     "NodeSpec",
@@ -36,6 +37,9 @@ __all__ = [
     "validate",
     "waves",
 ]
+
+# One expert's parameters at most: 1 GiB of float32, far beyond a node of a few inputs.
+MAX_EXPERT_PARAMS = 1 << 28
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 INPUT = "x"  # the reserved source name: ``x:i`` is input coordinate i
@@ -164,6 +168,13 @@ def validate(spec: GraphSpec, input_dim: int) -> GraphSpec:
             raise GraphSpecError("needs experts >= 1 and branching >= 2", node=node.name)
         if len(node.widths) < 2 or min(node.widths) < 1 or not node.inputs:
             raise GraphSpecError("needs inputs and positive widths [in, ..., out]", node=node.name)
+        params = sum(a * b + b for a, b in zip(node.widths, node.widths[1:], strict=False))
+        if params > MAX_EXPERT_PARAMS:
+            # Else torch's allocation fails mid-build, or the machine runs out of memory.
+            raise GraphSpecError(
+                f"widths {list(node.widths)} make experts of {params} parameters, more than "
+                f"{MAX_EXPERT_PARAMS}", node=node.name,
+            )
         nodes[node.name] = node
     for node in spec.nodes:
         arity = 0

@@ -87,6 +87,8 @@ def _finite(value: Any) -> Any:
 def _prototype_build(args: argparse.Namespace) -> int:
     import torch
 
+    from router import RouterError
+
     from ._exceptions import HyperError
     from ._prototype import PrototypeBuildConfig, build_prototype_store
 
@@ -109,7 +111,7 @@ def _prototype_build(args: argparse.Namespace) -> int:
         manifest = build_prototype_store(
             PrototypeBuildConfig(out=args.out, **options), progress=args.progress
         )
-    except HyperError as exc:
+    except (HyperError, RouterError) as exc:  # RouterError: inputs the router cannot take
         print(f"momlp build: {exc}", file=sys.stderr)
         return 2
     hyper = manifest.hyper

@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from .._arrays import UNREADABLE_ARRAY_FILE, class_count_problem, number_problem
+from .._arrays import UNREADABLE_ARRAY_FILE, class_count_problem, number_problem, open_regular
 from ._data import HyperDataset
 from ._exceptions import HyperConfigError
 
@@ -35,7 +35,7 @@ def read_npz(path: Path, names: Sequence[str] | None = None) -> dict[str, npt.ND
     """The arrays `names` (all of them when None) of the .npz at `path`, never unpickling."""
     try:
         # Opened here, not by np.load: numpy leaves its own handle open on a damaged zip.
-        with path.open("rb") as handle:
+        with open_regular(path) as handle:
             loaded = np.load(handle, allow_pickle=False)
             if not isinstance(loaded, np.lib.npyio.NpzFile):
                 raise HyperConfigError(f"{path}: holds one array, not an .npz archive",

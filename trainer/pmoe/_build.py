@@ -27,7 +27,7 @@ import torch
 from experts_store import ImageLayout, Manifest, progress_bar
 from router import PrototypeTree
 
-from .._arrays import FLOAT32_MAX, UNREADABLE_ARRAY_FILE, class_count_problem
+from .._arrays import FLOAT32_MAX, UNREADABLE_ARRAY_FILE, class_count_problem, open_regular
 from ._data import DIGITS_PATCH_SHAPE, digits_patches, image_to_patches
 from ._exceptions import PMoEConfigError
 from ._metrics import accuracy
@@ -156,7 +156,7 @@ def _load_npy(path: Path) -> np.ndarray[Any, Any]:
             raise PMoEConfigError(f"{path} is larger than 2 GiB", option="data")
         # The file opened here, not by np.load: numpy leaves its own handle open when a
         # zip is damaged.
-        with path.open("rb") as handle:
+        with open_regular(path) as handle:
             loaded = np.load(handle, allow_pickle=False)
             if isinstance(loaded, np.lib.npyio.NpzFile):
                 loaded.close()
