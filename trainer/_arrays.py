@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = ["FLOAT32_MAX", "MAX_CLASSES", "UNREADABLE_ARRAY_FILE", "class_count_problem",
-           "number_problem", "open_regular"]
+           "number_problem", "open_regular", "unreadable_reason"]
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 # What np.load and the zip reader raise on a file that is not a readable .npz or .npy: an
@@ -82,3 +82,13 @@ def open_regular(path: Path) -> BinaryIO:
     except BaseException:
         os.close(fd)
         raise
+
+
+def unreadable_reason(exc: BaseException) -> str:
+    """Why an .npz or .npy file could not be read, from what np.load raised. numpy answers
+    any bytes it cannot parse (a CSV, random bytes) as if they were a pickle, with advice to
+    allow unpickling: momlp never does, and the file need not be one."""
+    text = str(exc) or type(exc).__name__
+    if "allow_pickle" in text:
+        return "neither an .npz archive nor an .npy array of numbers (momlp never unpickles)"
+    return text

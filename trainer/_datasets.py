@@ -15,7 +15,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from ._arrays import FLOAT32_MAX, UNREADABLE_ARRAY_FILE, open_regular
+from ._arrays import FLOAT32_MAX, UNREADABLE_ARRAY_FILE, open_regular, unreadable_reason
 from ._exceptions import DataError
 
 __all__ = [
@@ -204,7 +204,7 @@ def load_data_file(
                 x_raw, y_raw = archive[inputs], archive["y"]
         except UNREADABLE_ARRAY_FILE as exc:
             # An empty file (EOFError), a damaged zip, a member numpy cannot parse.
-            raise DataError(f"cannot read the archive: {str(exc) or type(exc).__name__}",
+            raise DataError(f"cannot read the archive: {unreadable_reason(exc)}",
                             source=source) from exc
         members = ((inputs, x_raw), ("y", y_raw))
         not_arrays = [name for name, a in members if not isinstance(a, np.ndarray)]

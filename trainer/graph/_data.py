@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from .._arrays import UNREADABLE_ARRAY_FILE, number_problem, open_regular
+from .._arrays import UNREADABLE_ARRAY_FILE, number_problem, open_regular, unreadable_reason
 from .._exceptions import DataError
 
 __all__ = ["TARGET_PREFIX", "read_graph_npz"]
@@ -67,7 +67,7 @@ def _read_members(path: Path, source: str) -> dict[str, Array]:
                 wanted = ["X", "y", *(n for n in names if n.startswith(TARGET_PREFIX))]
                 arrays = {name: archive[name] for name in wanted}
     except UNREADABLE_ARRAY_FILE as exc:
-        raise DataError(f"cannot read the archive: {str(exc) or type(exc).__name__}",
+        raise DataError(f"cannot read the archive: {unreadable_reason(exc)}",
                         source=source) from exc
     for name, value in arrays.items():
         # numpy hands back a member without the .npy header as its raw bytes.

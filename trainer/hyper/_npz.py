@@ -13,7 +13,13 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from .._arrays import UNREADABLE_ARRAY_FILE, class_count_problem, number_problem, open_regular
+from .._arrays import (
+    UNREADABLE_ARRAY_FILE,
+    class_count_problem,
+    number_problem,
+    open_regular,
+    unreadable_reason,
+)
 from ._data import HyperDataset
 from ._exceptions import HyperConfigError
 
@@ -43,7 +49,7 @@ def read_npz(path: Path, names: Sequence[str] | None = None) -> dict[str, npt.ND
             with loaded as npz:
                 return _members(path, npz, list(npz.files) if names is None else list(names))
     except UNREADABLE_ARRAY_FILE as exc:
-        raise HyperConfigError(f"{path}: cannot read the archive: {str(exc) or type(exc).__name__}",
+        raise HyperConfigError(f"{path}: cannot read the archive: {unreadable_reason(exc)}",
                                option="data") from exc
 
 

@@ -27,7 +27,13 @@ import torch
 from experts_store import ImageLayout, Manifest, progress_bar
 from router import PrototypeTree
 
-from .._arrays import FLOAT32_MAX, UNREADABLE_ARRAY_FILE, class_count_problem, open_regular
+from .._arrays import (
+    FLOAT32_MAX,
+    UNREADABLE_ARRAY_FILE,
+    class_count_problem,
+    open_regular,
+    unreadable_reason,
+)
 from ._data import DIGITS_PATCH_SHAPE, digits_patches, image_to_patches
 from ._exceptions import PMoEConfigError
 from ._metrics import accuracy
@@ -165,7 +171,7 @@ def _load_npy(path: Path) -> np.ndarray[Any, Any]:
                     "(np.save)", option="data",
                 )
     except UNREADABLE_ARRAY_FILE as exc:
-        raise PMoEConfigError(f"cannot read {path}: {str(exc) or type(exc).__name__}",
+        raise PMoEConfigError(f"cannot read {path}: {unreadable_reason(exc)}",
                               option="data") from exc
     array: np.ndarray[Any, Any] = loaded
     return array
@@ -186,7 +192,9 @@ def _files(config: PMoEBuildConfig) -> _Data:
             f"X holds values beyond float32's range (|v| > {FLOAT32_MAX:.3g})", option="data"
         )
     if y.ndim != 1 or y.dtype.kind not in "iu" or len(y) != len(x):
-        raise PMoEConfigError(f"y must be {len(x)} integer labels, got {y.shape}", option="data")
+        raise PMoEConfigError(
+            f"y must be {len(x)} integer labels, got {y.dtype} of shape {y.shape}", option="data"
+        )
     image = None
     if x.ndim == 3 and config.patch_shape is not None:
         raise PMoEConfigError(
