@@ -36,7 +36,7 @@ if TYPE_CHECKING:
         StoreWriteError,
         UnknownExpert,
     )
-    from experts_store._format import FORMAT_VERSION, ExpertFile, save_expert
+    from experts_store._format import FORMAT_VERSION, ExpertFile, file_problem, save_expert
     from experts_store._frozen import ROW_ALIGN, FrozenExpert
     from experts_store._graph import GraphBlock, GraphNodeEntry, node_ref
     from experts_store._host_tier import HostTier, HostTierStats
@@ -192,6 +192,7 @@ __all__ = [
     "load_frozen_expert",
     "node_ref",
     "paper_parameter_count",
+    "file_problem",
     "save_expert",
 ]
 
@@ -229,6 +230,7 @@ _HOMES = {
     "load_frozen_expert": "experts_store._load",
     "FrozenExpert": "experts_store._frozen",
     "ROW_ALIGN": "experts_store._frozen",
+    "file_problem": "experts_store._format",
     "save_expert": "experts_store._format",
     "HostBufferPool": "experts_store._hostbuf",
     "HostTier": "experts_store._host_tier",

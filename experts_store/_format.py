@@ -43,6 +43,7 @@ __all__ = [
     "expected_tensors",
     "all_finite",
     "dtype_name",
+    "file_problem",
     "host_view",
     "parse_header",
     "read_expert_bytes",
@@ -419,6 +420,14 @@ def _uniform_layout(tensors: dict[str, TensorSpec], data_bytes: int) -> _Uniform
             strides[i] = strides[i + 1] * spec.shape[i + 1]
         layout.append((name, spec.shape, tuple(strides), spec.start // size))
     return dtype, tuple(layout)
+
+
+def file_problem(path: Path) -> str | None:
+    """Why `path` cannot be read as a file ("no such file", "not a regular file"), or None.
+    Asked before a reader that would open a FIFO and wait for a writer for good."""
+    if path.is_file():
+        return None
+    return "not a regular file" if path.exists() else "no such file"
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -35,7 +35,7 @@ from experts_store._exceptions import (
     ExpertLoadError,
     StoreWriteError,
 )
-from experts_store._format import dtype_name, read_expert_bytes, save_expert
+from experts_store._format import dtype_name, file_problem, read_expert_bytes, save_expert
 from experts_store._frozen import FrozenExpert
 from experts_store._hyper import HyperSpec
 from experts_store._model import ExpertMLP
@@ -237,10 +237,11 @@ def check_hypernetwork_file(
     the manifest's: its size and header only, names, dtypes and shapes; the arrays stay
     unread (`FrozenHyperNetwork.load` reads and checks them where f is pinned, as the same
     parse of `widths`). A server checks this before it goes live."""
-    if not path.is_file():  # safe_open would block on a FIFO
-        if not path.exists():
-            raise ExpertFileMissing(expert_id=GENERATOR_ID, path=path)
-        raise _bad(path, "not a regular file")
+    problem = file_problem(path)  # safe_open would block on a FIFO
+    if problem == "no such file":
+        raise ExpertFileMissing(expert_id=GENERATOR_ID, path=path)
+    if problem is not None:
+        raise _bad(path, problem)
     size = path.stat().st_size
     if expected_bytes is not None and size != expected_bytes:
         raise _bad(path, f"the file holds {size} bytes, the manifest says {expected_bytes}")

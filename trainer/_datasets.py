@@ -15,6 +15,8 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
+from experts_store import file_problem
+
 from ._arrays import FLOAT32_MAX, UNREADABLE_ARRAY_FILE, open_regular, unreadable_reason
 from ._exceptions import DataError
 
@@ -184,8 +186,9 @@ def load_data_file(
     """A user's .npz (arrays X, or x as `momlp loadtest --eval` writes it, and y) or
     .csv/.parquet (all columns but `target` are inputs)."""
     source = str(path)
-    if not path.is_file():
-        raise DataError("not a regular file" if path.exists() else "no such file", source=source)
+    problem = file_problem(path)
+    if problem is not None:
+        raise DataError(problem, source=source)
     suffix = path.suffix.lower()
     if suffix == ".npz":
         try:

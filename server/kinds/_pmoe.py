@@ -29,6 +29,7 @@ from experts_store import (
     Pace,
     PMoESpec,
     Store,
+    file_problem,
     no_pace,
 )
 from router import PrototypeTree, RouterFileError
@@ -158,9 +159,9 @@ def router_scores(patches: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _read_router_weight(path: Path) -> torch.Tensor:
     """An expert-choice store's learned router [k, d]: float32 and finite (a NaN weight
     would score every patch NaN, and the top-l of NaN scores is an arbitrary choice)."""
-    if not path.is_file():  # a FIFO, not only a missing file: it would block the read
-        found = "not a regular file" if path.exists() else "no such file"
-        raise RouterFileError(path=path, message=found)
+    problem = file_problem(path)  # a FIFO, not only a missing file: it would block the read
+    if problem is not None:
+        raise RouterFileError(path=path, message=problem)
     try:
         tensors = load_file(str(path))
     except (SafetensorError, OSError) as exc:

@@ -28,6 +28,16 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture
+def store(built: Path, tmp_path: Path) -> Path:
+    """A copy of the built store, for a test that changes it."""
+    import shutil
+
+    copy = tmp_path / "store"
+    shutil.copytree(built, copy)
+    return copy
+
+
 def test_build_chooses_tau_from_held_out_rows_and_says_how(built: Path) -> None:
     m = Store.open(built).manifest
     gate = m.gate_spec
@@ -98,18 +108,14 @@ def test_store_calibrate_reads_a_table_by_its_target_column(
 
 
 def test_store_calibrate_refuses_to_undo_a_version_published_while_it_ran(
-    built: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    built: Path, store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     # It relinked the experts of the version it had read: a build published meanwhile was
     # silently replaced by the old experts, and both commands said they succeeded.
-    import shutil
-
     import trainer._calibrate as calibrate
     from experts_store import StoreWriter
 
-    store = tmp_path / "store"
-    shutil.copytree(built, store)
     real_fit = calibrate.fit_temperature
 
     def fit_while_a_build_publishes(*args: object, **kwargs: object) -> object:
@@ -139,18 +145,15 @@ def test_store_calibrate_refuses_to_undo_a_version_published_while_it_ran(
 
 
 def test_store_calibrate_on_a_store_it_cannot_write_says_so_before_fitting(
-    built: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     # It fitted first (minutes on a large store) and only then found the store read-only.
     import errno
-    import shutil
 
     import experts_store._writer as writer_module
     import trainer._calibrate as calibrate
 
-    store = tmp_path / "store"
-    shutil.copytree(built, store)
     fitted: list[object] = []
     monkeypatch.setattr(calibrate, "fit_temperature", lambda *a, **k: fitted.append(a))
 
