@@ -20,11 +20,13 @@ if TYPE_CHECKING:
     from ._datasets import (
         DATASET_NAMES,
         Dataset,
+        Rows,
         ackley,
         fbm_path,
         load_data_file,
         make_dataset,
         rastrigin,
+        read_data_file,
         regular_grid,
     )
     from ._evaluate import ExpertFileRef, MixtureScore, evaluate_mixture, mixture_outputs
@@ -43,6 +45,7 @@ __all__ = [
     "ExpertFileRef",
     "MixtureOfSmallNetworks",
     "MixtureScore",
+    "Rows",
     "TemperatureFit",
     "TrainResult",
     "TrainerError",
@@ -66,6 +69,7 @@ __all__ = [
     "quick_demo_config",
     "quick_overrides",
     "rastrigin",
+    "read_data_file",
     "regular_grid",
     "train_network",
 ]
@@ -84,11 +88,13 @@ _HOMES = {
     "quick_overrides": "trainer._config",
     "DATASET_NAMES": "trainer._datasets",
     "Dataset": "trainer._datasets",
+    "Rows": "trainer._datasets",
     "ackley": "trainer._datasets",
     "fbm_path": "trainer._datasets",
     "load_data_file": "trainer._datasets",
     "make_dataset": "trainer._datasets",
     "rastrigin": "trainer._datasets",
+    "read_data_file": "trainer._datasets",
     "regular_grid": "trainer._datasets",
     "ExpertFileRef": "trainer._evaluate",
     "MixtureScore": "trainer._evaluate",

@@ -77,9 +77,13 @@ def fit_temperature(
     """
     from router import Gate
 
-    ks = sorted({k for k in top_ks if 2 <= k <= tree.num_prototypes})
-    if not ks:
-        raise DataError("no top_k in 2..K to calibrate for", source=source)
+    outside = sorted({k for k in top_ks if not 2 <= k <= tree.num_prototypes})
+    if outside or not top_ks:
+        # Top-1 has no τ to fit, and a k beyond K would be served as K: asked for, it is an
+        # error, not dropped.
+        raise DataError(f"top_k must lie in 2..{tree.num_prototypes} (the store's K), got "
+                        f"{outside or 'none'}", source=source)
+    ks = sorted(set(top_ks))
     if len(x) < 2:
         raise DataError("calibration needs at least 2 rows", source=source)
     xt = torch.as_tensor(np.asarray(x), dtype=torch.float32)
@@ -202,7 +206,7 @@ def calibrate_store(
     from experts_store import GateSpec, Store, StoreWriter
     from router import PrototypeTree
 
-    from ._datasets import load_data_file
+    from ._datasets import read_data_file
 
     store = Store.open(root)
     m = store.manifest
@@ -216,9 +220,11 @@ def calibrate_store(
         raise DataError("a learned-linear store serves the τ its router was trained with; "
                         "it is not recalibrated", source=str(root))
     data = Path(data)
-    dataset = load_data_file(Path(data), target=target, task=m.task)
-    x = np.concatenate([dataset.x_train, dataset.x_test])
-    y = np.concatenate([dataset.y_train, dataset.y_test])
+    # τ is fitted on every row of the file: nothing to split off, and rows of one class of
+    # the store's are enough.
+    table = read_data_file(data, target=target, task=m.task)
+    x = table.x.astype(np.float32)
+    y = table.y if m.task == "classification" else table.y.astype(np.float32)
     if x.shape[1] != m.input_dim:
         raise DataError(
             f"X has {x.shape[1]} columns, the store takes {m.input_dim}", source=str(data)
@@ -229,7 +235,8 @@ def calibrate_store(
             f"{m.output_dim}", source=str(data),
         )
     if m.task == "classification":
-        y = _store_labels(dataset.classes, m.extra.get("classes"), y, str(data))
+        y = _store_labels(table.classes, m.extra.get("classes"), m.output_dim,
+                          table.y.astype(np.int64), str(data))
     tree = PrototypeTree.load(store.router_path)
 
     def forward(expert_id: int, rows: torch.Tensor) -> torch.Tensor:
@@ -267,13 +274,20 @@ def calibrate_store(
 
 
 def _store_labels(
-    file_classes: list[str] | None, store_classes: Any, labels: npt.NDArray[Any], source: str
+    file_classes: list[str], store_classes: Any, num_classes: int,
+    labels: npt.NDArray[np.int64], source: str,
 ) -> npt.NDArray[np.int64]:
-    if not file_classes or not isinstance(store_classes, list):
-        return labels.astype(np.int64)
-    position = {str(c): i for i, c in enumerate(store_classes)}
+    """The store's class index of each row, from the file's labels (indices into
+    `file_classes`, the file's distinct labels): by name where the store names its classes,
+    else each label is itself an index below the store's `num_classes`."""
+    if isinstance(store_classes, list):
+        position = {str(c): i for i, c in enumerate(store_classes)}
+    else:
+        position = {str(i): i for i in range(num_classes)}
+        # Labels written as floats (1.0) name the same indices.
+        position.update({str(float(i)): i for i in range(num_classes)})
     missing = [c for c in file_classes if c not in position]
     if missing:
         raise DataError(f"labels {missing[:5]} are not classes of the store", source=source)
     table = np.array([position[c] for c in file_classes], dtype=np.int64)
-    return table[labels.astype(np.int64)]
+    return table[labels]

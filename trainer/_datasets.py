@@ -10,7 +10,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -23,12 +23,14 @@ from ._exceptions import DataError
 __all__ = [
     "DATASET_NAMES",
     "Dataset",
+    "Rows",
     "Task",
     "ackley",
     "fbm_path",
     "load_data_file",
     "make_dataset",
     "rastrigin",
+    "read_data_file",
     "regular_grid",
 ]
 
@@ -78,6 +80,18 @@ class Dataset:
     @property
     def upper(self) -> npt.NDArray[np.float32]:
         return np.asarray(self.x_train.max(axis=0), dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A data file's checked rows, not split: x float64 [N, n]; y float64 [N, out]
+    (regression) or int64 class indices [N] into `classes` (classification)."""
+
+    source: str
+    task: Task
+    x: FloatArray
+    y: FloatArray | npt.NDArray[np.int64]
+    classes: list[str] = field(default_factory=list)
 
 
 # Complex, datetime, timedelta and structured dtypes: numbers only by a cast that loses what
@@ -157,7 +171,7 @@ def make_dataset(
         x = np.asarray(digits.data, dtype=np.float64) / 16.0
         labels = np.asarray(digits.target, dtype=np.int64)
         classes = [str(c) for c in range(10)]
-        return _split_classification(name, x, labels, classes, rng, test_fraction)
+        return _split(_classification_rows(name, x, labels, classes), rng, test_fraction)
     if name not in DATASET_NAMES:
         raise DataError(
             f"unknown dataset; choose one of {', '.join(DATASET_NAMES)}", source=name
@@ -172,7 +186,7 @@ def make_dataset(
     else:
         x = regular_grid(s, dim, -1.0, 1.0)
         y = ackley(x) if name.startswith("ackley") else rastrigin(x)
-    return _split_regression(name, x, y.reshape(-1, 1), rng, test_fraction)
+    return _split(_regression_rows(name, x, y.reshape(-1, 1)), rng, test_fraction)
 
 
 def load_data_file(
@@ -184,7 +198,16 @@ def load_data_file(
     test_fraction: float = 0.2,
 ) -> Dataset:
     """A user's .npz (arrays X, or x as `momlp loadtest --eval` writes it, and y) or
-    .csv/.parquet (all columns but `target` are inputs)."""
+    .csv/.parquet (all columns but `target` are inputs), split at random into train and test."""
+    rows = read_data_file(path, target=target, task=task)
+    return _split(rows, np.random.default_rng(seed), test_fraction)
+
+
+def read_data_file(
+    path: Path, *, target: str | None = None, task: Task | Literal["auto"] = "auto"
+) -> Rows:
+    """A data file's rows as `load_data_file` reads and checks them, not split: for rows that
+    are all held out (a calibration), which need neither a test share nor two classes."""
     source = str(path)
     problem = file_problem(path)
     if problem is not None:
@@ -240,15 +263,14 @@ def load_data_file(
         x = np.asarray(x_raw, dtype=np.float64)
     except (TypeError, ValueError) as exc:
         raise DataError(f"X is not numeric: {exc}", source=source) from exc
-    rng = np.random.default_rng(seed)
     auto = task == "auto"
     if task == "auto":
         task = "classification" if y_raw.dtype.kind in "iubUSO" else "regression"
     if task == "classification":
         if y_raw.ndim != 1:
             raise DataError("classification targets must be 1-D labels", source=source)
-        if y_raw.dtype.kind == "f" and not np.all(np.isfinite(y_raw)):
-            raise DataError("y holds NaN or infinite labels", source=source)
+        if y_raw.dtype.kind == "f":
+            _check_float_labels(y_raw.astype(np.float64, copy=False), source)
         classes, labels = np.unique(y_raw, return_inverse=True)
         if auto and y_raw.dtype.kind in "iu" and len(classes) > _MANY_CLASSES:
             logger.warning(
@@ -256,14 +278,28 @@ def load_data_file(
                 " pass --task regression",
                 source, len(classes),
             )
-        return _split_classification(
-            source, x, labels.astype(np.int64), [str(c) for c in classes], rng, test_fraction
+        return _classification_rows(
+            source, x, labels.astype(np.int64), [str(c) for c in classes]
         )
     try:
         y = np.asarray(y_raw, dtype=np.float64)
     except (TypeError, ValueError) as exc:
         raise DataError(f"regression targets are not numeric: {exc}", source=source) from exc
-    return _split_regression(source, x, y.reshape(len(y), -1), rng, test_fraction)
+    return _regression_rows(source, x, y.reshape(len(y), -1))
+
+
+def _check_float_labels(y: npt.NDArray[np.floating[Any]], source: str) -> None:
+    # Labels written as floats (1.0) are classes; 0.37 is a quantity, and np.unique would make
+    # a class of every distinct value.
+    if not np.all(np.isfinite(y)):
+        raise DataError("y holds NaN or infinite labels", source=source)
+    fractional = np.flatnonzero(y != np.round(y))
+    if fractional.size:
+        raise DataError(
+            f"classification labels are integers or names; y holds {fractional.size} "
+            f"fractional values (first: {float(y[fractional[0]]):.6g} in row {fractional[0]}); "
+            "for a quantity, use the regression task", source=source,
+        )
 
 
 def _read_table(
@@ -358,9 +394,7 @@ def _check_inputs(x: FloatArray, source: str) -> None:
         )
 
 
-def _split_regression(
-    source: str, x: FloatArray, y: FloatArray, rng: np.random.Generator, test_fraction: float
-) -> Dataset:
+def _regression_rows(source: str, x: FloatArray, y: FloatArray) -> Rows:
     _check_inputs(x, source)
     bad = _not_float32(y)
     if bad.any():
@@ -370,36 +404,32 @@ def _split_regression(
             f" {rows.size} rows (first: row {rows[0]})",
             source=source,
         )
-    train, test = _split_indices(x.shape[0], rng, test_fraction, source)
-    return Dataset(
-        name=source,
-        task="regression",
-        x_train=x[train].astype(np.float32),
-        y_train=y[train].astype(np.float32),
-        x_test=x[test].astype(np.float32),
-        y_test=y[test].astype(np.float32),
-    )
+    return Rows(source=source, task="regression", x=x, y=y)
 
 
-def _split_classification(
-    source: str,
-    x: FloatArray,
-    labels: npt.NDArray[np.int64],
-    classes: list[str],
-    rng: np.random.Generator,
-    test_fraction: float,
-) -> Dataset:
+def _classification_rows(
+    source: str, x: FloatArray, labels: npt.NDArray[np.int64], classes: list[str]
+) -> Rows:
     _check_inputs(x, source)
-    if len(classes) < 2:
-        raise DataError(f"classification needs at least 2 classes, got {classes}", source=source)
-    train, test = _split_indices(x.shape[0], rng, test_fraction, source)
+    return Rows(source=source, task="classification", x=x, y=labels, classes=classes)
+
+
+def _split(rows: Rows, rng: np.random.Generator, test_fraction: float) -> Dataset:
+    if rows.task == "classification" and len(rows.classes) < 2:
+        raise DataError(
+            f"classification needs at least 2 classes, got {rows.classes}", source=rows.source
+        )
+    train, test = _split_indices(len(rows.x), rng, test_fraction, rows.source)
+    y: npt.NDArray[np.float32] | npt.NDArray[np.int64] = (
+        rows.y.astype(np.int64) if rows.task == "classification" else rows.y.astype(np.float32)
+    )
     return Dataset(
-        name=source,
-        task="classification",
-        x_train=x[train].astype(np.float32),
-        y_train=labels[train],
-        x_test=x[test].astype(np.float32),
-        y_test=labels[test],
-        num_classes=len(classes),
-        classes=classes,
+        name=rows.source,
+        task=rows.task,
+        x_train=rows.x[train].astype(np.float32),
+        y_train=y[train],
+        x_test=rows.x[test].astype(np.float32),
+        y_test=y[test],
+        num_classes=len(rows.classes),
+        classes=rows.classes,
     )

@@ -329,6 +329,43 @@ def test_a_failure_a_retry_cannot_mend_fails_the_build_without_training_again(
     assert not (config.out / "manifest.json").exists()
 
 
+def test_ray_tasks_retry_a_runtime_error_and_fail_at_once_on_a_value_error(
+    ray_session: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Ray is handed the retried types as a list (retry_exceptions): this runs them on Ray's
+    # workers, where attempts are counted in files since each may run in another process.
+    import trainer._executors as executors
+
+    real = executors.expert_job
+    attempts = tmp_path / "attempts"
+    attempts.mkdir()
+
+    def failing_once(failure: type[Exception]) -> Any:
+        def job(job: Any, x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
+            if job.expert_id == 1:
+                count = len(list(attempts.iterdir()))
+                (attempts / str(count)).touch()
+                if count == 0:
+                    raise failure("simulated")
+            return real(job, x, y)
+        return job
+
+    monkeypatch.setattr(executors, "expert_job", failing_once(RuntimeError))
+    config = tiny(tmp_path / "store", "ackley2d", executor="ray", baseline=False, max_retries=2)
+    build_store(config, progress=False)
+    assert len(list(attempts.iterdir())) == 2 and Store.open(config.out).verify() == []
+
+    for stale in attempts.iterdir():
+        stale.unlink()
+    monkeypatch.setattr(executors, "expert_job", failing_once(ValueError))
+    failing = tiny(tmp_path / "fresh", "ackley2d", executor="ray", baseline=False,
+                   max_retries=2)
+    with pytest.raises(BuildFailed, match="expert 1 failed: ValueError: simulated"):
+        build_store(failing, progress=False)
+    assert len(list(attempts.iterdir())) == 1  # not retried: it would only fail again
+    assert not (failing.out / "manifest.json").exists()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_a_gpu_the_joint_phase_trains_on_it_like_the_experts(

@@ -181,3 +181,45 @@ def test_store_calibrate_refuses_targets_wider_than_the_stores_outputs(
     err = capsys.readouterr().err
     assert "y has 3 columns, the store's experts output 1" in err and "Traceback" not in err
     assert Store.open(built).version == before
+
+
+def test_store_calibrate_asks_for_rows_not_a_split_and_refuses_a_top_k_it_cannot_fit(
+    built: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = Store.open(built).version
+    x = np.random.default_rng(9).uniform(-1, 1, size=(1, 2))
+    np.savez(tmp_path / "one.npz", X=x, y=ackley(x).reshape(-1, 1))
+    assert main(["store", "calibrate", str(built), "--data", str(tmp_path / "one.npz")]) == 1
+    err = capsys.readouterr().err
+    # Was "1 rows are too few to split into train and test": calibrate splits nothing.
+    assert "calibration needs at least 2 rows" in err and "split" not in err
+
+    x = np.random.default_rng(10).uniform(-1, 1, size=(60, 2))
+    np.savez(tmp_path / "fit.npz", X=x, y=ackley(x).reshape(-1, 1))
+    for top_k, outside in (("2,9", "[9]"), ("1,3", "[1]")):
+        args = ["store", "calibrate", str(built), "--data", str(tmp_path / "fit.npz")]
+        assert main([*args, "--top-k", top_k]) == 1
+        err = capsys.readouterr().err
+        # k = 9 was dropped without a word (K = 8), and τ fitted for the rest.
+        assert f"top_k must lie in 2..8 (the store's K), got {outside}" in err
+    assert Store.open(built).version == before
+
+
+def test_store_calibrate_fits_on_rows_of_one_class_of_a_classifier(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from sklearn.datasets import load_digits
+
+    store = tmp_path / "digits"
+    config = BuildConfig(out=store, dataset="digits", experts=4, branching=2, executor="local",
+                         **quick_overrides("digits"))
+    build_store(config, progress=False)
+    digits = load_digits()
+    sevens = digits.target == 7
+    np.savez(tmp_path / "sevens.npz", X=digits.data[sevens] / 16.0, y=digits.target[sevens])
+    # Was refused: "classification needs at least 2 classes", from a split calibrate never used.
+    assert main(["store", "calibrate", str(store), "--data", str(tmp_path / "sevens.npz")]) == 0
+    c = Store.open(store).manifest.gate_spec.calibration
+    assert c is not None and c["rows"] == int(sevens.sum())
+    # Scored against class "7" of the store: any other class would cost ln(10)/row and more.
+    assert c["loss_top1"] < 0.5

@@ -14,6 +14,7 @@ from trainer import (
     load_data_file,
     make_dataset,
     rastrigin,
+    read_data_file,
     regular_grid,
 )
 
@@ -248,3 +249,32 @@ def test_a_parquet_target_of_lists_or_times_is_no_class(tmp_path: Path) -> None:
     frame.to_parquet(tmp_path / "times.parquet")
     with pytest.raises(DataError, match="holds datetime64"):
         load_data_file(tmp_path / "times.parquet", target="t")
+
+
+def test_fractional_labels_are_refused_as_classes_and_integral_floats_taken(
+    tmp_path: Path,
+) -> None:
+    x = np.random.default_rng(3).normal(size=(30, 2))
+    np.savez(tmp_path / "quantity.npz", X=x, y=np.linspace(0.0, 1.0, 30))
+    fractional = r"y holds 28 fractional values \(first: 0\.0344828 in row 1\)"
+    with pytest.raises(DataError, match=fractional):
+        load_data_file(tmp_path / "quantity.npz", task="classification")  # 30 classes before
+    np.savez(tmp_path / "labels.npz", X=x, y=np.array([0.0, 1.0, 2.0] * 10))
+    data = load_data_file(tmp_path / "labels.npz", task="classification")
+    assert data.classes == ["0.0", "1.0", "2.0"] and data.num_classes == 3
+
+
+def test_read_data_file_keeps_every_row_in_order_and_needs_no_second_class(
+    tmp_path: Path,
+) -> None:
+    x = np.random.default_rng(4).normal(size=(5, 2))
+    np.savez(tmp_path / "one.npz", X=x, y=np.full(5, 7))
+    rows = read_data_file(tmp_path / "one.npz", task="classification")
+    assert rows.classes == ["7"] and rows.y.tolist() == [0] * 5
+    assert np.array_equal(rows.x, x)
+    with pytest.raises(DataError, match="at least 2 classes"):
+        load_data_file(tmp_path / "one.npz", task="classification")
+    np.savez(tmp_path / "single.npz", X=x[:1], y=np.ones(1))
+    assert read_data_file(tmp_path / "single.npz").x.shape == (1, 2)
+    with pytest.raises(DataError, match="too few to split"):
+        load_data_file(tmp_path / "single.npz")

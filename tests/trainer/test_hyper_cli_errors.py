@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -152,6 +153,17 @@ def test_an_unreadable_npz_is_named(
     args = _hyper(data) if source == "request" else _prototype("--data", str(data))
     err = _refused(args, tmp_path / "s", capsys)
     assert str(data) in err
+
+
+@pytest.mark.parametrize("name", ["triples.npz", "triples.csv"])
+def test_a_data_path_that_is_no_regular_file_is_named_as_such(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A FIFO was "cannot read the archive: ... is not a regular file", as if a damaged zip.
+    fifo = tmp_path / name
+    os.mkfifo(fifo)
+    err = _refused(_hyper(fifo), tmp_path / "s", capsys)
+    assert f"{fifo}: not a regular file" in err and "archive" not in err
 
 
 @pytest.mark.parametrize("fraction", ["1.5", "1", "0", "-0.2", "nan"])

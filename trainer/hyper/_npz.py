@@ -13,6 +13,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from experts_store import file_problem
+
 from .._arrays import (
     UNREADABLE_ARRAY_FILE,
     class_count_problem,
@@ -39,6 +41,10 @@ def check_split_options(test_fraction: float, seed: int) -> None:
 
 def read_npz(path: Path, names: Sequence[str] | None = None) -> dict[str, npt.NDArray[np.generic]]:
     """The arrays `names` (all of them when None) of the .npz at `path`, never unpickling."""
+    problem = file_problem(path)
+    if problem is not None:
+        # Said as it is, not as an archive numpy could not parse.
+        raise HyperConfigError(f"{path}: {problem}", option="data")
     try:
         # Opened here, not by np.load: numpy leaves its own handle open on a damaged zip.
         with open_regular(path) as handle:
