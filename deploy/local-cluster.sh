@@ -101,7 +101,7 @@ case "${1:-}" in
       echo "a cluster is already recorded in $nodes; run '$0 stop' first" >&2
       exit 1
     fi
-    [[ "$n" =~ ^[0-9]+$ ]] || { echo "usage: $0 start N (N worker nodes, a whole number)" >&2; exit 2; }
+    [[ "$n" =~ ^[0-9]+$ && "$n" -ge 1 ]] || { echo "usage: $0 start N (N worker nodes, a whole number >= 1)" >&2; exit 2; }
     for p in "$port" $((port + 1)); do
       if port_taken "$node_ip" "$p"; then
         echo "port $p on $node_ip is in use (another Ray cluster?): pick another with" \

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F  # noqa: N812
+import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as safetensors_save
 

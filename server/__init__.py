@@ -1,9 +1,10 @@
 """momlp's server: settings, the expert pool runtime, the FastAPI app and the `momlp` CLI.
 
-Four floors, each importing only the ones below it: `server.pool` (Ray actors and their
-content-keyed caches), `server.batching` (requests merged, routed and grouped by expert),
-`server.serving` (store versions as data over one pool, hot swap) and `server.http` (the
-FastAPI app); the process runner and the CLI sit on top.
+Five floors, each importing only the ones below it: `server.pool` (Ray actors and their
+content-keyed caches), `server.kinds` (each store kind's plan and combine), `server.batching`
+(requests merged, routed and grouped by expert), `server.serving` (store versions as data over
+one pool, hot swap) and `server.http` (the FastAPI app); the process runner and the CLI sit
+on top.
 
 Names are imported on first use: `momlp` (whose entry point lives in this package) must start
 fast and must work for `momlp loadtest` where torch and ray are not installed.
@@ -17,13 +18,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from server._exceptions import (
         ActorFailed,
+        CapExceeded,
         ExpertUnavailable,
+        HttpError,
         InvalidRequest,
         NotReady,
         PoolClosed,
         PoolSaturated,
+        PoolStartFailed,
         RequestTimeout,
         ServerError,
+        StoreNotServable,
+        UnknownStoreKind,
     )
     from server._runner import run_server
     from server._settings import Settings
@@ -44,21 +50,26 @@ __all__ = [
     "ActorInfo",
     "BatchAnswer",
     "Batcher",
+    "CapExceeded",
     "ExpertPool",
     "ExpertStat",
     "ExpertUnavailable",
     "FakeExpertPool",
     "Group",
     "GroupResult",
+    "HttpError",
     "InvalidRequest",
     "Metrics",
     "NotReady",
     "PoolClosed",
     "PoolSaturated",
+    "PoolStartFailed",
     "RayExpertPool",
     "RequestTimeout",
     "ServerError",
     "Settings",
+    "StoreNotServable",
+    "UnknownStoreKind",
     "create_app",
     "ray_session",
     "run_server",
@@ -86,13 +97,18 @@ _HOMES = {
         name: "server._exceptions"
         for name in (
             "ActorFailed",
+            "CapExceeded",
             "ExpertUnavailable",
+            "HttpError",
             "InvalidRequest",
             "NotReady",
             "PoolClosed",
             "PoolSaturated",
+            "PoolStartFailed",
             "RequestTimeout",
             "ServerError",
+            "StoreNotServable",
+            "UnknownStoreKind",
         )
     },
 }

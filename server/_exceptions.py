@@ -12,8 +12,10 @@
      ├── InvalidRequest         a request the router or pool refuses: 422
      │    └── CapExceeded       a gate setting beyond a server cap (names the cap): 422
      ├── UnknownStoreKind       a store of a kind this server cannot serve (startup, reload)
-     └── StoreNotServable       a store whose files disagree with each other or its manifest
-                                in a way its kind cannot serve (startup, reload)
+     ├── StoreNotServable       a store whose files disagree with each other or its manifest
+     │                          in a way its kind cannot serve (startup, reload)
+     └── HttpError              a request the HTTP layer refuses while reading it, with its
+                                own status and code (413 body too large, 415, 408, 401, ...)
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ __all__ = [
     "ActorFailed",
     "CapExceeded",
     "ExpertUnavailable",
+    "HttpError",
     "InvalidRequest",
     "NotReady",
     "PoolClosed",
@@ -144,3 +147,22 @@ class StoreNotServable(ServerError):
 
     def __init__(self, *, kind: str, reason: str) -> None:
         super().__init__(f"{reason} (a store of kind {kind!r})", kind=kind, reason=reason)
+
+
+class HttpError(ServerError):
+    """An error found while reading a request, already carrying its HTTP status and code."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        *,
+        detail: Any = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.detail = detail
+        self.headers = headers or {}

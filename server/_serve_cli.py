@@ -132,7 +132,10 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         return Settings(**overrides)
     except ValidationError as exc:
         problems = "; ".join(
-            f"{_setting_name(err['loc'], set(overrides))}: {err['msg']}" for err in exc.errors()
+            # A check across settings names them itself (its loc is empty).
+            f"{_setting_name(err['loc'], set(overrides))}: {err['msg']}" if err["loc"]
+            else str(err["msg"]).removeprefix("Value error, ")
+            for err in exc.errors()
         )
         raise CliError(f"invalid settings: {problems}") from exc
 

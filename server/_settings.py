@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, SecretStr
+from pydantic import BeforeValidator, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from experts_store import CachePolicy
@@ -70,7 +70,8 @@ class Settings(BaseSettings):
         default="auto", description="auto picks CUDA when the Ray cluster has a GPU, else CPU"
     )
     actors: int = Field(
-        default=1, ge=1, description="actors on CPU; on CUDA one actor per GPU of the cluster"
+        default=1, ge=1, description="actors on CPU; on CUDA one actor per GPU of the cluster,"
+        " or this many GPU actors when given and more (a head whose GPU workers join later)"
     )
     cache_bytes: ByteSize = Field(
         default=256 * 1024 * 1024, ge=1, description="expert cache budget per actor, bytes"
@@ -180,7 +181,11 @@ class Settings(BaseSettings):
         " probes say 503 draining, so that a load balancer stops sending first; a second"
         " signal stops at once",
     )
-    default_top_k: int = Field(default=1, ge=1)
+    default_top_k: int = Field(
+        default=1, ge=1,
+        description="top_k of a request that names none (at most max_top_k; a store of fewer"
+        " experts serves its K)",
+    )
     default_mode: Literal["tree", "exact"] | None = Field(
         default=None, description="None uses the mode the store was trained for"
     )
@@ -213,3 +218,12 @@ class Settings(BaseSettings):
     )
     watch_store: bool = Field(default=True, description="reload when manifest.json changes")
     watch_interval_s: float = Field(default=2.0, gt=0.0)
+
+    @model_validator(mode="after")
+    def _default_within_cap(self) -> Settings:
+        # Else every request that leaves top_k out would get a 422 for a value it never sent.
+        if self.default_top_k > self.max_top_k:
+            raise ValueError(
+                f"default_top_k={self.default_top_k} exceeds max_top_k={self.max_top_k}"
+            )
+        return self

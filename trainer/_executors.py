@@ -14,7 +14,7 @@ import math
 import os
 import re
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -130,17 +130,21 @@ def ray_runtime(address: str | None, num_cpus: int | None) -> Iterator[None]:
 
     started = False
     if not ray.is_initialized():
+        options: dict[str, Any] = {"log_to_driver": False, "configure_logging": False}
         if address is not None:
-            ray.init(address=address, log_to_driver=False, configure_logging=False)
+            options["address"] = address
         else:
             # address="local": a bare ray.init() would attach to any cluster `ray start` left.
-            ray.init(
-                address="local",
-                num_cpus=num_cpus,
-                include_dashboard=False,
-                log_to_driver=False,
-                configure_logging=False,
-            )
+            options.update(address="local", num_cpus=num_cpus, include_dashboard=False)
+        try:
+            ray.init(**options)
+        except BaseException:
+            # A signal during ray.init (SystemExit from wherever it is): what of an embedded
+            # node is already up goes down now, as server.pool.start_ray does, though Ray does
+            # not count itself initialised yet.
+            with suppress(Exception):
+                ray.shutdown()
+            raise
         started = True
     try:
         yield

@@ -175,7 +175,7 @@ class Batcher:
             raise InvalidRequest("inputs must be a non-empty 2-D array", field="inputs")
         if array.shape[1] != self._model.input_dim:
             raise InvalidRequest(
-                f"inputs have {array.shape[1]} columns, the store expects "
+                f"inputs have dimension {array.shape[1]}, the model expects "
                 f"{self._model.input_dim}",
                 field="inputs",
             )

@@ -5,9 +5,9 @@ It sits on the serving floor (`server.serving`) and is the only floor that knows
 
 from __future__ import annotations
 
+from server._exceptions import HttpError
 from server.http._admin import ReloadResponse, is_loopback
 from server.http._app import create_app, pool_snapshot
-from server.http._body import HttpError
 from server.http._errors import error_response
 from server.http._metrics import CONTENT_TYPE, Metrics, PoolSnapshot
 from server.http._request_id import RequestIdLogFilter

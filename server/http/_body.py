@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 
+from server._exceptions import HttpError
 from server.http._deadline import Deadline
 from server.http._models import PredictRequest, RouteRequest
 from server.kinds import ConditionRequest, GateRequest, PatchInputs
@@ -65,26 +66,6 @@ def refuse_rows_beyond_scan(
                 {what: found, "max": most},
             )
 _T = TypeVar("_T")
-
-
-class HttpError(Exception):
-    """An error found while reading a request, already carrying its HTTP status and code."""
-
-    def __init__(
-        self,
-        status: int,
-        code: str,
-        message: str,
-        *,
-        detail: Any = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.detail = detail
-        self.headers = headers or {}
 
 
 def _invalid(message: str, detail: Any = None) -> HttpError:

@@ -6,6 +6,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from experts_store import GateSpec, PMoESpec
+
 __all__ = [
     "ActorInfoModel",
     "GateModel",
@@ -18,6 +20,7 @@ __all__ = [
     "GateQuery",
     "GraphStatsModel",
     "HealthResponse",
+    "HyperSummary",
     "ModelResponse",
     "PredictRequest",
     "PredictResponse",
@@ -114,11 +117,13 @@ class PredictRequest(RouteRequest):
 class GateQuery(BaseModel):
     """The query string of /v1/predict and /v1/route: a binary body's gate and what to return.
 
-    A JSON body carries its own (`PredictRequest`); unknown parameters are ignored. Values
-    arrive as strings, so numbers and booleans are parsed leniently ("3", "true").
+    A JSON body carries its own (`PredictRequest`); a query beside it is checked but not used,
+    as each parameter's description says. An unknown parameter is refused (a misspelt option
+    would otherwise be ignored). Values arrive as strings, so numbers and booleans are parsed
+    leniently ("3", "true").
     """
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     top_k: int | None = Field(default=None, ge=1, description="binary bodies only")
     mode: Mode | None = Field(default=None, description="binary bodies only")
@@ -213,6 +218,17 @@ class RouteResponse(BaseModel):
     patches: list[list[ExpertPatchesModel]] | None = None
 
 
+class HyperSummary(BaseModel):
+    """A hyper store's generator: what a cached expert θ and the generator f weigh."""
+
+    condition_dim: int
+    theta_bytes: int = Field(description="|θ|: one generated expert as the cache holds it")
+    generator_bytes: int = Field(description="|f|: the hypernetwork's weights")
+    primary_widths: list[int]
+    condition_source: str
+    condition_ids: list[str] = Field(description="the named conditions (the first 1,000)")
+
+
 class ModelResponse(BaseModel):
     store_version: str
     format_version: int
@@ -224,18 +240,16 @@ class ModelResponse(BaseModel):
     routing: Mode
     temperature: float
     kind: str = "momlp"
-    gate: dict[str, Any] | None = None
-    pmoe: dict[str, Any] | None = Field(
+    gate: GateSpec | None = Field(default=None, description="the store's default gate")
+    pmoe: PMoESpec | None = Field(
         default=None, description="kind pmoe: patch layout (n, d, image), routing, gating"
     )
     total_expert_bytes: int
     max_expert_bytes: int
     total_params: int
     prototypes: list[list[float]] | None = None
-    hyper: dict[str, Any] | None = Field(
-        default=None, description="kind hyper: condition_dim, theta_bytes (|θ| as a cached "
-        "expert), generator_bytes (|f|), condition_source, condition_ids (named conditions)"
-    )
+    hyper: HyperSummary | None = Field(default=None, description="kind hyper")
+
 
 
 class ExpertInfoModel(BaseModel):

@@ -38,6 +38,7 @@ from server.http._models import (
     ExpertStatModel,
     GateQuery,
     HealthResponse,
+    HyperSummary,
     ModelResponse,
     PredictRequest,
     PredictResponse,
@@ -203,19 +204,19 @@ def _routable_experts(manifest: Any) -> int:
     return int(manifest.num_experts)
 
 
-def _hyper_summary(version: StoreVersion) -> dict[str, Any] | None:
+def _hyper_summary(version: StoreVersion) -> HyperSummary | None:
     spec = version.manifest.hyper
     if spec is None:
         return None
     ids = getattr(version.model, "condition_ids", [])
-    return {
-        "condition_dim": spec.condition_dim,
-        "theta_bytes": spec.theta_nbytes,
-        "generator_bytes": 4 * spec.hypernetwork.params,
-        "primary_widths": spec.primary.widths,
-        "condition_source": spec.condition_source,
-        "condition_ids": list(ids)[:1000],
-    }
+    return HyperSummary(
+        condition_dim=spec.condition_dim,
+        theta_bytes=spec.theta_nbytes,
+        generator_bytes=4 * spec.hypernetwork.params,
+        primary_widths=list(spec.primary.widths),
+        condition_source=spec.condition_source,
+        condition_ids=list(ids)[:1000],
+    )
 
 
 def _patch_rows(routing: Any) -> list[list[ExpertPatchesModel]] | None:
@@ -387,8 +388,8 @@ def add_routes(app: FastAPI) -> None:
                 routing=m.routing,
                 temperature=m.temperature,
                 kind=m.kind,
-                gate=m.gate_spec.model_dump(),
-                pmoe=m.pmoe.model_dump() if m.pmoe is not None else None,
+                gate=m.gate_spec,
+                pmoe=m.pmoe,
                 total_expert_bytes=m.total_expert_bytes,
                 max_expert_bytes=max((e.bytes for e in m.experts), default=0),
                 total_params=sum(e.params for e in m.experts),

@@ -105,7 +105,12 @@ class MomlpModel:
     def resolve(self, request: GateRequest, settings: Settings) -> Gate:
         """The request's gate: its fields over the store's gate, within the server's caps."""
         spec = self.gate_spec
-        k = request.top_k if request.top_k is not None else settings.default_top_k
+        if request.top_k is None:
+            # The server's default is for every store it may serve; a store of fewer experts
+            # has all of them as its top-k (a 422 would blame a value the client never sent).
+            k = min(settings.default_top_k, self.num_experts)
+        else:
+            k = request.top_k
         if k > self.num_experts:
             raise InvalidRequest(
                 f"top_k={k} exceeds the {self.num_experts} experts of this model", field="top_k"

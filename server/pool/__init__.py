@@ -14,17 +14,19 @@ from server.pool._actor import (
     resolve_device,
     row_block,
 )
-from server.pool._base import ActorDied, DispatchingPool, check_budget
-from server.pool._channel import (
-    Channel,
+from server.pool._base import DispatchingPool, check_budget
+from server.pool._channel import Channel, ChannelServer
+from server.pool._dispatch import Dispatcher, rendezvous_rank
+from server.pool._errors import (
+    ActorDied,
+    ActorGone,
     ChannelCallFailed,
     ChannelClosed,
     ChannelError,
-    ChannelServer,
+    WireError,
 )
-from server.pool._dispatch import Dispatcher, rendezvous_rank
 from server.pool._fake import FakeExpertPool
-from server.pool._ray import RayExpertPool, actor_device
+from server.pool._ray import RayExpertPool, actor_count, actor_device
 from server.pool._session import ray_session, start_ray, stop_ray
 from server.pool._types import (
     ActorInfo,
@@ -40,6 +42,7 @@ __all__ = [
     "ROW_BLOCK",
     "ActorCore",
     "ActorDied",
+    "ActorGone",
     "ActorInfo",
     "ActorReply",
     "CacheCounts",
@@ -57,7 +60,9 @@ __all__ = [
     "GroupOutcome",
     "GroupResult",
     "RayExpertPool",
+    "WireError",
     "activation_peak_bytes",
+    "actor_count",
     "actor_device",
     "check_budget",
     "ray_session",

@@ -21,9 +21,10 @@ from experts_store import Clock, ExpertRef, ExpertTooLarge, MonotonicClock
 from server._exceptions import ActorFailed, PoolClosed
 from server.pool._actor import ERROR_LOAD
 from server.pool._dispatch import Dispatcher
+from server.pool._errors import ActorDied, ActorGone
 from server.pool._types import ActorInfo, ActorReply, CacheCounts, Group, GroupResult
 
-__all__ = ["ActorDied", "ActorGone", "DispatchingPool", "check_budget"]
+__all__ = ["DispatchingPool", "check_budget"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,19 +33,6 @@ logger = logging.getLogger(__name__)
 MAX_RETRIES = 2
 
 _EMPTY = torch.empty(0, 0)
-
-
-class ActorDied(Exception):
-    """Internal: a call found its actor dead (Ray's RayActorError, or the fake pool's kill)."""
-
-    def __init__(self, actor: str) -> None:
-        super().__init__(f"actor {actor} died")
-        self.actor = actor
-
-
-class ActorGone(ActorDied):
-    """Internal: the actor is dead and its runtime says it will not be restarted (Ray's
-    ActorDiedError after the actor's restarts are spent; a restarting one is unavailable)."""
 
 
 # A revival gives up after this many ActorGone answers in a row: one could be a call that

@@ -26,14 +26,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+from server.pool._errors import ChannelCallFailed, ChannelClosed, WireError
 from server.pool._types import ActorReply
 from server.pool._wire import (
     PREFIX,
-    ChannelError,
     RunDecoder,
     RunEncoder,
     RunPayload,
-    WireError,
     decode_reply,
     encode_failure,
     encode_reply,
@@ -43,9 +42,6 @@ from server.pool._wire import (
 __all__ = [
     "MAX_SOCKET_PATH",
     "Channel",
-    "ChannelCallFailed",
-    "ChannelClosed",
-    "ChannelError",
     "ChannelServer",
 ]
 
@@ -53,14 +49,6 @@ logger = logging.getLogger(__name__)
 
 # sun_path is 108 bytes on Linux, including the terminating NUL.
 MAX_SOCKET_PATH = 107
-
-
-class ChannelClosed(ChannelError):
-    """The connection to the actor is gone (the actor died, or a frame did not decode)."""
-
-
-class ChannelCallFailed(ChannelError):
-    """The actor's `run` raised; the message is its reason."""
 
 
 class ChannelServer:

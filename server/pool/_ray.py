@@ -20,12 +20,13 @@ from experts_store import Clock, ExpertRef
 from server._exceptions import ActorFailed, PoolStartFailed
 from server._settings import Settings
 from server.pool._actor import ExpertActor, resolve_device
-from server.pool._base import ActorDied, ActorGone, DispatchingPool
-from server.pool._channel import Channel, ChannelCallFailed, ChannelClosed
+from server.pool._base import DispatchingPool
+from server.pool._channel import Channel
 from server.pool._channel_dir import make_channel_folder, sweep_stale_folders
+from server.pool._errors import ActorDied, ActorGone, ChannelCallFailed, ChannelClosed
 from server.pool._types import ActorInfo, ActorReply
 
-__all__ = ["RayExpertPool", "actor_device"]
+__all__ = ["RayExpertPool", "actor_count", "actor_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,25 @@ def actor_device(
     if local_cuda:
         return "cuda"
     return "cuda" if cluster_gpus - local_gpus >= 1 else "cpu"
+
+
+def actor_count(device: str, settings: Settings, cluster_gpus: float) -> int:
+    """How many actors the pool starts: `settings.actors` on CPU; on CUDA one per GPU of the
+    cluster, or `settings.actors` GPU actors where it was given and is more.
+
+    A head that starts before its GPU workers join (KubeRay, deploy/ray-cluster.yaml) counts
+    none yet: `--device cuda --actors N` waits for N GPU actors to be placed. An embedded Ray
+    never gains a GPU, so asking it for more than it has is refused at once.
+    """
+    if not device.startswith("cuda"):
+        return settings.actors
+    asked = settings.actors if "actors" in settings.model_fields_set else 1
+    if asked > cluster_gpus and settings.ray_address is None:
+        raise PoolStartFailed(
+            reason=f"--actors {asked} asks for {asked} GPU actors, and this machine's Ray "
+            f"counts {cluster_gpus:g} GPUs"
+        )
+    return max(asked, int(cluster_gpus))
 
 
 # How often a start waiting for its actors looks at its stop event.
@@ -175,11 +195,10 @@ class RayExpertPool(DispatchingPool):
                 reason=f"device {settings.device!r} asks for GPUs, and this machine's Ray "
                 "counts none (use --device cpu or auto)"
             )
+        count = actor_count(device, settings, gpus)
         if device.startswith("cuda"):
-            count = max(1, int(gpus))
             resources: dict[str, Any] = {"num_gpus": 1, "num_cpus": num_cpus_per_actor}
         else:
-            count = settings.actors
             resources = {"num_cpus": num_cpus_per_actor}
         if settings.actor_resource:
             # Each worker node offers one unit (local-cluster.sh, KubeRay): one actor a node.
@@ -390,7 +409,14 @@ class RayExpertPool(DispatchingPool):
             if channel is not None:
                 await channel.close()
         self._channels.clear()
-        for handle in self._handles.values():
-            ray.kill(handle, no_restart=True)
-        if self._channel_dir is not None:
-            shutil.rmtree(self._channel_dir, ignore_errors=True)
+        handles = list(self._handles.values())
+        channel_dir = self._channel_dir
+
+        def kill_and_remove() -> None:
+            # Off the event loop: a kill is a call to Ray's GCS, the removal file I/O.
+            for handle in handles:
+                ray.kill(handle, no_restart=True)
+            if channel_dir is not None:
+                shutil.rmtree(channel_dir, ignore_errors=True)
+
+        await asyncio.to_thread(kill_and_remove)

@@ -24,17 +24,16 @@ from typing import Any
 import numpy as np
 
 from experts_store import ExpertRef, GeneratedRef, GeneratorRef
+from server.pool._errors import WireError
 from server.pool._types import ActorReply, CacheCounts, GroupOutcome
 
 __all__ = [
     "MAX_BODY_BYTES",
     "MAX_HEADER_BYTES",
     "PREFIX",
-    "ChannelError",
     "RunPayload",
     "RunDecoder",
     "RunEncoder",
-    "WireError",
     "decode_reply",
     "encode_failure",
     "encode_reply",
@@ -55,15 +54,6 @@ _REF_KINDS: dict[str, type[ExpertRef]] = {
     "generated": GeneratedRef,
 }
 _KIND_OF = {cls: kind for kind, cls in _REF_KINDS.items()}
-
-
-class ChannelError(Exception):
-    """Base of the actor channel's errors (internal: the pool maps each to `ActorDied` or
-    `ActorFailed`)."""
-
-
-class WireError(ChannelError):
-    """A frame that does not decode: wrong magic, sizes, JSON or field types."""
 
 
 def parse_prefix(prefix: bytes) -> tuple[int, int]:

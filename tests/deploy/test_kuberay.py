@@ -78,3 +78,31 @@ def test_the_server_leaves_the_service_before_it_stops_accepting() -> None:
     assert command[0] == "sleep" and 0 < float(command[1]) < pod.get(
         "terminationGracePeriodSeconds", 30
     )
+
+
+def test_the_server_waits_for_a_gpu_actor_on_each_gpu_its_workers_bring() -> None:
+    # It starts before the GPU workers join: with `--device auto` it counted no GPU and served
+    # on the head's CPU for its whole life, and the default 60 s start wait could end first.
+    from server._cli import build_parser
+    from server._serve_cli import settings_from_args
+    from server.pool import actor_count
+
+    [cluster] = [d for d in yaml.safe_load_all(MANIFEST.read_text()) if d["kind"] == "RayCluster"]
+    [serve] = [c for c in cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+               if c["name"] == "momlp-serve"]
+    settings = settings_from_args(build_parser().parse_args([*serve["command"][1:],
+                                                             *serve["args"]]))
+    gpus = sum(
+        group["replicas"]
+        * group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+        for group in cluster["spec"]["workerGroupSpecs"]
+    )
+    assert settings.device == "cuda" and actor_count("cuda", settings, 0) == gpus
+    env = {e["name"]: e.get("value") for e in serve["env"]}
+    assert float(env["MOMLP_ACTOR_START_TIMEOUT_S"]) >= 600
+    for group in cluster["spec"]["workerGroupSpecs"]:
+        pod = group["template"]["spec"]
+        shm = [m["name"] for m in pod["containers"][0]["volumeMounts"]
+               if m["mountPath"] == "/dev/shm"]
+        assert shm and {v["name"]: v for v in pod["volumes"]}[shm[0]]["emptyDir"] == {
+            "medium": "Memory"}

@@ -39,9 +39,11 @@ def test_stop_without_a_cluster_does_not_claim_to_have_stopped_one(tmp_path: Pat
     assert "nothing to stop" in done.stdout and "cluster stopped" not in done.stdout
 
 
-def test_start_refuses_a_node_count_that_is_not_a_number(tmp_path: Path) -> None:
-    done = run(tmp_path, "start", "two")
-    assert done.returncode == 2 and "whole number" in done.stderr
+@pytest.mark.parametrize("count", ["two", "0"])
+def test_start_refuses_a_node_count_that_is_not_a_number(tmp_path: Path, count: str) -> None:
+    # "0" started a head and printed a serve command with --actors 0, which serve refuses.
+    done = run(tmp_path, "start", count)
+    assert done.returncode == 2 and "whole number >= 1" in done.stderr
     assert not (tmp_path / "cluster" / "nodes").exists()
 
 

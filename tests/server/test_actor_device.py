@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from server.pool import actor_device
+from server import PoolStartFailed, Settings
+from server.pool import actor_count, actor_device
 
 pytestmark = pytest.mark.unit
 
@@ -41,3 +42,29 @@ def test_cuda_where_torch_has_none_is_refused_naming_why() -> None:
     with pytest.raises(RuntimeError, match=r"--device cpu") as info:
         resolve_device("cuda")
     assert "sees no usable GPU" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("given", "address", "gpus", "count"),
+    [
+        ({}, None, 2, 2),  # one actor per GPU
+        ({}, "head:6379", 0, 1),  # a head whose GPU workers have not joined: one, waited for
+        ({"actors": 4}, "head:6379", 0, 4),  # ... or as many as asked for, waited for
+        ({"actors": 2}, "head:6379", 3, 3),  # never fewer than the GPUs there are
+        ({"actors": 1}, None, 2, 2),
+    ],
+)
+def test_cuda_starts_one_actor_per_gpu_or_the_actors_asked_for(
+    given: dict[str, int], address: str | None, gpus: float, count: int
+) -> None:
+    # Before, --actors was ignored on CUDA: a KubeRay head that started before its two GPU
+    # workers joined ran one GPU actor for the server's life.
+    settings = Settings(ray_address=address, **given)
+    assert actor_count("cuda", settings, gpus) == count
+    assert actor_count("cpu", settings, gpus) == settings.actors
+
+
+def test_an_embedded_ray_asked_for_more_gpu_actors_than_gpus_refuses_at_once() -> None:
+    with pytest.raises(PoolStartFailed, match="--actors 3 asks for 3 GPU actors, and this "
+                       "machine's Ray counts 2 GPUs"):
+        actor_count("cuda", Settings(actors=3), 2)

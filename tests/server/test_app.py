@@ -20,8 +20,10 @@ from app_support import (
     prototypes,
     running,
 )
+from pydantic import ValidationError
 
-from server import create_app
+from experts_store import Store
+from server import Settings, create_app
 from server.http._models import ExpertsResponse
 
 pytestmark = pytest.mark.unit
@@ -298,6 +300,26 @@ async def test_settings_defaults_apply_when_a_request_gives_no_top_k_or_mode(sto
         one = (await client.post("/v1/route", json={"inputs": x.tolist(), "top_k": 1})).json()
     assert routed["experts"] == nearest.tolist()
     assert one["experts"] == nearest[:, :1].tolist()
+
+
+async def test_a_default_top_k_beyond_the_stores_experts_serves_all_of_them(
+    store: Path,
+) -> None:
+    # Was a 422 "top_k=K+3 exceeds the K experts" on every request that named no top_k.
+    k = Store.open(store).manifest.num_experts
+    x = _inputs(10, seed=20)
+    nearest, _ = nearest_k(store, x, k)
+    settings = {"default_top_k": k + 3, "max_top_k": k + 3, "default_mode": "exact"}
+    async with running(fake_app(store, **settings)) as client:
+        routed = await client.post("/v1/route", json={"inputs": x.tolist()})
+        asked = await client.post("/v1/route", json={"inputs": x.tolist(), "top_k": k + 1})
+    assert routed.status_code == 200 and routed.json()["experts"] == nearest.tolist()
+    assert asked.status_code == 422 and f"exceeds the {k} experts" in asked.text
+
+
+def test_a_default_top_k_beyond_the_cap_is_refused_at_start() -> None:
+    with pytest.raises(ValidationError, match="default_top_k=9 exceeds max_top_k=8"):
+        Settings(default_top_k=9)
 
 
 async def test_the_experts_listing_is_built_off_the_event_loop_inside_its_version(

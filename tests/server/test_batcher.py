@@ -12,7 +12,7 @@ import torch
 
 from experts_store import ExpertRef, Store, load_expert
 from router import Gate, GateRouting
-from server._exceptions import ExpertUnavailable, InvalidRequest, PoolClosed, PoolSaturated
+from server import ExpertUnavailable, InvalidRequest, PoolClosed, PoolSaturated
 from server._settings import Settings
 from server.batching import Batcher, OpenConnections
 from server.kinds import MomlpModel
@@ -630,7 +630,7 @@ async def test_numpy_and_torch_inputs_are_checked_alike(setup: Setup) -> None:
         (torch.zeros(1, 3, dtype=torch.int16), "must be numbers"),
         (np.array([[0.0, np.inf, 1.0]]), "finite"),
         (np.array([[1e39, 0.0, 0.0]]), "finite"),  # beyond float32
-        (np.zeros((2, 4), dtype=np.float32), "4 columns, the store expects 3"),
+        (np.zeros((2, 4), dtype=np.float32), "dimension 4, the model expects 3"),
         (np.zeros((0, 3), dtype=np.float32), "non-empty 2-D"),
     ]:
         with pytest.raises(InvalidRequest, match=message) as info:

@@ -22,13 +22,13 @@ from server.pool import (
     ChannelClosed,
     ChannelServer,
     GroupOutcome,
+    WireError,
 )
 from server.pool._wire import (
     PREFIX,
     RunDecoder,
     RunEncoder,
     RunPayload,
-    WireError,
     decode_reply,
     encode_failure,
     encode_reply,

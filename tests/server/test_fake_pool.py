@@ -12,7 +12,7 @@ import torch
 from pool_support import IdGroup, IdPool
 
 from experts_store import ExpertRef, ExpertTooLarge, Store, load_expert
-from server._exceptions import ActorFailed, PoolClosed
+from server import ActorFailed, PoolClosed
 from server._settings import Settings
 from server.pool import ActorDied, ActorReply, CacheCounts, FakeExpertPool
 

@@ -49,7 +49,7 @@ async def test_only_an_exact_method_and_path_take_the_hot_endpoint() -> None:
     assert passed_on == [("GET", "/v1/predict"), ("POST", "/v1/predict/")]
 
 
-async def test_query_errors_name_the_parameter_and_unknown_ones_are_ignored(
+async def test_query_errors_name_the_parameter_and_unknown_ones_are_refused(
     store: Path,
 ) -> None:
     x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
@@ -58,7 +58,8 @@ async def test_query_errors_name_the_parameter_and_unknown_ones_are_ignored(
     binary = {"content": buf.getvalue(), "headers": {"Content-Type": "application/x-npy"}}
     async with running(fake_app(store)) as client:
         plain = await client.post("/v1/predict", json={"inputs": x.tolist()})
-        unknown = await client.post("/v1/predict?colour=red", json={"inputs": x.tolist()})
+        # Answered 200 as if no query had been sent.
+        misspelt = await client.post("/v1/predict", params={"topk": "2"}, **binary)
         with_stats = await client.post("/v1/predict", params={"return_stats": "true"}, **binary)
         refused = {
             name: await client.post(path, params={name: value}, **binary)
@@ -70,8 +71,9 @@ async def test_query_errors_name_the_parameter_and_unknown_ones_are_ignored(
                 ("/v1/predict", "return_stats", "maybe"),
             )
         }
-    assert unknown.status_code == plain.status_code == 200
-    assert unknown.json() == plain.json()
+    assert plain.status_code == 200
+    assert misspelt.status_code == 422
+    assert [entry["loc"] for entry in error_of(misspelt)["detail"]] == [["query", "topk"]]
     assert with_stats.status_code == 200 and with_stats.json()["stats"]["experts"]
     assert with_stats.json()["outputs"] == plain.json()["outputs"]
     for name, response in refused.items():

@@ -22,8 +22,7 @@ from app_support import (
 )
 
 from experts_store import ManifestError
-from server import create_app
-from server._exceptions import UnknownStoreKind
+from server import UnknownStoreKind, create_app
 from server.kinds import KINDS
 
 pytestmark = pytest.mark.unit

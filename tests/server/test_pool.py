@@ -17,7 +17,7 @@ from pool_support import IdGroup, IdPool
 
 from experts_store import ExpertTooLarge, Store, load_expert
 from router import PrototypeTree
-from server._exceptions import ActorFailed, ExpertUnavailable, PoolStartFailed
+from server import ActorFailed, ExpertUnavailable, PoolStartFailed
 from server._settings import Settings
 from server.batching import Batcher
 from server.kinds import MomlpModel

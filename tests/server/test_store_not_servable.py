@@ -26,9 +26,8 @@ import server._runner
 import server.pool
 from experts_store import ImageLayout, Store
 from router import PrototypeTree, RouterFileError
-from server import create_app
+from server import StoreNotServable, create_app
 from server._cli import main
-from server._exceptions import StoreNotServable
 from server.kinds import open_model
 from trainer.hyper import HyperNetwork, PrimarySpec, publish_hypernetwork
 from trainer.pmoe import PatchMoE, publish_pmoe

@@ -329,6 +329,30 @@ def test_a_failure_a_retry_cannot_mend_fails_the_build_without_training_again(
     assert not (config.out / "manifest.json").exists()
 
 
+@pytest.mark.unit
+def test_a_signal_during_ray_init_takes_down_the_part_of_ray_it_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # ray.init answers SIGTERM with SystemExit from wherever it is; the build's Ray start left
+    # what of the node was up running, where the server's start (server.pool) took it down.
+    import ray
+
+    from trainer._executors import ray_runtime
+
+    calls: list[str] = []
+
+    def init(**options: Any) -> None:
+        calls.append("init")
+        raise SystemExit(143)
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    with pytest.raises(SystemExit), ray_runtime(None, 1):
+        pass
+    assert calls == ["init", "shutdown"]
+
+
 def test_ray_tasks_retry_a_runtime_error_and_fail_at_once_on_a_value_error(
     ray_session: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
