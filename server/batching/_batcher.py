@@ -248,7 +248,7 @@ class Batcher:
                 continue
             task = asyncio.get_running_loop().create_task(self._process(batch))
             self._inflight.add(task)
-            task.add_done_callback(self._batch_done)
+            task.add_done_callback(functools.partial(self._batch_done, batch))
 
     def _start_prefetch(self) -> None:
         """Route the queue's head ahead of its batch and warm its experts' home actors."""
@@ -281,10 +281,13 @@ class Batcher:
             # Prefetch is only a hint: the batch routes (and reports bad input) for itself.
             logger.debug("prefetch of %s queued requests failed", len(items), exc_info=True)
 
-    def _batch_done(self, task: asyncio.Task[None]) -> None:
+    def _batch_done(self, batch: list[_Pending], task: asyncio.Task[None]) -> None:
         self._inflight.discard(task)
         if self._slots is not None:
             self._slots.release()
+        # A task cancelled before its first step (a close in the turn it was made) never ran
+        # `_process`, whose own handler fails the batch: its requests would wait for good.
+        _fail(batch, PoolClosed())
 
     def _drop_cancelled(self) -> None:
         while self._queue and self._queue[0].future.done():
@@ -357,7 +360,12 @@ class Batcher:
         except RouterInputError as exc:
             if len(batch) > 1:
                 # One bad request must not fail the others merged with it: route each alone.
-                await asyncio.gather(*(self._process([item]) for item in batch))
+                try:
+                    await asyncio.gather(*(self._process([item]) for item in batch))
+                except asyncio.CancelledError:
+                    # gather's children may be cancelled before their first step.
+                    _fail(batch, PoolClosed())
+                    raise
             else:
                 _fail(batch, InvalidRequest(str(exc), field="inputs"))
             return

@@ -195,11 +195,23 @@ class DispatchingPool(ABC):
             if self._unreachable is not None:
                 reason += f": {self._unreachable}"
             raise ActorFailed(actor="*", reason=reason)
+        # Each call takes its actor's placed rows off this as its first step and completes
+        # them when it ends; a call cancelled before that step (gather cancelled at once)
+        # never runs, so what is left here is completed after: else the dispatcher counts
+        # those rows as queued for good and steers experts away from their home actor.
+        placed = {
+            actor: sum(int(groups[i].rows.shape[0]) for i in idx) for actor, idx in by_actor.items()
+        }
         calls = [
-            self._run_on(actor, groups, idx, results, retries_left=retries_left, exclude=exclude)
+            self._run_on(actor, groups, idx, results, placed, retries_left=retries_left,
+                         exclude=exclude)
             for actor, idx in by_actor.items()
         ]
-        await asyncio.gather(*calls)
+        try:
+            await asyncio.gather(*calls)
+        finally:
+            for actor, rows in placed.items():
+                self._dispatcher.complete(actor, rows)
 
     async def _await_revival(self) -> None:
         reviving = [task for task in self._reviving.values() if not task.done()]
@@ -217,11 +229,12 @@ class DispatchingPool(ABC):
         groups: list[Group],
         indices: list[int],
         results: list[GroupResult | None],
+        placed: dict[str, int],
         *,
         retries_left: int,
         exclude: frozenset[str],
     ) -> None:
-        rows = sum(int(groups[i].rows.shape[0]) for i in indices)
+        rows = placed.pop(actor)
         payload = [(groups[i].expert, _rows_array(groups[i].rows)) for i in indices]
         try:
             reply = await self._call_run(actor, payload)
@@ -232,6 +245,9 @@ class DispatchingPool(ABC):
         finally:
             self._dispatcher.complete(actor, rows)
         if died:
+            if self._closed:
+                # Closed under the call: no revival to start, nothing to retry on.
+                raise PoolClosed()
             self._dispatcher.mark_dead(actor)
             self._watch_revival(actor)
             if retries_left <= 0:

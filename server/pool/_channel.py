@@ -167,20 +167,18 @@ class Channel:
         call = next(self._calls)
         answer: asyncio.Future[ActorReply] = asyncio.get_running_loop().create_future()
         self._pending[call] = answer
+        # One `finally` from here: a caller cancelled while it waits for the write lock or in
+        # drain() left its entry (and, once answered, the reply's arrays) for good.
         try:
-            async with self._write_lock:
-                # Encoded and written with no await between: a frame that defines a ref
-                # reaches the actor before any frame that uses it.
-                try:
+            try:
+                async with self._write_lock:
+                    # Encoded and written with no await between: a frame that defines a ref
+                    # reaches the actor before any frame that uses it.
                     frame = self._encoder.encode(call, payload)
-                except BaseException:
-                    self._pending.pop(call, None)
-                    raise
-                self._writer.write(frame)
-                await self._writer.drain()
-        except OSError as exc:
-            self._close(f"write failed: {exc}")
-        try:
+                    self._writer.write(frame)
+                    await self._writer.drain()
+            except OSError as exc:
+                self._close(f"write failed: {exc}")
             return await answer
         finally:
             # A cancelled caller's answer, if it ever comes, is dropped on arrival.

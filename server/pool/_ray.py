@@ -374,7 +374,7 @@ class RayExpertPool(DispatchingPool):
             raise ActorDied(actor) from exc
 
     async def _call_info(self, actor: str) -> ActorInfo:
-        from ray.exceptions import ActorDiedError, RayActorError
+        from ray.exceptions import ActorDiedError, RayError
 
         try:
             info: ActorInfo = await self._handles[actor].info.remote()
@@ -382,7 +382,10 @@ class RayExpertPool(DispatchingPool):
             # Raised to a new call only when Ray will not restart the actor; while it
             # restarts, calls get ActorUnavailableError.
             raise ActorGone(actor) from exc
-        except RayActorError as exc:
+        except RayError as exc:
+            # RayActorError, and whatever else Ray answers a probe with (a lost object, its
+            # owner gone, a system error): a failed probe, polled again. Raised out of the
+            # revival, it ended it unseen and left the actor marked dead for good.
             raise ActorDied(actor) from exc
         return info
 
@@ -405,9 +408,9 @@ class RayExpertPool(DispatchingPool):
     async def _shutdown(self) -> None:
         import ray
 
-        for channel in self._channels.values():
-            if channel is not None:
-                await channel.close()
+        # Taken and cleared first: a call in flight wakes on its channel's close and drops
+        # its entry, which changed the dict under the loop (RuntimeError; actors not killed).
+        channels = [channel for channel in self._channels.values() if channel is not None]
         self._channels.clear()
         handles = list(self._handles.values())
         channel_dir = self._channel_dir
@@ -419,4 +422,8 @@ class RayExpertPool(DispatchingPool):
             if channel_dir is not None:
                 shutil.rmtree(channel_dir, ignore_errors=True)
 
-        await asyncio.to_thread(kill_and_remove)
+        try:
+            for channel in channels:
+                await channel.close()
+        finally:
+            await asyncio.to_thread(kill_and_remove)

@@ -239,7 +239,13 @@ class ServingState:
         self.draining = False
         self._watcher: asyncio.Task[None] | None = None
         self._swapping: asyncio.Task[StoreVersion | None] | None = None
+        # Each caller's swap (`swap()`), kept here so that a caller cancelled while it waits
+        # (a reload's timeout) does not cancel the swap it asked for.
+        self._swap_calls: set[asyncio.Task[bool]] = set()
         self._retiring: set[asyncio.Task[None]] = set()
+        # Versions replaced and not yet closed: a stop closes them (their batches end) before
+        # the pool, whether or not their retire got that far.
+        self._unclosed: list[StoreVersion] = []
         # The on-disk version the last swap opened (the one a failed swap concerns).
         self._tried: str | None = None
         # The on-disk version the store watcher refuses ("" for a missing manifest), for
@@ -266,12 +272,16 @@ class ServingState:
     async def stop(self) -> None:
         """Release everything within a few seconds, whatever is in flight."""
         self.stopping = True
-        tasks = [t for t in (self._watcher, self._swapping, *self._retiring) if t is not None]
+        tasks = [t for t in (self._watcher, self._swapping, *self._swap_calls, *self._retiring)
+                 if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         version, self.version = self.version, None
+        replaced, self._unclosed = self._unclosed, []
         try:
+            for old in replaced:
+                await old.close()
             if version is not None:
                 await version.close()
         finally:
@@ -353,8 +363,16 @@ class ServingState:
 
         Concurrent callers (the watcher, admin reloads) share one swap, but only one that
         began after they called: a swap already running may have read manifest.json before
-        a publish its caller made, so it is waited out and the disk is read again.
+        a publish its caller made, so it is waited out and the disk is read again. A caller
+        cancelled meanwhile (a reload past its timeout) leaves that to go on.
         """
+        task = asyncio.create_task(self._swap_after_running(), name="momlp-swap-call")
+        self._swap_calls.add(task)
+        task.add_done_callback(_settled)
+        task.add_done_callback(self._swap_calls.discard)
+        return await asyncio.shield(task)
+
+    async def _swap_after_running(self) -> bool:
         swapped = False
         running = self._swapping
         if running is not None and not running.done():
@@ -389,6 +407,7 @@ class ServingState:
             await new.close()
             return None
         self.version = new
+        self._unclosed.append(old)
         logger.info("store version %s replaces %s", new.version, old.version)
         if self.pool is not None:
             try:
@@ -405,13 +424,18 @@ class ServingState:
 
     async def _drain(self, old: StoreVersion) -> None:
         if old.in_flight:
+            # A request holds its version while its body arrives and while it is answered:
+            # up to both timeouts (a slow upload that entered before the swap was answered
+            # 503 "pool shut down" when only the answer's was waited for).
+            hold_s = self.settings.body_timeout_s + self.settings.request_timeout_s
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(old.drained.wait(), self.settings.request_timeout_s)
+                await asyncio.wait_for(old.drained.wait(), hold_s)
 
     async def _retire(self, old: StoreVersion) -> None:
         # Requests that entered the old version finish on it; then its batcher is closed.
         await self._drain(old)
         await old.close()
+        self._unclosed = [v for v in self._unclosed if v is not old]
         if old.in_flight == 0:
             # Freed at once, its per-expert objects would be ~0.1 s of the event loop at
             # K=100,000; a request still in it (past its drain) keeps it whole instead.
@@ -454,3 +478,10 @@ class ServingState:
             else:
                 refused = []
                 self.refused_version = None
+
+
+def _settled(task: asyncio.Task[bool]) -> None:
+    # A swap whose caller left: its failure is the watcher's to log at its next poll (or the
+    # next reload's to answer), not asyncio's "exception was never retrieved".
+    if not task.cancelled():
+        task.exception()
