@@ -9,9 +9,9 @@ width; exact counts recorded) and the same training rows N and epochs:
     C  the known tree graph, one small MLP per node        (2 -> w -> w -> 1 per node, K_v = 1)
     D  the flat MoMLP: Algorithm 2 in-process (eq.-39 prototypes, deepen, one expert per
        cell; trainer's own pieces), K = 8 experts d -> w -> w -> 1
-    Dq D with K times the expert epochs: each expert sees its N/K rows as many times over as
-       the others' networks see all N, so it takes as many gradient steps (D's experts take
-       1/K of them: at equal epochs D is also a smaller training budget)
+    Dq D whose experts train K x EPOCHS epochs on their N/K rows: as many row passes (and
+       gradient steps) each as the other models' networks take over all N (D's experts take
+       1/12 of them: at equal epochs D is also a smaller training budget)
     E  the compositional MoMLP: the tree with K_v = 4 experts per node, trained end to end
        (soft gates, internal prototypes refitted, hardened, hard fine-tune)
 
@@ -137,7 +137,7 @@ def run_one(model: str, d: int, node_width: int, n_train: int, seed: int) -> dic
         node = NodeSpec("flat", tuple(f"x:{i}" for i in range(d)), (d, w, w, 1),
                         experts=FLAT_EXPERTS, branching=4)
         flat = CompositionalMoMLP(GraphSpec((node,), ("flat",)), d, seed=seed)
-        expert_epochs = (EPOCHS - EPOCHS // 3) * (FLAT_EXPERTS if model == "Dq" else 1)
+        expert_epochs = EPOCHS * FLAT_EXPERTS if model == "Dq" else EPOCHS - EPOCHS // 3
         train_nodewise(flat, x, {"flat": y}, GraphTraining(
             prototype_epochs=EPOCHS // 3, expert_epochs=expert_epochs, lr=LR,
             batch_size=BATCH, seed=seed))
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                   (p.split(":") for p in args.points.split(","))]
     jobs = [(m, d, w, n, s) for d, w, n in points for s in range(SEEDS) for m in MODELS]
     # Slowest first (E and D on the most rows), so the last task to finish is a short one.
-    cost = {"D": 4, "Dq": 16, "E": 4}
+    cost = {"D": 4, "Dq": 24, "E": 4}
     jobs.sort(key=lambda j: -j[3] * j[1] * cost.get(j[0], 1))
     import ray
 

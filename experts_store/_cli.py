@@ -48,7 +48,8 @@ def register(subparsers: Any, *, serve_check: Callable[[Any], str | None] | None
         help="the column of a .csv or .parquet table that holds y",
     )
     calibrate.add_argument(
-        "--top-k", default="2,3", metavar="K,K", help="top-k mixtures to fit for (default 2,3)"
+        "--top-k", default=None, metavar="K,K",
+        help="top-k mixtures to fit for, each in 2..K (default: 2,3, those the store has)",
     )
     calibrate.set_defaults(handler=_calibrate)
     materialize = commands.add_parser(
@@ -315,7 +316,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from router import RouterError
 
     try:
-        top_ks = [int(k) for k in args.top_k.split(",")]
+        top_ks = None if args.top_k is None else [int(k) for k in args.top_k.split(",")]
     except ValueError:
         print(f"error: --top-k takes integers like 2,3, got {args.top_k!r}", file=sys.stderr)
         return 2

@@ -71,7 +71,8 @@ class Settings(BaseSettings):
     )
     actors: int = Field(
         default=1, ge=1, description="actors on CPU; on CUDA one actor per GPU of the cluster,"
-        " or this many GPU actors when given and more (a head whose GPU workers join later)"
+        " or with --ray-address this many GPU actors when given and more (a head whose GPU"
+        " workers join later)"
     )
     cache_bytes: ByteSize = Field(
         default=256 * 1024 * 1024, ge=1, description="expert cache budget per actor, bytes"
@@ -224,6 +225,7 @@ class Settings(BaseSettings):
         # Else every request that leaves top_k out would get a 422 for a value it never sent.
         if self.default_top_k > self.max_top_k:
             raise ValueError(
-                f"default_top_k={self.default_top_k} exceeds max_top_k={self.max_top_k}"
+                f"default_top_k (MOMLP_DEFAULT_TOP_K) {self.default_top_k} exceeds max_top_k "
+                f"(MOMLP_MAX_TOP_K) {self.max_top_k}"
             )
         return self

@@ -41,6 +41,9 @@ from ._exceptions import DataError
 
 __all__ = ["TemperatureFit", "calibrate_store", "fit_temperature"]
 
+# The gates fitted for when none are named: top-2 and top-3 (those a store of K experts has).
+DEFAULT_TOP_KS = (2, 3)
+
 logger = logging.getLogger(__name__)
 
 # τ grid: median nearest score × 10^[-3, 3], 20 points a decade (a step of 12 %: finer than
@@ -62,7 +65,7 @@ def fit_temperature(
     y: npt.NDArray[Any],
     task: str,
     *,
-    top_ks: Sequence[int] = (2, 3),
+    top_ks: Sequence[int] | None = None,
     score: str = "sqdist",
     mode: str = "tree",
     tree_top_k: str = "beam",
@@ -77,6 +80,9 @@ def fit_temperature(
     """
     from router import Gate
 
+    if top_ks is None:
+        # The default: the top-2 and top-3 mixtures, those a store of K experts has.
+        top_ks = [k for k in DEFAULT_TOP_KS if k <= tree.num_prototypes]
     outside = sorted({k for k in top_ks if not 2 <= k <= tree.num_prototypes})
     if outside or not top_ks:
         # Top-1 has no τ to fit, and a k beyond K would be served as K: asked for, it is an
@@ -193,7 +199,7 @@ def calibrate_store(
     root: Path | str,
     data: Path | str,
     *,
-    top_ks: Sequence[int] = (2, 3),
+    top_ks: Sequence[int] | None = None,
     target: str | None = None,
 ) -> Any:
     """Fit τ on a data file (.npz X, y / .csv / .parquet, whose `target` column is y) and

@@ -20,7 +20,7 @@ import logging
 from fastapi import FastAPI, Request
 from pydantic import BaseModel
 
-from server.http._body import HttpError
+from server._exceptions import HttpError
 from server.http._models import ErrorResponse
 from server.serving import ServingState
 

@@ -8,7 +8,7 @@ from pydantic import SecretStr
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.http._body import HttpError
+from server._exceptions import HttpError
 
 __all__ = ["ApiKeyMiddleware", "OPEN_PATHS"]
 

@@ -23,7 +23,6 @@ from server.http._models import PredictRequest, RouteRequest
 from server.kinds import ConditionRequest, GateRequest, PatchInputs
 
 __all__ = [
-    "HttpError",
     "ParsedInputs",
     "check_rows",
     "parse_inputs",

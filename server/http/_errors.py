@@ -25,6 +25,7 @@ from router import RouterInputError
 from server._exceptions import (
     ActorFailed,
     ExpertUnavailable,
+    HttpError,
     InvalidRequest,
     NotReady,
     PoolClosed,
@@ -32,7 +33,6 @@ from server._exceptions import (
     RequestTimeout,
     ServerError,
 )
-from server.http._body import HttpError
 from server.http._request_id import current_request_id
 from server.http._startup import StartupFailure, reporting_send
 

@@ -8,8 +8,8 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from server._exceptions import HttpError
 from server.batching import BatchAnswer
-from server.http._body import HttpError
 from server.http._models import ErrorResponse, GraphStatsModel
 from server.kinds import GraphRouting
 from server.serving import ServingState

@@ -14,8 +14,8 @@ from fastapi.responses import Response
 from pydantic import Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from server._exceptions import InvalidRequest
-from server.http._body import HttpError, read_body_limited, require_json, validation_detail
+from server._exceptions import HttpError, InvalidRequest
+from server.http._body import read_body_limited, require_json, validation_detail
 from server.http._deadline import Deadlines
 from server.http._metrics import Metrics
 from server.http._models import ConditionId, FiniteNumber, _Strict

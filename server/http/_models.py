@@ -251,7 +251,6 @@ class ModelResponse(BaseModel):
     hyper: HyperSummary | None = Field(default=None, description="kind hyper")
 
 
-
 class ExpertInfoModel(BaseModel):
     id: int
     bytes: int

@@ -22,8 +22,9 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from server._exceptions import HttpError
 from server._settings import Settings
-from server.http._body import HttpError, parse_sized, read_body_limited
+from server.http._body import parse_sized, read_body_limited
 from server.http._deadline import Deadlines
 from server.http._hot import HotRoute
 from server.http._openapi import inline_defs

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from server.http._body import HttpError, check_rows, refuse_rows_beyond_scan, validation_detail
+from server._exceptions import HttpError
+from server.http._body import check_rows, refuse_rows_beyond_scan, validation_detail
 
 __all__ = [
     "DTYPES",

@@ -28,6 +28,7 @@ from server.pool._errors import (
 from server.pool._fake import FakeExpertPool
 from server.pool._ray import RayExpertPool, actor_count, actor_device
 from server.pool._session import ray_session, start_ray, stop_ray
+from server.pool._threads import in_daemon_thread
 from server.pool._types import (
     ActorInfo,
     ActorReply,
@@ -65,6 +66,7 @@ __all__ = [
     "actor_count",
     "actor_device",
     "check_budget",
+    "in_daemon_thread",
     "ray_session",
     "rendezvous_rank",
     "resolve_device",

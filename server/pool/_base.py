@@ -188,13 +188,6 @@ class DispatchingPool(ABC):
                 unplaced += 1
             else:
                 by_actor.setdefault(actor, []).append(index)
-        if unplaced:
-            for actor, idx in by_actor.items():
-                self._dispatcher.complete(actor, sum(int(groups[i].rows.shape[0]) for i in idx))
-            reason = "no live actor in the pool"
-            if self._unreachable is not None:
-                reason += f": {self._unreachable}"
-            raise ActorFailed(actor="*", reason=reason)
         # Each call takes its actor's placed rows off this as its first step and completes
         # them when it ends; a call cancelled before that step (gather cancelled at once)
         # never runs, so what is left here is completed after: else the dispatcher counts
@@ -202,6 +195,13 @@ class DispatchingPool(ABC):
         placed = {
             actor: sum(int(groups[i].rows.shape[0]) for i in idx) for actor, idx in by_actor.items()
         }
+        if unplaced:
+            for actor, rows in placed.items():
+                self._dispatcher.complete(actor, rows)
+            reason = "no live actor in the pool"
+            if self._unreachable is not None:
+                reason += f": {self._unreachable}"
+            raise ActorFailed(actor="*", reason=reason)
         calls = [
             self._run_on(actor, groups, idx, results, placed, retries_left=retries_left,
                          exclude=exclude)

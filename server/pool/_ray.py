@@ -24,6 +24,7 @@ from server.pool._base import DispatchingPool
 from server.pool._channel import Channel
 from server.pool._channel_dir import make_channel_folder, sweep_stale_folders
 from server.pool._errors import ActorDied, ActorGone, ChannelCallFailed, ChannelClosed
+from server.pool._threads import in_daemon_thread
 from server.pool._types import ActorInfo, ActorReply
 
 __all__ = ["RayExpertPool", "actor_count", "actor_device"]
@@ -50,21 +51,24 @@ def actor_device(
 
 def actor_count(device: str, settings: Settings, cluster_gpus: float) -> int:
     """How many actors the pool starts: `settings.actors` on CPU; on CUDA one per GPU of the
-    cluster, or `settings.actors` GPU actors where it was given and is more.
+    cluster, or on a cluster (`ray_address`) `settings.actors` GPU actors where it was given
+    and is more.
 
     A head that starts before its GPU workers join (KubeRay, deploy/ray-cluster.yaml) counts
-    none yet: `--device cuda --actors N` waits for N GPU actors to be placed. An embedded Ray
-    never gains a GPU, so asking it for more than it has is refused at once.
+    none yet: `--ray-address ... --device cuda --actors N` waits for N GPU actors to be placed.
+    An embedded Ray never gains a GPU: there `--actors` (a CPU count, as a one-GPU machine's
+    scripts pass it) stays one actor per GPU, with a warning when it asked for more.
     """
     if not device.startswith("cuda"):
         return settings.actors
+    gpus = int(cluster_gpus)
     asked = settings.actors if "actors" in settings.model_fields_set else 1
-    if asked > cluster_gpus and settings.ray_address is None:
-        raise PoolStartFailed(
-            reason=f"--actors {asked} asks for {asked} GPU actors, and this machine's Ray "
-            f"counts {cluster_gpus:g} GPUs"
-        )
-    return max(asked, int(cluster_gpus))
+    if settings.ray_address is None:
+        if asked > gpus:
+            logger.warning("--actors %d on CUDA: this machine's Ray has %d GPU(s), so %d "
+                           "actor(s), one per GPU", asked, gpus, max(1, gpus))
+        return max(1, gpus)
+    return max(asked, gpus)
 
 
 # How often a start waiting for its actors looks at its stop event.
@@ -426,4 +430,4 @@ class RayExpertPool(DispatchingPool):
             for channel in channels:
                 await channel.close()
         finally:
-            await asyncio.to_thread(kill_and_remove)
+            await in_daemon_thread(kill_and_remove)

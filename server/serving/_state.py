@@ -18,14 +18,20 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
 
 from experts_store import Clock, ExpertRef, Pace, Pacer, Store, no_pace
 from server._exceptions import NotReady, PoolStartFailed
 from server._settings import Settings
 from server.batching import OpenConnections, RouteRunner
 from server.kinds import ServedModel, check_kind_budget, open_model
-from server.pool import ActorInfo, ExpertPool, Group, GroupResult, check_budget
+from server.pool import (
+    ActorInfo,
+    ExpertPool,
+    Group,
+    GroupResult,
+    check_budget,
+    in_daemon_thread,
+)
 from server.serving._collect import collections_deferred, thaw
 from server.serving._version import (
     BatcherFactory,
@@ -46,7 +52,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 PoolFactory = Callable[[Settings], "Awaitable[ExpertPool] | ExpertPool"]
-R = TypeVar("R")
 
 # Closing the pool kills its actors; past this the server goes down without waiting further.
 _CLOSE_TIMEOUT_S = 3.0
@@ -65,33 +70,6 @@ _SWAP_PACE_REST_S = 0.001
 # expert, so stores of ~4,000 experts and up; turning the collector back on with fewer costs a
 # young collection of ~20 ms at most (0.4 µs an object here).
 _SWAP_FREEZE_FROM_OBJECTS = 50_000
-
-
-def in_daemon_thread(fn: Callable[..., R], *args: Any) -> asyncio.Future[R]:
-    """Run `fn(*args)` on a daemon thread; its result or exception lands in the future.
-
-    Unlike `asyncio.to_thread`, an abandoned call (a read stuck on a hung mount) neither
-    blocks the interpreter's exit nor occupies the default executor.
-    """
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[R] = loop.create_future()
-
-    def deliver(setter: Callable[[Any], None], value: Any) -> None:
-        if not future.done():
-            setter(value)
-
-    def work() -> None:
-        try:
-            result = fn(*args)
-        except BaseException as exc:  # handed to the awaiting coroutine
-            outcome: tuple[Callable[[Any], None], Any] = (future.set_exception, exc)
-        else:
-            outcome = (future.set_result, result)
-        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is waiting
-            loop.call_soon_threadsafe(deliver, *outcome)
-
-    threading.Thread(target=work, name=f"momlp-{fn.__name__}", daemon=True).start()
-    return future
 
 
 def ray_pool(stop: threading.Event | None = None) -> PoolFactory:
@@ -368,9 +346,14 @@ class ServingState:
         """
         task = asyncio.create_task(self._swap_after_running(), name="momlp-swap-call")
         self._swap_calls.add(task)
-        task.add_done_callback(_settled)
         task.add_done_callback(self._swap_calls.discard)
-        return await asyncio.shield(task)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            # Its caller has left (a reload answered 504, "it goes on"): if it fails, the log
+            # is the only place that says so.
+            task.add_done_callback(_log_if_failed)
+            raise
 
     async def _swap_after_running(self) -> bool:
         swapped = False
@@ -480,8 +463,6 @@ class ServingState:
                 self.refused_version = None
 
 
-def _settled(task: asyncio.Task[bool]) -> None:
-    # A swap whose caller left: its failure is the watcher's to log at its next poll (or the
-    # next reload's to answer), not asyncio's "exception was never retrieved".
-    if not task.cancelled():
-        task.exception()
+def _log_if_failed(task: asyncio.Task[bool]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("a store swap whose caller left failed: %s", task.exception())

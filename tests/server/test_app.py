@@ -318,7 +318,8 @@ async def test_a_default_top_k_beyond_the_stores_experts_serves_all_of_them(
 
 
 def test_a_default_top_k_beyond_the_cap_is_refused_at_start() -> None:
-    with pytest.raises(ValidationError, match="default_top_k=9 exceeds max_top_k=8"):
+    with pytest.raises(ValidationError, match=r"default_top_k \(MOMLP_DEFAULT_TOP_K\) 9 "
+                       r"exceeds max_top_k \(MOMLP_MAX_TOP_K\) 8"):
         Settings(default_top_k=9)
 
 

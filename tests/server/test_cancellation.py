@@ -263,3 +263,23 @@ async def test_a_probe_ray_answers_with_another_error_keeps_the_revival_polling(
             await pool._call_info("actor-0")
     finally:
         await pool.close()
+
+
+async def test_a_swap_that_fails_after_its_reload_answered_504_is_logged(
+    store: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # With the watcher off nothing else would ever say that the publish did not go live.
+    def slow_failure(*args: Any) -> Any:
+        time.sleep(1.0)
+        raise OSError("the store's disk went away")
+
+    app = fake_app(store, request_timeout_s=0.3)
+    async with running(app) as client:
+        monkeypatch.setattr(state_module, "_open_version_files", slow_failure)
+        build_small_store(store, seed=1)
+        assert (await client.post("/v1/admin/reload")).status_code == 504
+        for _ in range(60):
+            if "a store swap whose caller left failed" in caplog.text:
+                break
+            await asyncio.sleep(0.05)
+    assert "a store swap whose caller left failed: the store's disk went away" in caplog.text

@@ -58,7 +58,7 @@ async def test_query_errors_name_the_parameter_and_unknown_ones_are_refused(
     binary = {"content": buf.getvalue(), "headers": {"Content-Type": "application/x-npy"}}
     async with running(fake_app(store)) as client:
         plain = await client.post("/v1/predict", json={"inputs": x.tolist()})
-        # Answered 200 as if no query had been sent.
+        # Was answered 200 as if no query had been sent.
         misspelt = await client.post("/v1/predict", params={"topk": "2"}, **binary)
         with_stats = await client.post("/v1/predict", params={"return_stats": "true"}, **binary)
         refused = {

@@ -223,3 +223,23 @@ def test_store_calibrate_fits_on_rows_of_one_class_of_a_classifier(
     assert c is not None and c["rows"] == int(sevens.sum())
     # Scored against class "7" of the store: any other class would cost ln(10)/row and more.
     assert c["loss_top1"] < 0.5
+
+
+def test_a_store_of_two_experts_builds_and_calibrates_for_top_2_by_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The default (2, 3) met a K = 2 store: the build failed after training every expert
+    # ("top_k must lie in 2..2, got [3]"), and calibrate asked for --top-k 2.
+    store = tmp_path / "two"
+    config = BuildConfig(out=store, dataset="ackley2d", experts=2, branching=2,
+                         executor="local", **{**quick_overrides("ackley2d"), "grid_size": 24})
+    build_store(config, progress=False)
+    c = Store.open(store).manifest.gate_spec.calibration
+    assert c is not None and c["top_k"] == [2]
+    x = np.random.default_rng(11).uniform(-1, 1, size=(60, 2))
+    np.savez(tmp_path / "fit.npz", X=x, y=ackley(x).reshape(-1, 1))
+    args = ["store", "calibrate", str(store), "--data", str(tmp_path / "fit.npz")]
+    assert main(args) == 0
+    assert Store.open(store).manifest.gate_spec.calibration["top_k"] == [2]
+    assert main([*args, "--top-k", "3"]) == 1  # named, and beyond K: refused
+    assert "top_k must lie in 2..2 (the store's K), got [3]" in capsys.readouterr().err
