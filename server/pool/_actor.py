@@ -11,7 +11,6 @@ one budget without counting anything twice.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import os
@@ -35,23 +34,26 @@ from experts_store import (
     ExpertCache,
     ExpertLoadError,
     ExpertRef,
-    ExpertRefLoader,
     FrozenExpert,
     FrozenHyperNetwork,
     GeneratedRef,
     GeneratorRef,
-    HostTier,
     MonotonicClock,
     StoreError,
-    own_file_problem,
 )
 from server.pool._channel import ChannelServer
+from server.pool._device import (
+    activation_peak_bytes,
+    aligned_input,
+    by_blocks,
+    resolve_device,
+    row_block,
+)
+from server.pool._loader import Cached, DeviceLoader, load_error
 from server.pool._types import ActorInfo, ActorReply, CacheCounts, GroupOutcome
 from server.pool._vram import ActivationMeter, CudaCounters, DeviceQuiet
 
-__all__ = [
-    "ROW_BLOCK", "ActorCore", "ExpertActor", "activation_peak_bytes", "resolve_device", "row_block",
-]
+__all__ = ["ActorCore", "ExpertActor"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,133 +62,8 @@ ERROR_BUSY = "busy"
 ERROR_INTERNAL = "internal"
 
 
-# Rows of a group are computed in whole blocks of this many (zero rows pad the last one), each
-# block its own GEMMs (`_by_blocks`), so a row's bits never depend on its group's size. On CPU
-# a group of 1-3 rows, the common case under Zipf traffic, then costs one 4-row forward. On
-# CUDA 64 makes nearly every group one block: on an H100 it cost 1-16 % more than 16-row blocks
-# for groups of 1-16 rows and saved 19-34 % at 40-64 (RESULTS, "The second GPU session").
-ROW_BLOCK = {"cpu": 4, "cuda": 64}
-
-
-def row_block(device: str) -> int:
-    """Rows per block on `device` (a resolved device string, e.g. "cpu" or "cuda:0")."""
-    return ROW_BLOCK["cuda" if device.startswith("cuda") else "cpu"]
-
-# A caller's buffer is used as is when its rows start this aligned: 16 bytes give the same bits
-# as torch's 64-byte-aligned buffers (benchmarks/gemm_alignment.py, part 1); numpy's small arrays
-# are 16-byte aligned. Rows of width ROW_ALIGN·j keep the base's alignment.
-_ALIGN_BYTES = 16
 # Hypernetworks held pinned per actor: the served store version's and the one before it.
 MAX_PINNED = 2
-
-
-def resolve_device(device: str) -> str:
-    """`auto` means CUDA when this process sees a GPU, else CPU; CUDA asked for where torch
-    cannot use it is refused, naming why (an actor placed on a GPU node whose torch is a CPU
-    build, say)."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        cuda = torch.version.cuda
-        build = "a CPU build" if cuda is None else f"built for CUDA {cuda}"
-        raise RuntimeError(
-            f"device {device!r} asked for, but torch {torch.__version__} on this node ({build}) "
-            "sees no usable GPU; serve with --device cpu, or give the GPU nodes a CUDA build "
-            "of torch"
-        )
-    return device
-
-
-def activation_peak_bytes(widths: Sequence[int], rows: int, element_size: int = 4) -> int:
-    """Largest input+output activation of any layer of a PReLU MLP over `rows` rows.
-
-    A Linear layer holds its input (w_j) and output (w_{j+1}) at once; a PReLU or BatchNorm on
-    a hidden width w holds 2·w. This is what the CPU path reports as the activation peak.
-    """
-    return rows * element_size * _peak_width(tuple(widths))
-
-
-# Per arch, not per group: a store's experts share a few architectures.
-@functools.lru_cache(maxsize=256)
-def _peak_width(widths: tuple[int, ...]) -> int:
-    linear = max(widths[j] + widths[j + 1] for j in range(len(widths) - 1))
-    hidden = max((2 * w for w in widths[1:-1]), default=0)
-    return max(linear, hidden)
-
-
-# What an actor's cache holds: loaded experts, generated θ (also FrozenExperts) and pinned
-# hypernetworks.
-Cached = FrozenExpert | FrozenHyperNetwork
-
-
-class _DeviceLoader:
-    """`ExpertLoader` that reads an `ExpertRef`'s file straight onto this actor's device.
-
-    Two more kinds of key, told apart by type (files keep the path below unchanged): a
-    `GeneratorRef` loads a hypernetwork f (verified against its sha256), a `GeneratedRef`
-    generates θ_I with the f its actor pinned beforehand (`generators`).
-    """
-
-    def __init__(self, device: str, host_cache_bytes: int = 0) -> None:
-        self._device = device
-        self.generators: dict[str, FrozenHyperNetwork] = {}
-        self._cuda = device.startswith("cuda")
-        tier = HostTier(host_cache_bytes) if host_cache_bytes > 0 else None
-        self._files = ExpertRefLoader(device, host_tier=tier)
-        # A side stream lets a host->device copy overlap another expert's forward on the
-        # default stream; only exists on CUDA (unmeasured on the CPU-only dev machine).
-        self._copy_stream: Any = (
-            torch.cuda.Stream(device=device) if self._cuda else None  # type: ignore[no-untyped-call]
-        )
-
-    def nbytes(self, ref: ExpertRef) -> int:
-        return ref.nbytes
-
-    def load(self, ref: ExpertRef) -> Cached:
-        if isinstance(ref, GeneratorRef):
-            return FrozenHyperNetwork.load(
-                ref.path, self._device, expected_sha256=ref.sha256, expected_bytes=ref.file_bytes
-            )
-        # Every kind's experts are served with aligned widths (batch invariance; see
-        # experts_store._frozen.ROW_ALIGN). The cache counts the ref's unpadded bytes.
-        if isinstance(ref, GeneratedRef):
-            return self._generate(ref).aligned()
-        return self._load_file(ref).aligned()
-
-    def _generate(self, ref: GeneratedRef) -> FrozenExpert:
-        generator = self.generators.get(ref.generator.sha256)
-        if generator is None:
-            # The actor pins f before leasing its keys; only a pin released in between (a
-            # third f pinned concurrently) lands here: read f for this one generation.
-            generator = FrozenHyperNetwork.load(
-                ref.generator.path,
-                self._device,
-                expected_sha256=ref.generator.sha256,
-                expected_bytes=ref.generator.file_bytes,
-            )
-        expert = generator.expert(ref.condition_tensor(), ref.spec())
-        if expert.nbytes() != ref.nbytes:
-            raise ExpertLoadError(expert_id=ref.expert_id, message="θ size differs from its key's")
-        return expert
-
-    def _load_file(self, ref: ExpertRef) -> FrozenExpert:
-        # FrozenExpert, not ExpertMLP: serving never trains, and building the nn.Module
-        # skeleton would cost as much as reading a small expert's file.
-        if not self._cuda:
-            return self._files.load(ref)
-        # The load reads the file into pinned memory and copies it non-blocking on the
-        # current stream, then waits for that stream: here the side stream, so only this
-        # loader thread waits while the default stream keeps computing.
-        with torch.cuda.stream(self._copy_stream):
-            return self._files.load(ref)
-
-
-def _load_error(ref: ExpertRef, exc: ExpertLoadError) -> str:
-    """What a failed load tells the client: f's own failure named as the hypernetwork file
-    (its loader stands in expert id -1), anything else as the error says."""
-    if isinstance(ref, GeneratedRef) and exc.expert_id == ref.generator.expert_id:
-        return own_file_problem(f"hypernetwork {os.path.basename(ref.generator.path)}", exc)
-    return str(exc)
 
 
 class ActorCore:
@@ -228,7 +105,7 @@ class ActorCore:
                 self.device,
             )
             host_cache_bytes = 0
-        self._loader = _DeviceLoader(self.device, host_cache_bytes)
+        self._loader = DeviceLoader(self.device, host_cache_bytes)
         # Another block size only for measuring one against the default
         # (benchmarks/cuda_row_block.py); a row's bits may then depend on its batch.
         self._row_block = rows_per_block or row_block(self.device)
@@ -295,7 +172,7 @@ class ActorCore:
                 return
             while len(self._pinned) >= MAX_PINNED:
                 # The cache may now evict it like any expert; a generation racing this falls
-                # back to reading the file (see _DeviceLoader._generate).
+                # back to reading the file (see DeviceLoader._generate).
                 sha, old = self._pinned.popitem(last=False)
                 self._loader.generators.pop(sha, None)
                 old.__exit__(None, None, None)
@@ -371,7 +248,7 @@ class ActorCore:
                 lease = manager.__enter__()
         except ExpertLoadError as exc:
             logger.warning("actor %s cannot load expert %s: %s", self.name, ref.expert_id, exc)
-            return _Leased(None, None, ERROR_LOAD, _load_error(ref, exc))
+            return _Leased(None, None, ERROR_LOAD, load_error(ref, exc))
         except CacheBusy as exc:
             return _Leased(None, None, ERROR_BUSY, str(exc))
         except (CacheError, StoreError) as exc:
@@ -427,7 +304,7 @@ class ActorCore:
         if n != module.arch.input_dim:
             raise ValueError(f"rows have {n} columns, the expert takes {module.arch.input_dim}")
         block = self._row_block
-        x = _aligned_input(rows, -(-m // block) * block, module.input_width)
+        x = aligned_input(rows, -(-m // block) * block, module.input_width)
         # Under run's inference_mode.
         if self._meter is not None:
             if not getattr(self._threads, "warm", False):
@@ -438,10 +315,10 @@ class ActorCore:
                 self._threads.warm = True
             shape = (module.arch, module.input_width, x.shape[0] // block)
             y, activation = self._meter.run(
-                shape, lambda: _by_blocks(module, x.to(self.device, non_blocking=True), block)
+                shape, lambda: by_blocks(module, x.to(self.device, non_blocking=True), block)
             )
             return y[:m].to("cpu").numpy(), activation
-        y = _by_blocks(module, x, block)
+        y = by_blocks(module, x, block)
         # The layers' tensor sizes (no forward hooks: they cost more than a small expert's
         # whole forward).
         return y[:m].numpy(), activation_peak_bytes(module.arch.widths, m, y.element_size())
@@ -493,43 +370,6 @@ class ActorCore:
             alive=True,
             counts=self.counts(),
         )
-
-
-def _by_blocks(module: FrozenExpert, x: torch.Tensor, block: int) -> torch.Tensor:
-    """`module` on `x` ([k·block, width]), each block of rows its own GEMMs.
-
-    Batch invariance by construction: a row's bits then depend only on the block's fixed row
-    count, never on how many rows share its group. Whether a larger GEMM would give a row the
-    same bits is up to the kernel the BLAS picks on the host: the same CPU build of torch did
-    for every multiple of 4 rows on an AMD EPYC and did not on an Intel Xeon (RESULTS.md,
-    thirty-fourth session), and cuBLAS on an H100 did not either.
-    """
-    if x.shape[0] == block:
-        return module(x)
-    return torch.cat([module(x[i : i + block]) for i in range(0, x.shape[0], block)])
-
-
-def _aligned_input(rows: np.ndarray, height: int, width: int) -> torch.Tensor:
-    """`rows` zero-padded to [height, width] in a buffer whose every row starts aligned.
-
-    Batch invariance (CPU): GEMMs pick kernels by the row count, so a row's bits could
-    depend on how many rows share its group; padded to whole ROW_BLOCKs, each its own GEMMs
-    (`_by_blocks`), they do not. And on some hosts this build's matmul sums a row in an order
-    that depends on the row's alignment; the aligned expert's widths and an aligned buffer
-    make that the same for every row.
-    """
-    if (
-        rows.shape == (height, width)
-        and rows.dtype == np.float32
-        and rows.flags.c_contiguous
-        and rows.flags.writeable  # Ray's arrays are read-only, which torch warns about
-    ):
-        x = torch.from_numpy(rows)
-        if x.data_ptr() % _ALIGN_BYTES == 0:
-            return x
-    x = torch.zeros((height, width))  # torch's CPU allocator aligns to 64 bytes
-    x.numpy()[: rows.shape[0], : rows.shape[1]] = rows
-    return x
 
 
 def _content(key: object) -> str:

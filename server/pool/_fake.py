@@ -12,8 +12,9 @@ import numpy as np
 
 from experts_store import Clock, ExpertRef
 from server._settings import Settings
-from server.pool._actor import ActorCore, resolve_device
+from server.pool._actor import ActorCore
 from server.pool._base import DispatchingPool
+from server.pool._device import resolve_device
 from server.pool._errors import ActorDied
 from server.pool._types import ActorInfo, ActorReply
 

@@ -19,10 +19,11 @@ import numpy as np
 from experts_store import Clock, ExpertRef
 from server._exceptions import ActorFailed, PoolStartFailed
 from server._settings import Settings
-from server.pool._actor import ExpertActor, resolve_device
+from server.pool._actor import ExpertActor
 from server.pool._base import DispatchingPool
 from server.pool._channel import Channel
 from server.pool._channel_dir import make_channel_folder, sweep_stale_folders
+from server.pool._device import resolve_device
 from server.pool._errors import ActorDied, ActorGone, ChannelCallFailed, ChannelClosed
 from server.pool._threads import in_daemon_thread
 from server.pool._types import ActorInfo, ActorReply
