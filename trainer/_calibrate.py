@@ -230,19 +230,18 @@ def calibrate_store(
     # the store's are enough.
     table = read_data_file(data, target=target, task=m.task)
     x = table.x.astype(np.float32)
-    y = table.y if m.task == "classification" else table.y.astype(np.float32)
     if x.shape[1] != m.input_dim:
         raise DataError(
             f"X has {x.shape[1]} columns, the store takes {m.input_dim}", source=str(data)
         )
-    if m.task == "regression" and y.reshape(len(y), -1).shape[1] != m.output_dim:
-        raise DataError(
-            f"y has {y.reshape(len(y), -1).shape[1]} columns, the store's experts output "
-            f"{m.output_dim}", source=str(data),
-        )
     if m.task == "classification":
         y = _store_labels(table.classes, m.extra.get("classes"), m.output_dim,
                           table.y.astype(np.int64), str(data))
+    else:
+        y = table.y.astype(np.float32)
+        if y.shape[1] != m.output_dim:
+            raise DataError(f"y has {y.shape[1]} columns, the store's experts output "
+                            f"{m.output_dim}", source=str(data))
     tree = PrototypeTree.load(store.router_path)
 
     def forward(expert_id: int, rows: torch.Tensor) -> torch.Tensor:

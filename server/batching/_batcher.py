@@ -285,9 +285,10 @@ class Batcher:
         self._inflight.discard(task)
         if self._slots is not None:
             self._slots.release()
-        # A task cancelled before its first step (a close in the turn it was made) never ran
-        # `_process`, whose own handler fails the batch: its requests would wait for good.
-        _fail(batch, PoolClosed())
+        if task.cancelled():
+            # A close: whether the task was cancelled mid-batch or before its first step (in
+            # the turn it was made, when `_process` never ran), no request of it is answered.
+            _fail(batch, PoolClosed())
 
     def _drop_cancelled(self) -> None:
         while self._queue and self._queue[0].future.done():
@@ -360,20 +361,10 @@ class Batcher:
         except RouterInputError as exc:
             if len(batch) > 1:
                 # One bad request must not fail the others merged with it: route each alone.
-                try:
-                    await asyncio.gather(*(self._process([item]) for item in batch))
-                except asyncio.CancelledError:
-                    # gather's children may be cancelled before their first step.
-                    _fail(batch, PoolClosed())
-                    raise
+                await asyncio.gather(*(self._process([item]) for item in batch))
             else:
                 _fail(batch, InvalidRequest(str(exc), field="inputs"))
             return
-        except asyncio.CancelledError:
-            for item in batch:
-                if not item.future.done():
-                    item.future.set_exception(PoolClosed())
-            raise
         except Exception as exc:
             if isinstance(exc, ActorFailed):
                 # The pool logged why (once); a traceback per batch would flood an outage's log.
