@@ -18,6 +18,7 @@ from ._exceptions import (
     HTTPStatusError,
     InputError,
     InvalidInput,
+    LoadTestConfigError,
     MomlpError,
     NetworkError,
     NotFound,
@@ -30,7 +31,8 @@ from ._exceptions import (
     TransportError,
     Unauthorized,
 )
-from ._loadtest import Clock, LoadTestConfig, MonotonicClock, arun_loadtest, run_loadtest
+from ._loadtest import arun_loadtest, run_loadtest
+from ._loadtest_config import LoadTestConfig
 from ._models import (
     ActorInfo,
     ExpertInfo,
@@ -43,6 +45,7 @@ from ._models import (
     Routing,
 )
 from ._report import LoadTestReport, RequestRecord
+from ._runner import Clock, MonotonicClock
 from ._workload import Distribution, Workload, build_workload, expert_law
 
 __all__ = [
@@ -64,6 +67,7 @@ __all__ = [
     "InputError",
     "InvalidInput",
     "LoadTestConfig",
+    "LoadTestConfigError",
     "LoadTestReport",
     "ModelInfo",
     "MomlpError",

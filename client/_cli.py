@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._loadtest import LoadTestConfig
+    from ._exceptions import LoadTestConfigError
+    from ._loadtest_config import LoadTestConfig
     from ._report import LoadTestReport
 
 __all__ = ["register"]
@@ -101,9 +102,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.set_defaults(handler=run)
 
 
+# LoadTestConfig's fields whose flag is not the field's name with dashes.
+_FLAGS = {"duration_s": "--duration", "timeout_s": "--timeout", "max_retries": "--retries"}
+
+
 def run(args: argparse.Namespace) -> int:
-    from ._exceptions import MomlpError
-    from ._loadtest import LoadTestConfig
+    from ._exceptions import LoadTestConfigError, MomlpError
+    from ._loadtest_config import LoadTestConfig
 
     try:
         gates = [_parse_gate(text) for text in args.gate or [None]]
@@ -143,6 +148,10 @@ def run(args: argparse.Namespace) -> int:
             )
             for number, gate in enumerate(gates, start=1)
         ]
+    except LoadTestConfigError as exc:
+        # The user typed flags, not the config's field names.
+        print(f"momlp loadtest: {_as_flag(exc)}", file=sys.stderr)
+        return 2
     except ValueError as exc:
         print(f"momlp loadtest: {exc}", file=sys.stderr)
         return 2
@@ -207,6 +216,15 @@ def _writable_directory(path: Path) -> None:
         raise ValueError(f"--report {path}: {exc.strerror or exc}") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"--report {path}: the directory is not writable")
+
+
+def _as_flag(exc: LoadTestConfigError) -> str:
+    """The error's message with the config field it names written as the flag the user typed."""
+    flag = _FLAGS.get(exc.setting, "--" + exc.setting.replace("_", "-"))
+    message = str(exc)
+    if message.startswith(exc.setting):
+        return flag + message[len(exc.setting):]
+    return f"{flag}: {message}"
 
 
 def _parse_gate(text: str | None) -> dict[str, Any] | None:

@@ -2,6 +2,7 @@
 
 MomlpError
  ├── InputError              inputs rejected before sending (not a 2-D finite numeric array)
+ ├── LoadTestConfigError     a load test setting refused (setting, value); also a ValueError
  ├── DecodingError           a 2xx response that does not match the v1 JSON contract
  ├── TransportError          the request did not get an HTTP answer
  │    ├── ConnectError        could not connect (retried)
@@ -33,6 +34,7 @@ __all__ = [
     "HTTPStatusError",
     "InputError",
     "InvalidInput",
+    "LoadTestConfigError",
     "MomlpError",
     "NetworkError",
     "NotFound",
@@ -60,6 +62,18 @@ class MomlpError(Exception):
 
 class InputError(MomlpError, ValueError):
     """The inputs cannot be sent: not 2-D, ragged, non-numeric or non-finite."""
+
+
+class LoadTestConfigError(MomlpError, ValueError):
+    """A `LoadTestConfig` setting refused; `setting` names the field, `value` holds it.
+
+    Also a `ValueError`, so that callers written against the bare one keep working.
+    """
+
+    def __init__(self, message: str, *, setting: str, value: Any) -> None:
+        super().__init__(message, setting=setting, value=value)
+        self.setting = setting
+        self.value = value
 
 
 class DecodingError(MomlpError):

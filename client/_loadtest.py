@@ -12,45 +12,29 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import logging
-import random
 import ssl
-import time
-from collections import deque
-from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal, Protocol, TextIO
+from typing import Any, TextIO
 
 import httpx
 
 from ._async_client import AsyncClient
-from ._base import _check_gate
 from ._conditions import ConditionWorkload
 from ._eval import EvalSet, load_eval_set
-from ._exceptions import (
-    ConnectError,
-    DecodingError,
-    HTTPStatusError,
-    MomlpError,
-    NetworkError,
-    TimeoutError,
-    TransportError,
-)
 from ._html import write_html
 from ._leases import ClientLeases
+from ._loadtest_config import LoadTestConfig
 from ._models import ModelInfo
 from ._plots import matplotlib_available, write_plots
-from ._report import (
-    LoadTestReport,
-    RequestRecord,
-    build_report,
-    percentile,
-    write_records_csv,
-)
+from ._report import LoadTestReport, RequestRecord, build_report, write_records_csv
+from ._runner import Clock, MonotonicClock, Runner, Sleep
 from ._server_counts import counter_delta, read_counters
 from ._workload import Distribution, Workload, build_workload
 
+# Clock, LoadTestConfig and MonotonicClock live beside the runner and the checks; they are
+# named here too because run_loadtest takes them, and callers import them from here.
 __all__ = [
     "RECORDS_CSV_NAME",
     "Clock",
@@ -62,87 +46,7 @@ __all__ = [
 
 RECORDS_CSV_NAME = "requests.csv"
 
-logger = logging.getLogger(__name__)
-
-
-class Clock(Protocol):
-    def now(self) -> float:
-        """Monotonic seconds."""
-        ...
-
-
-class MonotonicClock:
-    def now(self) -> float:
-        return time.monotonic()
-
-
-@dataclass(frozen=True)
-class LoadTestConfig:
-    """One load test. Stops after `requests` or `duration_s`, whichever comes first (one is
-    required, except with `eval_data`: then both None is one pass over its rows); `rate`
-    (requests/s, Poisson arrivals) switches from closed to open loop."""
-
-    url: str = "http://127.0.0.1:8000"
-    requests: int | None = 1000
-    duration_s: float | None = None
-    concurrency: int = 8
-    rate: float | None = None
-    batch: int = 1
-    top_k: int = 1
-    mode: Literal["tree", "exact"] | None = None
-    distribution: str = "uniform"
-    seed: int = 0
-    report_dir: Path | None = None
-    api_key: str | None = None
-    timeout_s: float = 30.0
-    max_retries: int = 0
-    binary: bool | None = None
-    save_requests: bool = False
-    plots: bool = True
-    candidates_per_expert: int = 8
-    route_chunk_rows: int = 1024
-    # Sent with every request: temperature, min_weight, top_p, beam, score (server caps apply).
-    gate: dict[str, Any] | None = None
-    # An .npz with `x` and `y`: send these rows and report accuracy (replaces the workload).
-    eval_data: Path | None = None
-    # Kind hyper: each row's condition drawn from `conditions` random ones under
-    # `condition_distribution` (uniform or zipf:S); replaces the expert workload.
-    conditions: int | None = None
-    condition_distribution: str = "uniform"
-
-    def __post_init__(self) -> None:
-        Distribution.parse(self.distribution)
-        Distribution.parse(self.condition_distribution)
-        if self.conditions is not None and self.conditions < 1:
-            raise ValueError("conditions must be >= 1")
-        if self.requests is None and self.duration_s is None and self.eval_data is None:
-            # With eval_data and neither, the run is one pass over its rows.
-            raise ValueError("give requests or duration_s")
-        if self.requests is not None and self.requests < 1:
-            raise ValueError("requests must be >= 1")
-        if self.duration_s is not None and self.duration_s <= 0:
-            raise ValueError("duration_s must be > 0")
-        if self.concurrency < 1 or self.batch < 1 or self.top_k < 1:
-            raise ValueError("concurrency, batch and top_k must be >= 1")
-        if self.rate is not None and self.rate <= 0:
-            raise ValueError("rate must be > 0")
-        if not self.timeout_s > 0:
-            raise ValueError("timeout_s must be > 0")
-        if self.max_retries < 0:
-            raise ValueError("max_retries must be >= 0")
-        # Unknown gate fields fail here (exit 2), not on every request of the run.
-        _check_gate(self.gate)
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["report_dir"] = str(self.report_dir) if self.report_dir is not None else None
-        data["eval_data"] = str(self.eval_data) if self.eval_data is not None else None
-        data["api_key"] = "***" if self.api_key else None
-        return data
-
-
 ClientFactory = Callable[[LoadTestConfig], AsyncClient]
-Sleep = Callable[[float], Awaitable[None]]
 
 
 def default_client_factory(config: LoadTestConfig) -> AsyncClient:
@@ -230,7 +134,7 @@ async def arun_loadtest(
         )
         before = await read_counters(client)
         async with leases:
-            runner = _Runner(config, leases, workload, clock, sleep, progress, evaluation)
+            runner = Runner(config, leases, workload, clock, sleep, progress, evaluation)
             await runner.run()
         server_counts = counter_delta(before, await read_counters(client))
     duration = max((record.end_s for record in runner.records), default=0.0)
@@ -304,205 +208,3 @@ def _write(
     write_html(report, directory)
     write_records_csv(records, directory / RECORDS_CSV_NAME)
     return report
-
-
-class _Runner:
-    def __init__(
-        self,
-        config: LoadTestConfig,
-        leases: ClientLeases,
-        workload: Workload | ConditionWorkload | None,
-        clock: Clock,
-        sleep: Sleep,
-        progress: TextIO | None,
-        evaluation: EvalSet | None = None,
-    ) -> None:
-        self.config = config
-        self.evaluation = evaluation
-        self.leases = leases
-        self.workload = workload
-        self.clock = clock
-        self.sleep = sleep
-        self.records: list[RequestRecord] = []
-        self.start = 0.0
-        self._next_index = 0
-        self._progress = _Progress(progress, config) if progress is not None else None
-
-    async def run(self) -> None:
-        self.start = self.clock.now()
-        if self.config.rate is None:
-            await asyncio.gather(*(self._worker() for _ in range(self.config.concurrency)))
-        else:
-            await self._open_loop(self.config.rate)
-        if self._progress is not None:
-            self._progress.finish(self.records, self.clock.now() - self.start)
-
-    def _elapsed(self) -> float:
-        return self.clock.now() - self.start
-
-    def _more(self, index: int, elapsed: float) -> bool:
-        if self.config.requests is not None and index >= self.config.requests:
-            return False
-        return self.config.duration_s is None or elapsed < self.config.duration_s
-
-    async def _worker(self) -> None:
-        while self._more(self._next_index, self._elapsed()):
-            index = self._next_index
-            self._next_index += 1
-            rows, positions, extra = self._rows(index)
-            await self._one(index, rows, self._elapsed(), positions, extra)
-
-    async def _open_loop(self, rate: float) -> None:
-        arrivals = random.Random(self.config.seed + 2)
-        pending: set[asyncio.Task[None]] = set()
-        index, scheduled = 0, arrivals.expovariate(rate)
-        while self._more(index, scheduled):
-            wait = scheduled - self._elapsed()
-            if wait > 0:
-                await self.sleep(wait)
-            rows, positions, extra = self._rows(index)
-            # Latency counts from the scheduled arrival, so a slow server cannot hide queueing
-            # by delaying the sends (no coordinated omission).
-            task = asyncio.create_task(self._one(index, rows, scheduled, positions, extra))
-            pending.add(task)
-            task.add_done_callback(pending.discard)
-            index += 1
-            scheduled += arrivals.expovariate(rate)
-        await asyncio.gather(*pending)
-
-    def _rows(
-        self, index: int
-    ) -> tuple[list[list[float]], list[int] | None, dict[str, Any] | None]:
-        """Request `index`'s rows, which --eval rows they are (None without --eval) and its
-        conditions (kind hyper; None otherwise)."""
-        if self.evaluation is not None:
-            positions = self.evaluation.positions(index, self.config.batch)
-            return self.evaluation.rows(positions), positions, None
-        assert self.workload is not None
-        if isinstance(self.workload, ConditionWorkload):
-            rows, conditions = self.workload.next_request(self.config.batch)
-            return rows, None, conditions
-        return self.workload.next_request(self.config.batch), None, None
-
-    async def _one(
-        self,
-        index: int,
-        rows: list[list[float]],
-        start_s: float,
-        positions: list[int] | None,
-        conditions: dict[str, Any] | None = None,
-    ) -> None:
-        config = self.config
-        try:
-            async with self.leases.lease() as client:
-                prediction = await client.predict(
-                    rows, top_k=config.top_k, mode=config.mode, return_stats=True,
-                    binary=config.binary, gate=config.gate, conditions=conditions,
-                )
-        except MomlpError as exc:
-            record = RequestRecord(index, start_s, self._elapsed(), len(rows), _status(exc))
-            logger.debug("request %d failed: %s", index, exc)
-        else:
-            stats = prediction.stats
-            expert_rows: dict[int, int] = {}
-            for stat in stats.experts if stats is not None else []:
-                expert_rows[stat.expert_id] = expert_rows.get(stat.expert_id, 0) + stat.rows
-            eval_sum, eval_count = None, 0
-            if self.evaluation is not None and positions is not None:
-                eval_sum, eval_count = self.evaluation.score(positions, prediction.outputs)
-            record = RequestRecord(
-                index,
-                start_s,
-                self._elapsed(),
-                len(rows),
-                "200",
-                hits=stats.hits if stats is not None else 0,
-                misses=stats.misses if stats is not None else 0,
-                vram_bytes=stats.vram_bytes if stats is not None else None,
-                device_bytes=dict(stats.device_bytes) if stats is not None else {},
-                expert_rows=expert_rows,
-                kept=sum(len(experts) for experts in prediction.experts),
-                condition_keys=tuple(sorted(
-                    {stat.key for stat in stats.experts if stat.key is not None}
-                    if stats is not None else ()
-                )),
-                eval_sum=eval_sum,
-                eval_count=eval_count,
-            )
-        self.records.append(record)
-        if self._progress is not None:
-            self._progress.update(self.records, record.end_s)
-
-
-def _status(exc: MomlpError) -> str:
-    if isinstance(exc, HTTPStatusError):
-        return str(exc.status_code)
-    for cls, name in (
-        (ConnectError, "connect"),
-        (TimeoutError, "timeout"),
-        (NetworkError, "network"),
-        (DecodingError, "decoding"),
-        (TransportError, "protocol"),
-    ):
-        if isinstance(exc, cls):
-            return name
-    return "client"
-
-
-class _Progress:
-    """A live `\\r` line on a stream: done/total, req/s, p50 of the latest answers, errors.
-
-    On a stream that is not a terminal (a log file, CI) `\\r` would glue the updates into
-    one line, so there each update is its own line, and they come less often. Each update
-    reads only the records that came since the last one and takes the p50 of the latest
-    `recent` answers: over every answer so far, an update of a long run sorted hundreds of
-    thousands of latencies twice a second on the event loop the requests wait on.
-    """
-
-    def __init__(
-        self,
-        stream: TextIO,
-        config: LoadTestConfig,
-        interval_s: float = 0.5,
-        recent: int = 1000,
-    ) -> None:
-        self.stream = stream
-        self.config = config
-        isatty = getattr(stream, "isatty", None)
-        self._live = bool(isatty()) if callable(isatty) else False
-        self.interval_s = interval_s if self._live else max(interval_s, 5.0)
-        self._last = -self.interval_s
-        self._seen = 0
-        self._errors = 0
-        self._recent: deque[float] = deque(maxlen=recent)
-
-    def update(self, records: list[RequestRecord], elapsed: float) -> None:
-        if elapsed - self._last >= self.interval_s:
-            self._last = elapsed
-            self._write(records, elapsed)
-
-    def finish(self, records: list[RequestRecord], elapsed: float) -> None:
-        self._write(records, elapsed)
-        if self._live:
-            self.stream.write("\n")
-        self.stream.flush()
-
-    def _write(self, records: list[RequestRecord], elapsed: float) -> None:
-        for record in records[self._seen :]:
-            if record.ok:
-                self._recent.append(record.latency_ms)
-            else:
-                self._errors += 1
-        done = self._seen = len(records)
-        if self.config.requests is not None:
-            where = f"{done}/{self.config.requests}"
-        else:
-            where = f"{done} req, {elapsed:.0f}/{self.config.duration_s:.0f} s"
-        rate = done / elapsed if elapsed > 0 else 0.0
-        p50 = percentile(list(self._recent), 50) if self._recent else 0.0
-        line = (
-            f"{where}  {rate:.1f} req/s  p50 {p50:.1f} ms (last {len(self._recent)})"
-            f"  errors {self._errors}"
-        )
-        self.stream.write(f"\r{line}   " if self._live else f"{line}\n")
-        self.stream.flush()

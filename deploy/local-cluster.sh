@@ -40,6 +40,10 @@ node_ip="${MOMLP_CLUSTER_IP:-127.0.0.2}"
 address="${node_ip}:${port}"
 nodes="$dir/nodes"
 token="$dir/auth_token"
+# The ports Ray's worker processes bind (Ray's defaults, given to every node explicitly so that
+# the check in `start` and Ray agree): the head's two ports must lie outside them.
+min_worker_port=10002
+max_worker_port=19999
 
 export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$token" RAY_USAGE_STATS_ENABLED=0
 # Several nodes on one machine count as a multi-node cluster. Nodes bind 127.0.0.2: Ray rewrites
@@ -52,7 +56,8 @@ start_node() {  # name, ray-start arguments...
   shift
   local log="$dir/$name.log"
   # setsid: the node's daemons share a new session whose id we record for `stop`.
-  setsid "$ray_bin" start "$@" --disable-usage-stats >"$log" 2>&1 &
+  setsid "$ray_bin" start "$@" --min-worker-port="$min_worker_port" \
+    --max-worker-port="$max_worker_port" --disable-usage-stats >"$log" 2>&1 &
   local pid=$!
   wait "$pid" || { echo "ray start failed for $name; see $log" >&2; tail -20 "$log" >&2; return 1; }
   echo "$name $pid" >>"$nodes"
@@ -102,6 +107,20 @@ case "${1:-}" in
       exit 1
     fi
     [[ "$n" =~ ^[0-9]+$ && "$n" -ge 1 ]] || { echo "usage: $0 start N (N worker nodes, a whole number >= 1)" >&2; exit 2; }
+    # No leading zero: bash arithmetic would read 08 as a bad octal number.
+    [[ "$port" =~ ^[1-9][0-9]{0,4}$ ]] && (( port < 65535 )) || {
+      echo "MOMLP_CLUSTER_PORT must be a port number from 1 to 65534 (the head takes it and" \
+        "the next one), got '$port'" >&2
+      exit 2
+    }
+    # Ray hands the ports of this range to worker processes, which may hold the head's port
+    # when it starts, or fail to start when handed one the head holds.
+    if (( port + 1 >= min_worker_port && port <= max_worker_port )); then
+      echo "MOMLP_CLUSTER_PORT $port: the head takes it and $((port + 1)), which must lie" \
+        "outside Ray's worker port range $min_worker_port-$max_worker_port; pick another" \
+        "(default 6390)" >&2
+      exit 2
+    fi
     for p in "$port" $((port + 1)); do
       if port_taken "$node_ip" "$p"; then
         echo "port $p on $node_ip is in use (another Ray cluster?): pick another with" \

@@ -113,10 +113,42 @@ def test_a_report_path_that_cannot_be_a_directory_exits_2_before_any_request(
 
 @pytest.mark.parametrize(
     ("flag", "value", "words"),
-    [("--retries", "-1", "max_retries"), ("--timeout", "0", "timeout_s"),
-     ("--timeout", "-1", "timeout_s")],
+    [("--retries", "-1", "--retries must be >= 0"), ("--timeout", "0", "--timeout must be > 0"),
+     ("--timeout", "-1", "--timeout must be > 0")],
 )
 def test_bad_retries_and_timeouts_exit_2(capsys, flag, value, words):
     args = parser().parse_args(["loadtest", flag, value, "--quiet"])
     assert args.handler(args) == 2
     assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["--requests", "0"], "--requests must be >= 1"),
+        (["--batch", "0"], "--batch must be >= 1"),
+        (["--top-k", "0"], "--top-k must be >= 1"),
+        (["--concurrency", "0"], "--concurrency must be >= 1"),
+        (["--rate", "0"], "--rate must be > 0"),
+        (["--duration", "0"], "--duration must be > 0"),
+        (["--conditions", "0"], "--conditions must be >= 1"),
+        (["--condition-distribution", "pareto"],
+         "--condition-distribution: distribution must be uniform, zipf:S (S >= 0) or cluster, "
+         "got 'pareto'"),
+        (["--gate", '{"tau": 1}'], "--gate: unknown gate fields ['tau']"),
+    ],
+)
+def test_a_bad_setting_is_one_line_naming_it_and_exit_2_before_any_request(
+    monkeypatch, capsys, argv, line
+):
+    from server._cli import main
+
+    def no_client(config):
+        pytest.fail("a client was made for a load test whose settings were refused")
+
+    monkeypatch.setattr(_loadtest, "default_client_factory", no_client)
+    assert main(["loadtest", *argv, "--quiet"]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.startswith(f"momlp loadtest: {line}") and "\n" not in err, err
+    assert "Traceback" not in err and captured.out == ""

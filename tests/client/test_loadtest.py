@@ -267,11 +267,11 @@ async def test_each_request_in_flight_has_a_client_of_its_own(make_server, fake_
 
 
 def test_progress_counts_every_error_and_shows_the_p50_of_the_latest_answers():
-    from client._loadtest import _Progress
+    from client._progress import Progress
     from client._report import RequestRecord
 
     stream = _Terminal()
-    progress = _Progress(stream, LoadTestConfig(requests=3000), interval_s=0.0, recent=1000)
+    progress = Progress(stream, LoadTestConfig(requests=3000), interval_s=0.0, recent=1000)
     records: list[RequestRecord] = []
     for index in range(3000):
         # 2,000 slow answers, then 1,000 fast ones; every 100th request failed.

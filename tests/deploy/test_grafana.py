@@ -29,6 +29,8 @@ REQUIRED = {
     "momlp_resident_bytes",  # resident bytes per actor
     "momlp_budget_bytes",  # ... against budget
     "momlp_queue_rows",  # queue depth
+    "momlp_actor_alive",  # which actors answer, per instance and actor
+    "momlp_connections_closed_total",  # connections the server closed unasked, by reason
 }
 
 _KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset",
@@ -72,8 +74,9 @@ def dashboard_queries(dashboard: dict) -> list[tuple[str, set[str]]]:
     return queries
 
 
-def exported_names() -> set[str]:
-    """Series names in the server's /metrics text once every metric has a sample."""
+def exported_series() -> dict[str, set[str]]:
+    """Each series name in the server's /metrics text once every metric has a sample, with
+    the names of its labels."""
     pool = SimpleNamespace(
         resident_bytes={"actor-0": 1024}, budget_bytes={"actor-0": 4096},
         counts={"actor-0": CacheCounts(evictions=1, loads=3, load_bytes=3072)},
@@ -84,10 +87,17 @@ def exported_names() -> set[str]:
     metrics.observe_request("/v1/predict", 200, 0.01)
     metrics.observe_prediction(4, [("hit", 0.0), ("miss", 3.0)])
     metrics.observe_batch(4)
+    metrics.observe_closed_connection("header_timeout")
     text = metrics.render().decode()
-    return {
-        sample.name for family in text_string_to_metric_families(text) for sample in family.samples
-    }
+    series: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            series.setdefault(sample.name, set()).update(sample.labels)
+    return series
+
+
+def exported_names() -> set[str]:
+    return set(exported_series())
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +120,19 @@ def test_dashboard_shows_what_the_issue_asks(dashboard):
     used = set().union(*(names for _, names in dashboard_queries(dashboard)))
     assert REQUIRED <= used, sorted(REQUIRED - used)
     assert all(names for _, names in dashboard_queries(dashboard))
+
+
+def test_panels_group_by_labels_their_series_carry(dashboard):
+    # A `by (actor)` over a series without that label folds every actor into one line.
+    series = exported_series()
+    scraped = {"instance", "job"}  # added by Prometheus to every series it scrapes
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            carried = scraped.union(*(series.get(name, set()) for name in metric_names(expr)))
+            for grouping in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", expr):
+                labels = {label.strip() for label in grouping.split(",") if label.strip()}
+                assert labels <= carried, (panel["title"], sorted(labels - carried))
 
 
 def test_metric_names_reads_promql():

@@ -1,6 +1,6 @@
 """deploy/local-cluster.sh's refusals, which need no Ray started: commands on a cluster that
-is not there, a bad node count, a port in use. (Starting and serving on it:
-tests/integration/test_multinode.py.)"""
+is not there, a bad node count, a port in use, in Ray's worker port range or not a port at
+all. (Starting and serving on it: tests/integration/test_multinode.py.)"""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.unit
 SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "local-cluster.sh"
 
 
-def run(tmp_path: Path, *args: str, port: int = 6390) -> subprocess.CompletedProcess[str]:
+def run(tmp_path: Path, *args: str, port: int | str = 6390) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "MOMLP_CLUSTER_DIR": str(tmp_path / "cluster"),
            "MOMLP_CLUSTER_PORT": str(port), "RAY": "/bin/false"}
     return subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True,
@@ -57,3 +57,45 @@ def test_start_names_a_port_in_use_before_starting_anything(tmp_path: Path) -> N
     assert f"port {port} on 127.0.0.2 is in use" in done.stderr
     assert "MOMLP_CLUSTER_PORT" in done.stderr
     assert not (tmp_path / "cluster" / "nodes").exists()
+
+
+@pytest.mark.parametrize("port", [10001, 10002, 15000, 19999])
+def test_start_refuses_a_port_in_rays_worker_port_range_before_starting_anything(
+    tmp_path: Path, port: int
+) -> None:
+    # The head takes the port and the next one; 10001 is refused for 10002.
+    done = run(tmp_path, "start", "1", port=port)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1
+    assert f"MOMLP_CLUSTER_PORT {port}" in done.stderr
+    assert "worker port range 10002-19999" in done.stderr
+    assert not (tmp_path / "cluster" / "nodes").exists()
+
+
+@pytest.mark.parametrize("port", ["abc", "08", "0", "65535"])
+def test_start_refuses_a_port_that_is_not_a_port_number(tmp_path: Path, port: str) -> None:
+    done = run(tmp_path, "start", "1", port=port)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert "MOMLP_CLUSTER_PORT must be a port number from 1 to 65534" in done.stderr
+    assert f"got '{port}'" in done.stderr
+    assert not (tmp_path / "cluster" / "nodes").exists()
+
+
+def test_every_node_is_given_the_worker_port_range_the_check_uses(tmp_path: Path) -> None:
+    # A stand-in for `ray` that records its arguments: nothing of Ray starts.
+    calls = tmp_path / "calls"
+    fake_ray = tmp_path / "ray"
+    fake_ray.write_text(f'#!/usr/bin/env bash\necho "$*" >>{calls}\n')
+    fake_ray.chmod(0o755)
+    with socket.socket() as free:
+        free.bind(("127.0.0.2", 0))
+        port = free.getsockname()[1]  # an ephemeral port, above Ray's worker range
+    env = {**os.environ, "MOMLP_CLUSTER_DIR": str(tmp_path / "cluster"),
+           "MOMLP_CLUSTER_PORT": str(port), "RAY": str(fake_ray)}
+    done = subprocess.run(["bash", str(SCRIPT), "start", "1"], env=env, capture_output=True,
+                          text=True, timeout=30, check=False)
+    assert done.returncode == 0, done.stderr
+    head, worker = calls.read_text().splitlines()
+    for call in (head, worker):
+        assert "--min-worker-port=10002 --max-worker-port=19999" in call, call
+    assert f"--port={port}" in head and "--head" in head

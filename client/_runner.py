@@ -1,0 +1,196 @@
+"""The load test's request loop: closed (`concurrency` workers) or open (Poisson arrivals).
+
+`Runner` sends the requests through leased clients and keeps one `RequestRecord` per request;
+time comes from an injected `Clock` and `Sleep`, so that tests drive it with a fake clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TextIO
+
+from ._conditions import ConditionWorkload
+from ._eval import EvalSet
+from ._exceptions import (
+    ConnectError,
+    DecodingError,
+    HTTPStatusError,
+    MomlpError,
+    NetworkError,
+    TimeoutError,
+    TransportError,
+)
+from ._leases import ClientLeases
+from ._loadtest_config import LoadTestConfig
+from ._progress import Progress
+from ._report import RequestRecord
+from ._workload import Workload
+
+__all__ = ["Clock", "MonotonicClock", "Runner", "Sleep", "request_status"]
+
+logger = logging.getLogger(__name__)
+
+
+class Clock(Protocol):
+    def now(self) -> float:
+        """Monotonic seconds."""
+        ...
+
+
+class MonotonicClock:
+    def now(self) -> float:
+        return time.monotonic()
+
+
+Sleep = Callable[[float], Awaitable[None]]
+
+
+class Runner:
+    """Sends one load test's requests and keeps a record of each in `records`."""
+
+    def __init__(
+        self,
+        config: LoadTestConfig,
+        leases: ClientLeases,
+        workload: Workload | ConditionWorkload | None,
+        clock: Clock,
+        sleep: Sleep,
+        progress: TextIO | None,
+        evaluation: EvalSet | None = None,
+    ) -> None:
+        self.config = config
+        self.evaluation = evaluation
+        self.leases = leases
+        self.workload = workload
+        self.clock = clock
+        self.sleep = sleep
+        self.records: list[RequestRecord] = []
+        self.start = 0.0
+        self._next_index = 0
+        self._progress = Progress(progress, config) if progress is not None else None
+
+    async def run(self) -> None:
+        self.start = self.clock.now()
+        if self.config.rate is None:
+            await asyncio.gather(*(self._worker() for _ in range(self.config.concurrency)))
+        else:
+            await self._open_loop(self.config.rate)
+        if self._progress is not None:
+            self._progress.finish(self.records, self.clock.now() - self.start)
+
+    def _elapsed(self) -> float:
+        return self.clock.now() - self.start
+
+    def _more(self, index: int, elapsed: float) -> bool:
+        if self.config.requests is not None and index >= self.config.requests:
+            return False
+        return self.config.duration_s is None or elapsed < self.config.duration_s
+
+    async def _worker(self) -> None:
+        while self._more(self._next_index, self._elapsed()):
+            index = self._next_index
+            self._next_index += 1
+            rows, positions, extra = self._rows(index)
+            await self._one(index, rows, self._elapsed(), positions, extra)
+
+    async def _open_loop(self, rate: float) -> None:
+        arrivals = random.Random(self.config.seed + 2)
+        pending: set[asyncio.Task[None]] = set()
+        index, scheduled = 0, arrivals.expovariate(rate)
+        while self._more(index, scheduled):
+            wait = scheduled - self._elapsed()
+            if wait > 0:
+                await self.sleep(wait)
+            rows, positions, extra = self._rows(index)
+            # Latency counts from the scheduled arrival, so a slow server cannot hide queueing
+            # by delaying the sends (no coordinated omission).
+            task = asyncio.create_task(self._one(index, rows, scheduled, positions, extra))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+            index += 1
+            scheduled += arrivals.expovariate(rate)
+        await asyncio.gather(*pending)
+
+    def _rows(
+        self, index: int
+    ) -> tuple[list[list[float]], list[int] | None, dict[str, Any] | None]:
+        """Request `index`'s rows, which --eval rows they are (None without --eval) and its
+        conditions (kind hyper; None otherwise)."""
+        if self.evaluation is not None:
+            positions = self.evaluation.positions(index, self.config.batch)
+            return self.evaluation.rows(positions), positions, None
+        assert self.workload is not None
+        if isinstance(self.workload, ConditionWorkload):
+            rows, conditions = self.workload.next_request(self.config.batch)
+            return rows, None, conditions
+        return self.workload.next_request(self.config.batch), None, None
+
+    async def _one(
+        self,
+        index: int,
+        rows: list[list[float]],
+        start_s: float,
+        positions: list[int] | None,
+        conditions: dict[str, Any] | None = None,
+    ) -> None:
+        config = self.config
+        try:
+            async with self.leases.lease() as client:
+                prediction = await client.predict(
+                    rows, top_k=config.top_k, mode=config.mode, return_stats=True,
+                    binary=config.binary, gate=config.gate, conditions=conditions,
+                )
+        except MomlpError as exc:
+            status = request_status(exc)
+            record = RequestRecord(index, start_s, self._elapsed(), len(rows), status)
+            logger.debug("request %d failed: %s", index, exc)
+        else:
+            stats = prediction.stats
+            expert_rows: dict[int, int] = {}
+            for stat in stats.experts if stats is not None else []:
+                expert_rows[stat.expert_id] = expert_rows.get(stat.expert_id, 0) + stat.rows
+            eval_sum, eval_count = None, 0
+            if self.evaluation is not None and positions is not None:
+                eval_sum, eval_count = self.evaluation.score(positions, prediction.outputs)
+            record = RequestRecord(
+                index,
+                start_s,
+                self._elapsed(),
+                len(rows),
+                "200",
+                hits=stats.hits if stats is not None else 0,
+                misses=stats.misses if stats is not None else 0,
+                vram_bytes=stats.vram_bytes if stats is not None else None,
+                device_bytes=dict(stats.device_bytes) if stats is not None else {},
+                expert_rows=expert_rows,
+                kept=sum(len(experts) for experts in prediction.experts),
+                condition_keys=tuple(sorted(
+                    {stat.key for stat in stats.experts if stat.key is not None}
+                    if stats is not None else ()
+                )),
+                eval_sum=eval_sum,
+                eval_count=eval_count,
+            )
+        self.records.append(record)
+        if self._progress is not None:
+            self._progress.update(self.records, record.end_s)
+
+
+def request_status(exc: MomlpError) -> str:
+    """A failed request's status in its record: the HTTP code, else the kind of failure."""
+    if isinstance(exc, HTTPStatusError):
+        return str(exc.status_code)
+    for cls, name in (
+        (ConnectError, "connect"),
+        (TimeoutError, "timeout"),
+        (NetworkError, "network"),
+        (DecodingError, "decoding"),
+        (TransportError, "protocol"),
+    ):
+        if isinstance(exc, cls):
+            return name
+    return "client"
