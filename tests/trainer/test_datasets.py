@@ -278,3 +278,51 @@ def test_read_data_file_keeps_every_row_in_order_and_needs_no_second_class(
     assert read_data_file(tmp_path / "single.npz").x.shape == (1, 2)
     with pytest.raises(DataError, match="too few to split"):
         load_data_file(tmp_path / "single.npz")
+
+
+def _wide_csv(path: Path, x: np.ndarray, labels: list[str], at: int) -> None:
+    """x's columns f0.. with a column t of `labels` inserted before column `at`."""
+    names = [f"f{i}" for i in range(x.shape[1])]
+    lines = [",".join([*names[:at], "t", *names[at:]])]
+    for row, label in zip(x.tolist(), labels, strict=True):
+        cells = [repr(v) for v in row]
+        lines.append(",".join([*cells[:at], label, *cells[at:]]))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_a_wide_csv_reads_every_column_in_its_place(tmp_path: Path) -> None:
+    # Eighths print and parse exactly, so any reader must give back these very values.
+    x = np.random.default_rng(5).integers(-8000, 8000, size=(4, 20_000)) / 8
+    at = 12_345  # mid-table: the inputs after the target move up one
+    _wide_csv(tmp_path / "named.csv", x, ["cat", "dog", "cat", "dog"], at)
+    rows = read_data_file(tmp_path / "named.csv", target="t")
+    assert rows.task == "classification" and rows.classes == ["cat", "dog"]
+    assert rows.x.dtype == np.float64 and np.array_equal(rows.x, x)
+    assert rows.y.tolist() == [0, 1, 0, 1]
+    _wide_csv(tmp_path / "numbers.csv", x, ["0.5", "1.5", "-2", "4"], at)
+    rows = read_data_file(tmp_path / "numbers.csv", target="t")
+    assert rows.task == "regression" and np.array_equal(rows.x, x)
+    assert rows.y.tolist() == [[0.5], [1.5], [-2.0], [4.0]]
+
+
+def test_a_wide_csv_target_of_numbers_and_names_reads_as_class_names(tmp_path: Path) -> None:
+    # pandas typed a wide file in pieces of 2**20 / width rows (32 at 20,000 columns): names
+    # past the first piece made the target mixed objects (and a DtypeWarning), refused as
+    # "neither numbers nor class names" where a narrow file read as classes.
+    labels = [str(i % 3) for i in range(39)] + ["other"]
+    _wide_csv(tmp_path / "mixed.csv", np.ones((40, 20_000)), labels, 20_000)
+    rows = read_data_file(tmp_path / "mixed.csv", target="t")
+    assert rows.task == "classification" and rows.classes == ["0", "1", "2", "other"]
+    assert rows.y.tolist() == [i % 3 for i in range(39)] + [3]
+    assert np.array_equal(rows.x, np.ones((40, 20_000)))
+
+
+def test_a_wide_tables_errors_name_twenty_columns_and_count_the_rest(tmp_path: Path) -> None:
+    # The whole header of a 20,000-column table was ~200 KB of message (3.6 MB at 300,000).
+    x = np.ones((2, 20_000))
+    _wide_csv(tmp_path / "wide.csv", x, ["a", "b"], 0)
+    with pytest.raises(DataError) as caught:
+        read_data_file(tmp_path / "wide.csv", target="nope")
+    message = str(caught.value)
+    assert "no column 'nope'" in message and "and 19981 more" in message
+    assert len(message) < 1000, len(message)
