@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from server._exceptions import HttpError
 from server.batching import BatchAnswer
 from server.http._models import ErrorResponse, GraphStatsModel
-from server.kinds import GraphRouting
+from server.kinds import GraphRouting, graph_layout
 from server.serving import ServingState
 
 __all__ = ["GraphResponse", "add_graph_routes", "graph_fields"]
@@ -78,11 +78,12 @@ def add_graph_routes(app: FastAPI) -> None:
         state: ServingState = app.state.serving
         version = state.current()
         m = version.manifest
-        if m.graph is None:
-            raise HttpError(404, "not_found", f"the served store is of kind {m.kind!r}, not graph")
-        wave_of = {name: w for w, names in enumerate(m.graph.waves()) for name in names}
         model = version.model
-        trees = getattr(model, "nodes", {})
+        layout = graph_layout(model)
+        if layout is None:
+            raise HttpError(404, "not_found", f"the served store is of kind {m.kind!r}, not graph")
+        graph = layout.graph
+        wave_of = {name: w for w, names in enumerate(graph.waves()) for name in names}
         nodes = [
             GraphNodeModel.model_construct(
                 name=n.name, inputs=list(n.inputs), output_dim=n.output_dim,
@@ -93,17 +94,14 @@ def add_graph_routes(app: FastAPI) -> None:
                 max_expert_device_bytes=max(model.experts[e].nbytes for e in n.experts),
                 wave=wave_of[n.name],
             )
-            for n in m.graph.nodes
+            for n in graph.nodes
         ]
-        max_evals = sum(
-            node.tree.branching * node.tree.depth for node in trees.values()
-        ) if trees else 0
         body = GraphResponse.model_construct(
             store_version=m.store_version, input_dim=m.input_dim, output_dim=m.output_dim,
-            outputs=list(m.graph.outputs), waves=m.graph.waves(), nodes=nodes,
-            edges=m.graph.edges, total_expert_bytes=m.total_expert_bytes,
+            outputs=list(graph.outputs), waves=graph.waves(), nodes=nodes,
+            edges=graph.edges, total_expert_bytes=m.total_expert_bytes,
             total_expert_device_bytes=sum(ref.nbytes for ref in model.experts),
             one_expert_per_node_device_bytes=sum(n.max_expert_device_bytes for n in nodes),
-            max_distance_evals=max_evals,
+            max_distance_evals=layout.max_distance_evals,
         )
         return Response(body.model_dump_json(), media_type="application/json")

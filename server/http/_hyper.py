@@ -20,7 +20,7 @@ from server.http._deadline import Deadlines
 from server.http._metrics import Metrics
 from server.http._models import ConditionId, FiniteNumber, _Strict
 from server.http._routes import ERROR_RESPONSES
-from server.kinds import HyperModel
+from server.kinds import expert_generator
 from server.serving import ServingState
 
 __all__ = ["GenerateRequest", "add_hyper_routes"]
@@ -63,11 +63,11 @@ def add_hyper_routes(app: FastAPI) -> None:
             raise InvalidRequest("give exactly one of condition and condition_id",
                                  field="condition")
         async with serving.use() as version:
-            model = version.model
-            if not isinstance(model, HyperModel):
-                raise HttpError(404, "not_found",
-                                f"a store of kind {model.kind!r} generates no weights",
-                                detail={"kind": model.kind})
+            kind = version.model.kind
+            model = expert_generator(version.model)
+            if model is None:
+                raise HttpError(404, "not_found", f"a store of kind {kind!r} generates no weights",
+                                detail={"kind": kind})
             if parsed.condition_id is not None:
                 condition = model.condition_of(parsed.condition_id)
             else:

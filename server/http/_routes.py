@@ -49,7 +49,13 @@ from server.http._models import (
 )
 from server.http._openapi import inline_defs
 from server.http._paths import PREDICT_PATH, ROUTE_PATH
-from server.kinds import GateRequest, attach_conditions, patch_inputs, patch_routing
+from server.kinds import (
+    GateRequest,
+    HyperSection,
+    attach_conditions,
+    patch_inputs,
+    patch_routing,
+)
 from server.pool import ActorInfo
 from server.serving import ServingState, StoreVersion, background_pacer, in_daemon_thread
 
@@ -195,28 +201,8 @@ async def _inputs(
     return _Inputs(x, options, parsed.return_stats, parsed.return_routing)
 
 
-def _routable_experts(manifest: Any) -> int:
-    """The experts a row can be routed to: the expert files, or on a hyper store of condition
-    source "prototype" its K prototypes, each served by g(·; f(p_k)) with no file."""
-    spec = manifest.hyper
-    if spec is not None and spec.condition_source == "prototype" and spec.conditions:
-        return int(spec.conditions.count)
-    return int(manifest.num_experts)
-
-
-def _hyper_summary(version: StoreVersion) -> HyperSummary | None:
-    spec = version.manifest.hyper
-    if spec is None:
-        return None
-    ids = getattr(version.model, "condition_ids", [])
-    return HyperSummary(
-        condition_dim=spec.condition_dim,
-        theta_bytes=spec.theta_nbytes,
-        generator_bytes=4 * spec.hypernetwork.params,
-        primary_widths=list(spec.primary.widths),
-        condition_source=spec.condition_source,
-        condition_ids=list(ids)[:1000],
-    )
+def _hyper_summary(section: HyperSection | None) -> HyperSummary | None:
+    return None if section is None else HyperSummary.model_construct(**vars(section))
 
 
 def _patch_rows(routing: Any) -> list[list[ExpertPatchesModel]] | None:
@@ -372,6 +358,8 @@ def add_routes(app: FastAPI) -> None:
     ) -> Response:
         version = serving.current()
         m = version.manifest
+        # The kind says what it adds to the manifest's common fields.
+        section = version.model.model_section()
         prototypes = None
         if include_prototypes and m.num_experts * m.input_dim <= _MAX_PROTOTYPE_VALUES:
             table = version.model.prototypes()
@@ -383,18 +371,18 @@ def add_routes(app: FastAPI) -> None:
                 task=m.task,
                 input_dim=m.input_dim,
                 output_dim=m.output_dim,
-                num_experts=_routable_experts(m),
+                num_experts=version.model.routable_experts,
                 branching=m.branching,
                 routing=m.routing,
                 temperature=m.temperature,
                 kind=m.kind,
                 gate=m.gate_spec,
-                pmoe=m.pmoe,
+                pmoe=section.pmoe,
                 total_expert_bytes=m.total_expert_bytes,
                 max_expert_bytes=max((e.bytes for e in m.experts), default=0),
                 total_params=sum(e.params for e in m.experts),
                 prototypes=prototypes,
-                hyper=_hyper_summary(version),
+                hyper=_hyper_summary(section.hyper),
             )
         )
 

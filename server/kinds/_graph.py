@@ -36,7 +36,7 @@ from router import PrototypeTree
 from server._exceptions import InvalidRequest
 from server._settings import Settings
 from server.kinds._grouping import group_positions
-from server.kinds._types import GateRequest, ModelMismatch, Plan, PlannedGroup
+from server.kinds._types import GateRequest, ModelMismatch, ModelSection, Plan, PlannedGroup
 from server.pool import GroupResult
 
 __all__ = ["GraphModel", "GraphOptions", "GraphRouting"]
@@ -170,6 +170,18 @@ class GraphModel:
 
     def prototypes(self) -> torch.Tensor | None:
         return None  # each node has its own, in its own space: see GET /v1/graph
+
+    @property
+    def routable_experts(self) -> int:
+        return len(self.experts)  # every node's, each in its node's space
+
+    def model_section(self) -> ModelSection:
+        return ModelSection()  # the graph itself is GET /v1/graph's
+
+    @property
+    def max_distance_evals(self) -> int:
+        """Σ_v ν_v·depth_v: the most a row's tree walks can cost."""
+        return sum(node.tree.branching * node.tree.depth for node in self.nodes.values())
 
     def resolve(self, request: GateRequest, settings: Settings) -> GraphOptions:
         """Only `mode` applies: every node routes each row to exactly one expert."""

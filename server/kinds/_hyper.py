@@ -11,6 +11,8 @@ row's output depends only on its x and its condition.
 
 from __future__ import annotations
 
+import logging
+import os
 import tempfile
 import threading
 from collections.abc import Hashable, Sequence
@@ -38,16 +40,25 @@ from experts_store import (
     own_file_problem,
     theta_file_bytes,
 )
-from server._exceptions import CapExceeded, InvalidRequest
+from server._exceptions import CapExceeded, ExpertUnavailable, InvalidRequest
 from server._settings import Settings
 from server.kinds._one_round import OneRoundRun
-from server.kinds._types import GateRequest, ModelMismatch, Plan, PlannedGroup
+from server.kinds._types import (
+    GateRequest,
+    HyperSection,
+    ModelMismatch,
+    ModelSection,
+    Plan,
+    PlannedGroup,
+)
 from server.pool import GroupResult
 
 __all__ = ["ConditionRequest", "HyperModel", "HyperOptions", "HyperRouting"]
 
 # Errors about f name this id: it is no expert of the store.
 GENERATOR_ID = -1
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -196,6 +207,27 @@ class HyperModel:
 
     def prototypes(self) -> torch.Tensor | None:
         return self._table if self.router is not None else None
+
+    @property
+    def routable_experts(self) -> int:
+        """The K prototypes of a prototype-conditioned store, each served by θ = f(p_k) with
+        no file; else its expert files (none: requests bring their conditions)."""
+        if self.router is not None and self._table is not None:
+            return int(self._table.shape[0])
+        return len(self.experts)
+
+    def model_section(self) -> ModelSection:
+        spec = self.spec
+        return ModelSection(
+            hyper=HyperSection(
+                condition_dim=spec.condition_dim,
+                theta_bytes=spec.theta_nbytes,
+                generator_bytes=self.generator.nbytes,
+                primary_widths=list(spec.primary.widths),
+                condition_source=spec.condition_source,
+                condition_ids=self.condition_ids[:1000],
+            )
+        )
 
     def check_budget(self, budget_bytes: int) -> None:
         """An actor must hold f (pinned) and at least one θ beside it."""
@@ -364,11 +396,14 @@ class HyperModel:
         f and the same one-condition forward the actors use; returns (key, file bytes)."""
         with self._local_lock:
             if self._local is None:
-                self._local = FrozenHyperNetwork.load(
-                    self.generator.path,
-                    expected_sha256=self.generator.sha256,
-                    expected_bytes=self.generator.file_bytes,
-                )
+                try:
+                    self._local = FrozenHyperNetwork.load(
+                        self.generator.path,
+                        expected_sha256=self.generator.sha256,
+                        expected_bytes=self.generator.file_bytes,
+                    )
+                except ExpertLoadError as exc:
+                    raise self._unavailable(exc) from exc
             net = self._local
         tensor = torch.from_numpy(np.asarray(condition, dtype=np.float32).reshape(1, -1))
         flat = net.flat(tensor)[0]
@@ -381,6 +416,17 @@ class HyperModel:
         with tempfile.TemporaryDirectory(prefix="momlp-theta-") as tmp:
             data = theta_file_bytes(flat, self.spec, Path(tmp_dir or tmp))
         return condition_key(self.generator.sha256, tensor[0]), data
+
+
+    def _unavailable(self, exc: ExpertLoadError) -> ExpertUnavailable:
+        """f unreadable, told as the actors tell it (server.pool's `load_error`): the file by
+        the name the store gives it, not "expert -1" at the server's path (the log has it)."""
+        logger.warning("the hypernetwork %s cannot be read: %s", self.generator.path, exc)
+        root = os.path.dirname(self.generator.path).rstrip(os.sep)
+        reason = own_file_problem(f"hypernetwork {os.path.basename(self.generator.path)}", exc)
+        if root:
+            reason = reason.replace(root + os.sep, "")
+        return ExpertUnavailable(expert_id=GENERATOR_ID, reason=reason)
 
 
 def _check_distinct(values: np.ndarray, field: str, settings: Settings) -> None:

@@ -26,7 +26,7 @@ from server._exceptions import CapExceeded, InvalidRequest
 from server._settings import Settings
 from server.kinds._grouping import sorted_groups
 from server.kinds._one_round import OneRoundRun
-from server.kinds._types import GateRequest, ModelMismatch, Plan, PlannedGroup
+from server.kinds._types import GateRequest, ModelMismatch, ModelSection, Plan, PlannedGroup
 from server.pool import GroupResult
 
 __all__ = ["GateRouter", "MomlpModel"]
@@ -101,6 +101,13 @@ class MomlpModel:
     @property
     def num_experts(self) -> int:
         return self.router.num_prototypes
+
+    @property
+    def routable_experts(self) -> int:
+        return self.num_experts
+
+    def model_section(self) -> ModelSection:
+        return ModelSection()
 
     def resolve(self, request: GateRequest, settings: Settings) -> Gate:
         """The request's gate: its fields over the store's gate, within the server's caps."""

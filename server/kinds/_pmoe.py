@@ -37,7 +37,7 @@ from server._exceptions import InvalidRequest
 from server._settings import Settings
 from server.kinds._grouping import group_positions
 from server.kinds._one_round import OneRoundRun
-from server.kinds._types import GateRequest, ModelMismatch, Plan, PlannedGroup
+from server.kinds._types import GateRequest, ModelMismatch, ModelSection, Plan, PlannedGroup
 from server.kinds._views import PatchChoice
 from server.pool import GroupResult
 
@@ -230,6 +230,13 @@ class PatchModel:
     @property
     def input_dim(self) -> int:
         return self.spec.layout.input_dim
+
+    @property
+    def routable_experts(self) -> int:
+        return len(self.experts)
+
+    def model_section(self) -> ModelSection:
+        return ModelSection(pmoe=self.spec)
 
     @property
     def num_patches(self) -> int:

@@ -21,14 +21,16 @@ from typing import Protocol
 
 import torch
 
-from experts_store import ExpertRef
+from experts_store import ExpertRef, PMoESpec
 from server._settings import Settings
 from server.pool import Group, GroupResult
 
 __all__ = [
     "BatchRun",
     "GateRequest",
+    "HyperSection",
     "ModelMismatch",
+    "ModelSection",
     "Plan",
     "PlannedGroup",
     "RowRouting",
@@ -54,6 +56,27 @@ class GateRequest:
     top_p: float | None = None
     beam: tuple[int, ...] | None = None
     score: str | None = None
+
+
+@dataclass(frozen=True)
+class HyperSection:
+    """A hyper store's generator as GET /v1/model shows it: what a cached θ and f weigh."""
+
+    condition_dim: int
+    theta_bytes: int  # |θ|: one generated expert as the cache holds it
+    generator_bytes: int  # |f|: the hypernetwork's weights
+    primary_widths: list[int]
+    condition_source: str
+    condition_ids: list[str]  # the named conditions (the first 1,000)
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """A kind's own fields of GET /v1/model, beside those every manifest has: each kind sets
+    its own (if any), so the HTTP floor shows them without asking which kind it serves."""
+
+    pmoe: PMoESpec | None = None
+    hyper: HyperSection | None = None
 
 
 @dataclass  # not frozen: built per group or per request (module docstring)
@@ -125,6 +148,17 @@ class ServedModel(Protocol):
 
     @property
     def input_dim(self) -> int: ...
+
+    @property
+    def routable_experts(self) -> int:
+        """How many experts a row can be routed to (GET /v1/model's `num_experts`): the
+        expert files, or a kind's generated experts (a prototype-conditioned hyper store's K
+        prototypes, each served by θ = f(p_k) with no file)."""
+        ...
+
+    def model_section(self) -> ModelSection:
+        """The kind's own fields of GET /v1/model (none for a kind without any)."""
+        ...
 
     def resolve(self, request: GateRequest, settings: Settings) -> Hashable:
         """The request's options against the store's defaults and the server's caps

@@ -1,18 +1,25 @@
 """Optional capabilities a kind may have beyond `ServedModel`, for the floors above to ask for.
 
-The HTTP floor asks for them with `patch_inputs` and `patch_routing` (isinstance against
-these runtime-checkable Protocols, remembered per class), so a kind that has them gets image
-bodies and per-patch routing in responses without the HTTP floor naming the kind.
+The HTTP floor asks for them with `patch_inputs`, `patch_routing`, `graph_layout` and
+`expert_generator` (isinstance against these runtime-checkable Protocols, remembered per
+class), so a kind that has them gets image bodies, per-patch routing in responses, GET
+/v1/graph or POST /v1/generate without the HTTP floor naming the kind.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["PatchChoice", "PatchInputs", "PatchRowRouting", "patch_inputs", "patch_routing"]
+from experts_store import GraphBlock
+
+__all__ = [
+    "ExpertGenerator", "GraphLayout", "PatchChoice", "PatchInputs", "PatchRowRouting",
+    "expert_generator", "graph_layout", "patch_inputs", "patch_routing",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,38 @@ class PatchInputs(Protocol):
         ...
 
 
+@runtime_checkable
+class GraphLayout(Protocol):
+    """A model that is a graph of mixtures: its nodes, edges and waves, and their cost."""
+
+    @property
+    def graph(self) -> GraphBlock: ...
+
+    @property
+    def max_distance_evals(self) -> int:
+        """The most a row's tree walks through every node can cost."""
+        ...
+
+
+@runtime_checkable
+class ExpertGenerator(Protocol):
+    """A model whose experts are generated per condition (θ_I = f(I)), not read from files."""
+
+    def condition_of(self, name: str) -> np.ndarray[Any, Any]:
+        """A named condition's values (InvalidRequest when the store names none so)."""
+        ...
+
+    def check_condition(self, values: list[float] | None) -> np.ndarray[Any, Any]:
+        """One condition's values as float32 (InvalidRequest: wrong length, not finite)."""
+        ...
+
+    def generate_file(
+        self, condition: np.ndarray[Any, Any], tmp_dir: Path | None = None
+    ) -> tuple[str, bytes]:
+        """θ for `condition` as the bytes of a store expert file: (its cache key, the bytes)."""
+        ...
+
+
 # isinstance against a runtime-checkable Protocol looks up each member on the object: ~6 µs,
 # asked on every request. A kind's model and routing classes define their members on the
 # class, so the answer is one per class.
@@ -75,3 +114,13 @@ def patch_inputs(model: object) -> PatchInputs | None:
 def patch_routing(routing: object) -> PatchRowRouting | None:
     """`routing` as a `PatchRowRouting` when it knows each row's patches, else None."""
     return routing if _conforms(routing, PatchRowRouting) else None  # type: ignore[return-value]
+
+
+def graph_layout(model: object) -> GraphLayout | None:
+    """`model` as a `GraphLayout` when its kind is a graph of mixtures, else None."""
+    return model if _conforms(model, GraphLayout) else None  # type: ignore[return-value]
+
+
+def expert_generator(model: object) -> ExpertGenerator | None:
+    """`model` as an `ExpertGenerator` when its kind generates its experts, else None."""
+    return model if _conforms(model, ExpertGenerator) else None  # type: ignore[return-value]

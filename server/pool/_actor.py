@@ -49,7 +49,7 @@ from server.pool._device import (
     resolve_device,
     row_block,
 )
-from server.pool._loader import Cached, DeviceLoader, load_error
+from server.pool._loader import Cached, DeviceLoader, load_error, store_relative
 from server.pool._types import ActorInfo, ActorReply, CacheCounts, GroupOutcome
 from server.pool._vram import ActivationMeter, CudaCounters, DeviceQuiet
 
@@ -250,15 +250,15 @@ class ActorCore:
             logger.warning("actor %s cannot load expert %s: %s", self.name, ref.expert_id, exc)
             return _Leased(None, None, ERROR_LOAD, load_error(ref, exc))
         except CacheBusy as exc:
-            return _Leased(None, None, ERROR_BUSY, str(exc))
+            return _Leased(None, None, ERROR_BUSY, store_relative(ref, str(exc)))
         except (CacheError, StoreError) as exc:
-            return _Leased(None, None, ERROR_LOAD, str(exc))
+            return _Leased(None, None, ERROR_LOAD, store_relative(ref, str(exc)))
         except Exception as exc:
             # A file no check foresaw (a loader's own error): this expert's rows fail with a
             # load error naming it; left to escape, it failed every group of the call.
             logger.exception("actor %s: loading expert %s failed", self.name, ref.expert_id)
             what = f"expert {ref.expert_id} could not be loaded: {type(exc).__name__}: {exc}"
-            return _Leased(None, None, ERROR_LOAD, what)
+            return _Leased(None, None, ERROR_LOAD, store_relative(ref, what))
         return _Leased(manager, lease, None, None)
 
     def _compute(self, ref: ExpertRef, rows: np.ndarray, leased: _Leased) -> GroupOutcome:

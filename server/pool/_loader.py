@@ -20,7 +20,7 @@ from experts_store import (
     own_file_problem,
 )
 
-__all__ = ["Cached", "DeviceLoader", "load_error"]
+__all__ = ["Cached", "DeviceLoader", "load_error", "store_relative"]
 
 
 # What an actor's cache holds: loaded experts, generated θ (also FrozenExperts) and pinned
@@ -92,7 +92,24 @@ class DeviceLoader:
 
 def load_error(ref: ExpertRef, exc: ExpertLoadError) -> str:
     """What a failed load tells the client: f's own failure named as the hypernetwork file
-    (its loader stands in expert id -1), anything else as the error says."""
+    (its loader stands in expert id -1), anything else as the error says, with each file
+    named as the store names it (`experts/12-<hash>.safetensors`), not by the server's path
+    to it: a client has no business with the server's directories (the actor's and the
+    pool's logs name the full path)."""
     if isinstance(ref, GeneratedRef) and exc.expert_id == ref.generator.expert_id:
-        return own_file_problem(f"hypernetwork {os.path.basename(ref.generator.path)}", exc)
-    return str(exc)
+        text = own_file_problem(f"hypernetwork {os.path.basename(ref.generator.path)}", exc)
+    else:
+        text = str(exc)
+    return store_relative(ref, text)
+
+
+def store_relative(ref: ExpertRef, text: str) -> str:
+    """`text` (an error a client will read) with the store's root cut from the paths it
+    names."""
+    where = os.path.dirname(ref.path)
+    # f lies at the store's root; an expert file in its experts/ directory (the manifest
+    # admits no other name for it).
+    root = where if isinstance(ref, GeneratedRef) else os.path.dirname(where)
+    if root.rstrip(os.sep) == "":
+        return text  # a path with no directory to hide (a ref built by hand)
+    return text.replace(root.rstrip(os.sep) + os.sep, "")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from experts_store import Store, load_expert
+from experts_store import Store, StoreError, load_expert
 from server.pool import ActorCore, ActorInfo, ActorReply, activation_peak_bytes
 
 pytestmark = pytest.mark.unit
@@ -218,6 +218,28 @@ def test_a_loader_error_no_check_foresaw_fails_only_its_group(
     assert bad.error == (
         "expert 1 could not be loaded: RuntimeError: mat1 and mat2 must have the same dtype"
     )
+    core.close()
+
+
+@pytest.mark.parametrize("error", [RuntimeError, StoreError])
+def test_a_load_failure_names_the_file_as_the_store_does_not_where_it_lies(
+    make_store: MakeStore, monkeypatch: pytest.MonkeyPatch, error: type[Exception]
+) -> None:
+    # The reply's text reaches the client's 503: the server's directories are not its business.
+    root = make_store(K=2, n=2, width=4, out=1)
+    store = Store.open(root)
+    core = IdCore(store, name="a0", budget_bytes=10**8)
+    cache = core.core._cache
+
+    def lease(ref: Any, **options: Any) -> Any:
+        raise error(f"cannot read {ref.path}: Input/output error")
+
+    monkeypatch.setattr(cache, "lease", lease)
+    (bad,) = core.run([(1, rows_for(2, 2, seed=1))]).results
+    assert bad.error_kind == "load" and bad.error is not None
+    assert str(root) not in bad.error, bad.error
+    name = Path(store.expert_path(1)).name
+    assert f"cannot read experts/{name}: Input/output error" in bad.error, bad.error
     core.close()
 
 

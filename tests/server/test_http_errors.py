@@ -339,6 +339,28 @@ async def test_broken_expert_is_503_naming_it_while_others_serve(store: Path) ->
     assert good.status_code == 200
 
 
+async def test_a_missing_expert_file_is_503_naming_it_as_the_store_does_not_where_it_lies(
+    store: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    x = [X[0]]
+    async with running(fake_app(store)) as client:
+        expert = (await client.post("/v1/route", json={"inputs": x})).json()["experts"][0][0]
+        name = manifest(store)["experts"][expert]["file"]  # experts/<id>-<hash>.safetensors
+        (store / name).unlink()
+        with caplog.at_level(logging.WARNING):
+            response = await client.post("/v1/predict", json={"inputs": x})
+    assert response.status_code == 503
+    error = error_of(response)
+    assert error["code"] == "expert_unavailable"
+    assert error["detail"]["expert_id"] == expert
+    for text in (error["message"], error["detail"]["reason"]):
+        assert f"file missing: {name}" in text, text
+    # The client is not told where the server keeps its stores; the server's log is.
+    for root in {str(store), str(store.resolve())}:
+        assert root not in response.text
+    assert str(store / name) in caplog.text
+
+
 async def test_unexpected_errors_are_a_logged_500_without_traceback(
     store: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -451,3 +451,51 @@ def test_a_corrupt_hypernetwork_is_503_naming_its_file(tmp_path: Path) -> None:
     message = answer.json()["error"]["message"]
     assert f"hypernetwork {f_file}: checksum mismatch" in message
     assert "expert -1" not in message
+
+
+def test_get_v1_model_shows_the_generator_and_the_named_conditions(
+    hyper: tuple[Path, HyperNetwork],
+) -> None:
+    root, _ = hyper
+
+    async def go() -> dict[str, Any]:
+        async with running(fake_app(root)) as client:
+            body: dict[str, Any] = (await client.get("/v1/model")).json()
+            return body
+
+    model = asyncio.run(go())
+    spec = Store.open(root).manifest.hyper
+    assert spec is not None
+    # Requests bring their conditions: no expert a row is routed to by the store itself.
+    assert model["kind"] == "hyper" and model["num_experts"] == 0 and model["pmoe"] is None
+    assert model["hyper"] == {
+        "condition_dim": M2, "theta_bytes": spec.theta_nbytes,
+        "generator_bytes": 4 * spec.hypernetwork.params, "primary_widths": [M1, 8, OUT],
+        "condition_source": "request", "condition_ids": ["a", "b", "c"],
+    }
+
+
+def test_a_missing_f_is_503_naming_it_as_the_store_does_not_where_it_lies(
+    hyper: tuple[Path, HyperNetwork], tmp_path: Path
+) -> None:
+    import shutil
+
+    root = Path(shutil.copytree(hyper[0], tmp_path / "store"))
+    spec = Store.open(root).manifest.hyper
+    assert spec is not None
+    name = spec.hypernetwork.file
+
+    async def go() -> tuple[httpx.Response, httpx.Response]:
+        async with running(fake_app(root)) as client:
+            (root / name).unlink()
+            served = await client.post("/v1/predict", json={"inputs": [[0.0] * M1],
+                                                            "condition": [0.5] * M2})
+            generated = await client.post("/v1/generate", json={"condition_id": "a"})
+            return served, generated
+
+    for response in asyncio.run(go()):
+        assert response.status_code == 503, response.text
+        error = response.json()["error"]
+        assert error["code"] == "expert_unavailable" and error["detail"]["expert_id"] == -1
+        assert f"hypernetwork {name}: file missing: {name}" in error["detail"]["reason"]
+        assert str(root) not in response.text and str(root.resolve()) not in response.text

@@ -147,3 +147,52 @@ def test_the_kinds_store_verify_knows_are_the_kinds_the_server_serves() -> None:
     from experts_store import STORE_KINDS
 
     assert set(STORE_KINDS) == set(KINDS)
+
+
+async def test_a_kind_tells_get_v1_model_its_experts_and_its_own_fields(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A new kind adds a model, not a branch in the HTTP floor (STYLE.md rule 17): what rows
+    # can be routed to, and the kind's own block of /v1/model, are the model's to say.
+    from experts_store import Pace, Store
+    from server.kinds import HyperSection, ModelSection, MomlpModel
+
+    class Generated(MomlpModel):
+        """momlp underneath; says rows reach 3 generated experts, and shows its generator."""
+
+        @property
+        def routable_experts(self) -> int:
+            return 3
+
+        def model_section(self) -> ModelSection:
+            return ModelSection(hyper=HyperSection(
+                condition_dim=2, theta_bytes=40, generator_bytes=400, primary_widths=[4, 2],
+                condition_source="prototype", condition_ids=["a", "b", "c"],
+            ))
+
+    def open_generated(store: Store, pace: Pace) -> Generated:
+        plain = MomlpModel.open(store, pace)
+        return Generated(plain.router, plain.experts, store.manifest)
+
+    monkeypatch.setitem(KINDS, "momlp", open_generated)
+    store = build_small_store(tmp_path / "s", K=8)
+    async with running(fake_app(store)) as client:
+        model = (await client.get("/v1/model")).json()
+    assert model["num_experts"] == 3 and model["kind"] == "momlp" and model["pmoe"] is None
+    assert model["hyper"] == {
+        "condition_dim": 2, "theta_bytes": 40, "generator_bytes": 400, "primary_widths": [4, 2],
+        "condition_source": "prototype", "condition_ids": ["a", "b", "c"],
+    }
+
+
+async def test_the_kind_endpoints_answer_404_naming_the_served_kind(tmp_path: Path) -> None:
+    store = build_small_store(tmp_path / "s")
+    async with running(fake_app(store)) as client:
+        graph = await client.get("/v1/graph")
+        generate = await client.post("/v1/generate", json={"condition": [1.0]})
+        model = (await client.get("/v1/model")).json()
+    assert graph.status_code == 404
+    assert error_of(graph)["message"] == "the served store is of kind 'momlp', not graph"
+    assert generate.status_code == 404
+    assert error_of(generate)["detail"] == {"kind": "momlp"}
+    assert (model["num_experts"], model["pmoe"], model["hyper"]) == (8, None, None)

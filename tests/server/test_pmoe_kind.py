@@ -221,3 +221,13 @@ def test_a_pmoe_stores_files_are_all_as_readable_as_its_experts(
     }
     assert len(set(modes.values())) == 1, modes
     assert Store.open(root).verify() == []  # a linear router is no prototype tree: no problem
+
+
+async def test_get_v1_model_shows_the_stores_patch_layout(store: tuple[Path, PatchMoE]) -> None:
+    root, _ = store
+    async with running(fake_app(root)) as client:
+        model = (await client.get("/v1/model")).json()
+    manifest = Store.open(root).manifest
+    assert model["kind"] == "pmoe" and model["num_experts"] == 3 and model["hyper"] is None
+    assert manifest.pmoe is not None
+    assert model["pmoe"] == manifest.pmoe.model_dump(mode="json")
