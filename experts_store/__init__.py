@@ -70,6 +70,7 @@ if TYPE_CHECKING:
     from experts_store._manifest import (
         LINEAR_LIFT_EXTRA_DIMS,
         MANIFEST_FORMAT_VERSION,
+        MAX_MANIFEST_BYTES,
         STORE_KINDS,
         ExpertEntry,
         GateSpec,
@@ -158,6 +159,7 @@ __all__ = [
     "Manifest",
     "LINEAR_LIFT_EXTRA_DIMS",
     "MANIFEST_FORMAT_VERSION",
+    "MAX_MANIFEST_BYTES",
     "STORE_KINDS",
     "Pace",
     "Pacer",
@@ -242,6 +244,7 @@ _HOMES = {
     "Manifest": "experts_store._manifest",
     "LINEAR_LIFT_EXTRA_DIMS": "experts_store._manifest",
     "MANIFEST_FORMAT_VERSION": "experts_store._manifest",
+    "MAX_MANIFEST_BYTES": "experts_store._manifest",
     "STORE_KINDS": "experts_store._manifest",
     "GateSpec": "experts_store._manifest",
     "read_manifest": "experts_store._manifest",

@@ -62,11 +62,13 @@ class StoreNotFound(StoreError):
 
 
 class ManifestError(StoreError):
-    """manifest.json exists but is unreadable or violates the store contract."""
+    """manifest.json exists but is unreadable or violates the store contract. `root`: the
+    store it was read from; None for a manifest's bytes given by a caller (`read_manifest`)."""
 
-    def __init__(self, *, root: Path | str, message: str) -> None:
-        self.root = Path(root)
-        super().__init__(f"bad manifest in {self.root}: {message}")
+    def __init__(self, *, root: Path | str | None, message: str) -> None:
+        self.root = None if root is None else Path(root)
+        where = "" if self.root is None else f" in {self.root}"
+        super().__init__(f"bad manifest{where}: {message}")
 
 
 class StoreChanged(StoreError):

@@ -34,6 +34,7 @@ from experts_store._exceptions import (
     StoreWriteError,
 )
 from experts_store._hostbuf import HostBufferPool, fresh_host_buffer
+from experts_store._inside import opened_outside
 from experts_store._model import ExpertMLP
 
 __all__ = [
@@ -260,6 +261,7 @@ def read_expert_bytes(
     host_pool: HostBufferPool | None = None,
     digests: Sequence[Digest] = (),
     expected_bytes: int | None = None,
+    store_root: str | None = None,
 ) -> Tensor:
     """The whole file as one uint8 CPU tensor, read with a single unbuffered read loop.
 
@@ -268,6 +270,8 @@ def read_expert_bytes(
     file order, chunk by chunk as it lands. A file of another size than ``expected_bytes``
     (the manifest's) is refused before anything is read: a wrong file of gigabytes at an
     expert's name would otherwise be read and hashed whole before its checksum failed.
+    ``store_root``: the store the file belongs to; a file that a symbolic link leads out of
+    it is refused unread (ExpertFormatError naming the file and where it leads).
     """
     # A str path as given: building a Path costs ~6 µs, once per load of a small expert.
     try:
@@ -281,6 +285,14 @@ def read_expert_bytes(
             expert_id=expert_id, message=f"expert {expert_id}: cannot open {path}: {exc}"
         ) from exc
     try:
+        if store_root is not None:
+            outside = opened_outside(fd, path, store_root)
+            if outside is not None:
+                raise ExpertFormatError(
+                    expert_id=expert_id,
+                    # Not where it leads: this text reaches clients (a 503's reason).
+                    reason=f"{path} is a link that leads outside the store",
+                )
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ExpertFormatError(expert_id=expert_id, reason=f"{path} is not a regular file")

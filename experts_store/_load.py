@@ -53,6 +53,7 @@ def load_expert(
     expected_checksum: str | None = None,
     expert_id: int | None = None,
     host_pool: HostBufferPool | None = None,
+    store_root: str | None = None,
 ) -> ExpertMLP:
     """Rebuild the expert saved at ``path`` on ``device``, in eval mode.
 
@@ -63,7 +64,8 @@ def load_expert(
     checksum adds 15-25% to the load of a large expert, sha256 6-10x the load.
     A bad header, arch, dtype or shape raises ExpertFormatError; a missing file
     ExpertFileMissing; all name ``expert_id``. ``host_pool`` recycles the host buffers of
-    large CPU experts (see HostBufferPool).
+    large CPU experts (see HostBufferPool). ``store_root``: the store the file belongs to;
+    a file a symbolic link leads out of it is refused unread (ExpertFormatError).
     """
     arch, state = read_expert_state(
         path,
@@ -72,6 +74,7 @@ def load_expert(
         expected_checksum=expected_checksum,
         expert_id=expert_id,
         host_pool=host_pool,
+        store_root=store_root,
     )
     expert = ExpertMLP(arch, device="meta")
     _assign(expert, state)
@@ -88,6 +91,7 @@ def read_expert_state(
     host_pool: HostBufferPool | None = None,
     expected_bytes: int | None = None,
     check_finite: bool = False,
+    store_root: str | None = None,
 ) -> tuple[ExpertArch, dict[str, Tensor]]:
     """The expert's architecture and tensors on ``device``, checked as load_expert says;
     ``expected_bytes``: the file's size (refused unread if it differs); ``check_finite``:
@@ -103,6 +107,7 @@ def read_expert_state(
         pin_memory=pin,
         host_pool=None if pin else host_pool,
         expected_bytes=expected_bytes,
+        store_root=store_root,
     )
     return state_from_bytes(
         buf, target, expert_id=expert_id, pinned=pin, check_finite=check_finite
@@ -118,9 +123,11 @@ def read_checked_bytes(
     pin_memory: bool = False,
     host_pool: HostBufferPool | None = None,
     expected_bytes: int | None = None,
+    store_root: str | None = None,
 ) -> Tensor:
     """The file's bytes on the host, hashed as they are read and checked before returning
-    (a file of another size than ``expected_bytes`` is refused unread)."""
+    (a file of another size than ``expected_bytes``, or one a link leads out of
+    ``store_root``, is refused unread)."""
     checks: list[ExpectedDigest] = []
     if expected_checksum is not None:
         checks.append(ExpectedDigest(expected_checksum, expert_id=expert_id))
@@ -133,6 +140,7 @@ def read_checked_bytes(
         host_pool=host_pool,
         digests=[check.digest for check in checks],
         expected_bytes=expected_bytes,
+        store_root=store_root,
     )
     for check in checks:
         check.check()
@@ -180,6 +188,7 @@ def load_frozen_expert(
     host_pool: HostBufferPool | None = None,
     expected_bytes: int | None = None,
     check_finite: bool = False,
+    store_root: str | None = None,
 ) -> FrozenExpert:
     """The expert at ``path`` for inference only (see FrozenExpert); checked as
     read_expert_state says."""
@@ -192,5 +201,6 @@ def load_frozen_expert(
         host_pool=host_pool,
         expected_bytes=expected_bytes,
         check_finite=check_finite,
+        store_root=store_root,
     )
     return FrozenExpert(arch, state)

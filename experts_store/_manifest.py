@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import marshal
 import re
 from array import array
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -13,13 +15,14 @@ from pydantic import (
     ConfigDict,
     Field,
     StringConstraints,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from experts_store._arch import ExpertArch
-from experts_store._exceptions import UnknownExpert
+from experts_store._exceptions import ManifestError, UnknownExpert
 from experts_store._graph import GraphBlock
 from experts_store._hyper import HyperSpec
 from experts_store._pace import Pace, no_pace
@@ -29,6 +32,7 @@ from experts_store._pmoe import PMoESpec
 __all__ = [
     "LINEAR_LIFT_EXTRA_DIMS",
     "MANIFEST_FORMAT_VERSION",
+    "MAX_MANIFEST_BYTES",
     "STORE_KINDS",
     "ExpertEntry",
     "GateSpec",
@@ -43,6 +47,12 @@ __all__ = [
 # Format 2 adds `kind` and `gate`; a format-1 manifest (neither) reads as kind "momlp" with
 # the default gate at its top-level temperature. Expert files keep their own FORMAT_VERSION.
 MANIFEST_FORMAT_VERSION = 2
+# The largest manifest.json a store may have; a larger one is refused from its size, unread.
+# A K=100,000 store's manifest is ~43 MB (README, "How the expert cache and eviction work"):
+# 1 GiB is K ≈ 2.5 million, past any store this reader opens in reasonable time, and a
+# reading server holds the text, its decoded objects and the rows (several times the size)
+# at once, so a manifest beyond it is a mistake or an attack, not a store.
+MAX_MANIFEST_BYTES = 1 << 30
 # The kinds of store momlp serves (server/kinds registers one model per kind; a test keeps the
 # two lists equal). A manifest of another kind still parses: a server refuses it, naming it.
 STORE_KINDS = frozenset({"momlp", "graph", "hyper", "pmoe"})
@@ -347,8 +357,15 @@ class Manifest(BaseModel):
     @property
     def referenced_files(self) -> set[str]:
         """Store-relative paths of every file this manifest needs; publishing keeps them and
-        removes the unreferenced. A kind whose block names more files adds them here."""
-        files = {entry.file for entry in self.experts}
+        removes the unreferenced."""
+        return {entry.file for entry in self.experts} | self.non_expert_files
+
+    @property
+    def non_expert_files(self) -> set[str]:
+        """Store-relative paths of the files this manifest needs besides its experts' (the
+        routers, a kind's own files): a few, where experts may be 100,000. A kind whose block
+        names more files adds them here."""
+        files: set[str] = set()
         if self.router_file is not None:
             files.add(self.router_file)
         if self.hyper is not None:
@@ -376,14 +393,18 @@ class Manifest(BaseModel):
         return self.experts[expert_id]
 
 
-def read_manifest(raw: bytes, *, pace: Pace | None = None) -> Manifest:
+def read_manifest(
+    raw: bytes, *, pace: Pace | None = None, root: Path | str | None = None
+) -> Manifest:
     """The manifest in `raw` (manifest.json's bytes), validated.
 
-    ValueError if it is not JSON; pydantic's ValidationError if it is not a valid manifest.
+    ManifestError (naming `root`, the store the bytes were read from, when given) if it is
+    not JSON or not a valid manifest; its cause is the JSON or pydantic error. JSON types
+    are taken strictly: a count of "3", 3.0 or true is refused, naming the field.
     `pace`, when given, is called once per expert row while it is decoded and checked, so a
     thread reading a large store beside a serving event loop hands the GIL over (`Pacer`).
     """
-    return read_manifest_rows(raw, pace=pace)[0]
+    return read_manifest_rows(raw, pace=pace, root=root)[0]
 
 
 @dataclass(frozen=True, eq=False)
@@ -397,7 +418,11 @@ class ManifestRows:
 
 
 def read_manifest_rows(
-    raw: bytes, *, pace: Pace | None = None, previous: ManifestRows | None = None
+    raw: bytes,
+    *,
+    pace: Pace | None = None,
+    previous: ManifestRows | None = None,
+    root: Path | str | None = None,
 ) -> tuple[Manifest, ManifestRows]:
     """`read_manifest`, and its rows' `ManifestRows`. A row whose text is the same as the row
     of the same index in `previous` is that row's entry, not decoded or checked again: a
@@ -405,10 +430,48 @@ def read_manifest_rows(
     (benchmarks/RESULTS.md, fifty-ninth session). The manifest's own checks of its rows (ids,
     derived file names, params, each kind's block) run on every row as before."""
     known = None if previous is None else _same_rows(previous)
-    data, spans = decode_json_items(raw, "experts", pace, known)
-    context = None if pace is None else {_PACE: pace}
-    manifest = Manifest.model_validate(data, context=context)
+    try:
+        data, spans = decode_json_items(raw, "experts", pace, known)
+        context = None if pace is None else {_PACE: pace}
+        # Strict: a JSON value is taken as the type it is, in every block (a count of "3",
+        # 3.0 or true is not a count), where pydantic would convert it. One flag on the one
+        # validation, no work added per row (a taken row is its entry, as before); the
+        # models stay lax for the Python that builds them (a numpy int is an int there).
+        manifest = Manifest.model_validate(data, context=context, strict=True)
+    except ValidationError as exc:
+        raise ManifestError(root=root, message=_validation_message(exc)) from exc
+    except ValueError as exc:  # not UTF-8 JSON
+        raise ManifestError(root=root, message=f"not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise ManifestError(root=root, message="JSON nested too deeply") from None
     return manifest, ManifestRows(spans, manifest.experts)
+
+
+def _validation_message(exc: ValidationError) -> str:
+    """pydantic's errors in one line, each as `field: why` (its own text spans lines, echoes
+    the input and ends with a link: `momlp serve` prints a refused store in one line). A
+    value of the wrong JSON type is shown when it is short: `input_dim: ..., got "3"`."""
+    parts = []
+    for error in exc.errors()[:3]:
+        where = ".".join(str(part) for part in error["loc"])
+        why = str(error["msg"]).removeprefix("Value error, ")
+        shown = _shown(error.get("input")) if str(error["type"]).endswith("_type") else None
+        if shown is not None:
+            why += f", got {shown}"
+        parts.append(f"{where}: {why}" if where else why)
+    more = exc.error_count() - len(parts)
+    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
+
+
+def _shown(value: Any) -> str | None:
+    """A JSON scalar as the manifest has it, when it is short; None for anything else."""
+    if value is not None and not isinstance(value, bool | int | float | str):
+        return None
+    try:
+        text = json.dumps(value)
+    except ValueError:  # an int past Python's digit limit
+        return None
+    return text if len(text) <= 40 else None
 
 
 def _same_rows(previous: ManifestRows) -> KnownItems:

@@ -10,6 +10,7 @@ be confused with the old one.
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass, field
 
@@ -47,7 +48,8 @@ class ExpertRefLoader:
     Every load is verified against the ref's fast checksum (xxh3, hashed as the file is read),
     so a corrupted or swapped file is refused naming the expert even after a good first read.
     A ref without one this reader knows (a store published before checksums) is verified
-    against its sha256 on the first load of that content, as a `Store` does. CPU loads of
+    against its sha256 on the first load of that content, as a `Store` does. A file that a
+    symbolic link leads out of its store is refused unread, naming it. CPU loads of
     large experts recycle freed host buffers; the pool parks at most two of the largest
     expert seen.
 
@@ -99,6 +101,7 @@ class ExpertRefLoader:
                 host_pool=self._host_pool,
                 expected_bytes=ref.file_bytes,
                 check_finite=not seen_finite,
+                store_root=_store_root(ref.path),
             )
         if expert.arch.nbytes() != ref.nbytes:
             raise ExpertFormatError(
@@ -123,6 +126,7 @@ class ExpertRefLoader:
             expert_id=ref.expert_id,
             pin_memory=True,
             expected_bytes=ref.file_bytes,
+            store_root=_store_root(ref.path),
         )
         arch, state = state_from_bytes(
             buf, self.device, expert_id=ref.expert_id, pinned=True, check_finite=check_finite
@@ -130,3 +134,9 @@ class ExpertRefLoader:
         if kept is None and arch.nbytes() == ref.nbytes:
             tier.put(ref.sha256, buf)
         return FrozenExpert(arch, state)
+
+
+def _store_root(path: str) -> str:
+    # A ref's file is <store root>/experts/<id>-<hash>.safetensors (`Store.expert_ref`, from
+    # the manifest's derived name): two string cuts, not a field each ref carries to actors.
+    return os.path.dirname(os.path.dirname(path))

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from pydantic import ValidationError
 from safetensors import SafetensorError, safe_open
 
 from experts_store._checksum import FAST_CHECKSUM_ALGO, ExpectedDigest, known_checksum
@@ -29,9 +28,11 @@ from experts_store._format import all_finite, parse_header, read_expert_bytes, s
 from experts_store._frozen import FrozenExpert
 from experts_store._hostbuf import HostBufferPool
 from experts_store._hypernet import verify_hyper_files
+from experts_store._inside import opened_outside, resolves_outside
 from experts_store._load import load_expert, load_frozen_expert
 from experts_store._manifest import (
     LINEAR_LIFT_EXTRA_DIMS,
+    MAX_MANIFEST_BYTES,
     STORE_KINDS,
     ExpertEntry,
     Manifest,
@@ -122,28 +123,26 @@ class Store:
         ``pace`` is called once per expert in each pass over the manifest's rows (`Pacer`:
         a server opening a new version beside its event loop). ``previous``: a store this one
         replaces (the version a server serves), whose rows are taken where their text in the
-        manifest is unchanged (`read_manifest_rows`)."""
+        manifest is unchanged (`read_manifest_rows`).
+
+        ManifestError for a manifest it cannot read or that is not valid (one of more than
+        MAX_MANIFEST_BYTES is refused unread), and for a manifest.json, router or kind's
+        file that a symbolic link leads out of ``root`` (experts' files are refused when
+        loaded: a store may have 100,000)."""
         root = Path(root)
-        path = root / MANIFEST_NAME
-        if path.exists() and not path.is_file():
-            # A FIFO there would block the read (a server's swap) for good.
-            raise ManifestError(root=root, message=f"cannot read {path.name}: not a regular file")
-        try:
-            raw = path.read_bytes()
-        except (FileNotFoundError, NotADirectoryError) as exc:
-            raise StoreNotFound(root=root) from exc
-        except OSError as exc:  # unreadable, or a directory named manifest.json
-            raise ManifestError(root=root, message=f"cannot read {path.name}: {exc}") from exc
-        try:
-            manifest, rows = read_manifest_rows(
-                raw, pace=pace, previous=previous.manifest_rows if previous is not None else None
-            )
-        except ValidationError as exc:
-            raise ManifestError(root=root, message=_validation_message(exc)) from exc
-        except ValueError as exc:  # not UTF-8 JSON
-            raise ManifestError(root=root, message=f"not valid JSON: {exc}") from exc
-        except RecursionError:
-            raise ManifestError(root=root, message="JSON nested too deeply") from None
+        raw = _read_manifest_file(root)
+        manifest, rows = read_manifest_rows(
+            raw,
+            pace=pace,
+            previous=previous.manifest_rows if previous is not None else None,
+            root=root,
+        )
+        for name in sorted(manifest.non_expert_files):
+            outside = resolves_outside(root / name, root)
+            if outside is not None:
+                raise ManifestError(
+                    root=root, message=f"{name} leads to {outside}, outside the store"
+                )
         if host_pool_bytes is None:
             host_pool_bytes = 2 * manifest.max_expert_bytes
         pool = HostBufferPool(host_pool_bytes) if host_pool_bytes > 0 else None
@@ -245,6 +244,7 @@ class Store:
             expected_sha256=None if verified else entry.sha256,
             expert_id=entry.id,
             host_pool=self.host_pool,
+            store_root=str(self.root),
         )
         if expert.arch.to_dict() != entry.arch:
             raise ExpertFormatError(
@@ -312,6 +312,7 @@ class Store:
                     self.root / entry.file,
                     expert_id=entry.id,
                     digests=(sha256,) if fast is None else (sha256, fast.digest),
+                    store_root=str(self.root),
                 )
                 if buf.numel() != entry.bytes:  # it changed since the stat
                     problems.append(StoreProblem(
@@ -373,16 +374,41 @@ def read_report(root: Path, version: str) -> dict[str, Any] | None:
     return data
 
 
-def _validation_message(exc: ValidationError) -> str:
-    """pydantic's errors in one line, each as `field: why` (its own text spans lines, echoes
-    the input and ends with a link: `momlp serve` prints a refused store in one line)."""
-    parts = []
-    for error in exc.errors()[:3]:
-        where = ".".join(str(part) for part in error["loc"])
-        why = str(error["msg"]).removeprefix("Value error, ")
-        parts.append(f"{where}: {why}" if where else why)
-    more = exc.error_count() - len(parts)
-    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
+def _read_manifest_file(root: Path) -> bytes:
+    """manifest.json's bytes: StoreNotFound when there is none, ManifestError when it is not
+    a regular file, a link leads out of `root`, or it is larger than MAX_MANIFEST_BYTES."""
+    path = root / MANIFEST_NAME
+    try:
+        # Not blocking: a FIFO there would block the read (a server's swap) for good. The
+        # checks below are of the file opened, not of what the path names by then.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        raise StoreNotFound(root=root) from exc
+    except OSError as exc:  # unreadable
+        raise ManifestError(root=root, message=f"cannot read {path.name}: {exc}") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # a directory, a FIFO
+            raise ManifestError(root=root, message=f"cannot read {path.name}: not a regular file")
+        outside = opened_outside(fd, path, root)
+        if outside is not None:
+            raise ManifestError(
+                root=root, message=f"{path.name} leads to {outside}, outside the store"
+            )
+        if st.st_size > MAX_MANIFEST_BYTES:
+            # From the size, unread: decoding it would take several times that in memory.
+            raise ManifestError(
+                root=root,
+                message=f"{path.name} holds {st.st_size} bytes, more than the "
+                f"{MAX_MANIFEST_BYTES} a manifest may (MAX_MANIFEST_BYTES)",
+            )
+        # Its size as opened: a publish replaces the file, it never writes into it.
+        with open(fd, "rb", closefd=False) as fh:
+            return fh.read(st.st_size)
+    except OSError as exc:
+        raise ManifestError(root=root, message=f"cannot read {path.name}: {exc}") from exc
+    finally:
+        os.close(fd)
 
 
 def _regular_file_size(path: Path) -> int | None:

@@ -417,7 +417,6 @@ class HyperModel:
             data = theta_file_bytes(flat, self.spec, Path(tmp_dir or tmp))
         return condition_key(self.generator.sha256, tensor[0]), data
 
-
     def _unavailable(self, exc: ExpertLoadError) -> ExpertUnavailable:
         """f unreadable, told as the actors tell it (server.pool's `load_error`): the file by
         the name the store gives it, not "expert -1" at the server's path (the log has it)."""

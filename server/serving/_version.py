@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from experts_store import (
+    MAX_MANIFEST_BYTES,
     Clock,
     ExpertRef,
     Manifest,
@@ -174,7 +175,7 @@ class StoreVersionReader:
             with open(os.open(self._path, os.O_RDONLY | os.O_NONBLOCK), "rb") as fh:
                 # The stamp of the file read, not of whatever the path names a moment later.
                 st = os.fstat(fh.fileno())
-                if not stat.S_ISREG(st.st_mode):
+                if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST_BYTES:
                     return None  # no version: the swap's open refuses it, naming why
                 stamp = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
                 with self._lock:

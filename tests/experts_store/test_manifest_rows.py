@@ -13,7 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from experts_store import ExpertArch, Manifest, Store, StoreWriter, read_manifest_rows
+from experts_store import (
+    ExpertArch,
+    Manifest,
+    ManifestError,
+    Store,
+    StoreWriter,
+    read_manifest_rows,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -106,8 +113,11 @@ def test_what_a_fresh_read_refuses_is_refused_after_a_previous_one(
     bad = json.loads(text_of(data))
     edit(bad)
     for previous in (None, rows):
-        with pytest.raises(ValidationError, match=match):
+        with pytest.raises(ManifestError, match=match) as info:
             read_manifest_rows(text_of(bad), previous=previous)
+        # The package's own error, in one line; pydantic's is its cause.
+        assert isinstance(info.value.__cause__, ValidationError)
+        assert info.value.root is None and "\n" not in str(info.value)
 
 
 def test_a_released_previous_gives_no_rows(data: dict[str, Any]) -> None:

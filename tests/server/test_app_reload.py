@@ -629,3 +629,17 @@ def test_the_watchers_reader_does_not_wait_on_a_fifo_at_the_manifests_path(
     thread.start()
     thread.join(10)
     assert seen == [None]  # answered, and with no version
+
+
+def test_the_watchers_reader_reads_no_manifest_past_the_cap(
+    tmp_path: Path, parses: list[str | None]
+) -> None:
+    from experts_store import MAX_MANIFEST_BYTES
+
+    store = build_small_store(tmp_path / "store")
+    reader = StoreVersionReader(store)
+    path = store / "manifest.json"
+    path.unlink()
+    with path.open("wb") as fh:  # sparse: no version in its start, so all of it was read
+        fh.truncate(MAX_MANIFEST_BYTES + 1)
+    assert reader.store_version() is None and parses == []

@@ -1,0 +1,47 @@
+"""Files a store reads lie inside its directory once every symbolic link is followed.
+
+A server (and each of its Ray actors) reads a store with its own rights: a manifest.json,
+router or expert file that is a link to somewhere else (`/etc/...`, another tenant's
+volume) is refused, naming the file. Links that stay inside the store are followed as
+before (a store on a shared volume may link its files to one another), and so is a store
+directory that is itself a link (`/srv/store -> /mnt/volume/store-v2`): what is compared is
+the file's real path with the real path of the directory. Hard links are no links here:
+they are the file (`StoreWriter.link_expert_file` makes them).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["opened_outside", "resolves_outside"]
+
+
+def resolves_outside(path: Path | str, root: Path | str) -> str | None:
+    """The real path of `path` when it is not inside the real path of `root`; None when it
+    is (a path that does not exist is judged by the links that do: the read that follows
+    reports it missing)."""
+    return _outside(os.path.realpath(path), root)
+
+
+def opened_outside(fd: int, path: Path | str, root: Path | str) -> str | None:
+    """`resolves_outside` for the file open as `fd` (opened from `path`): the file read is
+    the one judged, whatever the path names by the time it is judged.
+
+    One readlink of the descriptor where /proc has it (Linux); a path in which no link was
+    followed and which starts with `root` needs nothing more (every load of an expert asks).
+    """
+    try:
+        real = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:  # no /proc (not Linux): the path's links as they are now
+        real = os.path.realpath(path)
+    named, base = os.fspath(path), os.fspath(root)
+    if real == named and named.startswith(base.rstrip(os.sep) + os.sep):
+        return None
+    return _outside(real, root)
+
+
+def _outside(real: str, root: Path | str) -> str | None:
+    base = os.path.realpath(root)
+    inside = real == base or real.startswith(base.rstrip(os.sep) + os.sep)
+    return None if inside else real
