@@ -140,8 +140,9 @@ class Store:
         for name in sorted(manifest.non_expert_files):
             outside = resolves_outside(root / name, root)
             if outside is not None:
+                # Not where it leads: a reload's 503 reason shows this text to its caller.
                 raise ManifestError(
-                    root=root, message=f"{name} leads to {outside}, outside the store"
+                    root=root, message=f"{name} is a link that leads outside the store"
                 )
         if host_pool_bytes is None:
             host_pool_bytes = 2 * manifest.max_expert_bytes
@@ -393,7 +394,7 @@ def _read_manifest_file(root: Path) -> bytes:
         outside = opened_outside(fd, path, root)
         if outside is not None:
             raise ManifestError(
-                root=root, message=f"{path.name} leads to {outside}, outside the store"
+                root=root, message=f"{path.name} is a link that leads outside the store"
             )
         if st.st_size > MAX_MANIFEST_BYTES:
             # From the size, unread: decoding it would take several times that in memory.

@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import os
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel
@@ -91,7 +93,23 @@ def add_admin_routes(app: FastAPI) -> None:
                 503,
                 "reload_failed",
                 "the store on disk could not be loaded; the previous version keeps serving",
-                detail={"reason": str(exc), "store_version": previous},
+                detail={
+                    "reason": _store_named(str(exc), serving.settings.store),
+                    "store_version": previous,
+                },
             ) from exc
         current = serving.current().version
         return ReloadResponse(reloaded=reloaded, store_version=current, previous_version=previous)
+
+
+def _store_named(text: str, store: Path) -> str:
+    """`text` with the server's path to its store cut: files as the store names them, the
+    folder itself as "the store" (the log keeps the full text)."""
+    given = os.fspath(store)
+    # The longer first (the absolute path holds the given one); a bare name such as "store"
+    # is no path to hide, and replacing it would rewrite words of the message.
+    roots = {os.path.abspath(store)} | ({given} if os.sep in given else set())
+    for root in sorted(roots, key=len, reverse=True):
+        root = root.rstrip(os.sep)
+        text = text.replace(root + os.sep, "").replace(root, "the store")
+    return text

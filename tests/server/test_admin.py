@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -92,6 +93,30 @@ async def test_a_broken_new_store_keeps_the_old_version_serving(tmp_path: Path) 
         still = await client.post("/v1/predict", json={"inputs": [[0.1, 0.2, 0.3, 0.4]]})
     assert still.status_code == 200
     assert still.json()["store_version"] == old
+
+
+async def test_a_refused_reload_names_the_stores_files_not_the_servers_paths(
+    tmp_path: Path,
+) -> None:
+    store = build_small_store(tmp_path / "store")
+    router = manifest(store)["router_file"]
+    app = create_app(app_settings(store), pool_factory=fake_pool)
+    async with running(app) as client:
+        elsewhere = tmp_path / "other-tenant"
+        elsewhere.mkdir()
+        (store / router).rename(elsewhere / router)
+        (store / router).symlink_to(elsewhere / router)
+        # A new version, so that the reload opens the store again.
+        data = manifest(store)
+        data["store_version"] = "v-linked"
+        (store / "manifest.json").write_text(json.dumps(data))
+        answer = await client.post("/v1/admin/reload")
+    assert answer.status_code == 503
+    reason = error_of(answer)["detail"]["reason"]
+    assert reason == (
+        f"bad manifest in the store: {router} is a link that leads outside the store"
+    ), reason
+    assert str(tmp_path) not in answer.text
 
 
 @pytest.mark.parametrize(
