@@ -119,7 +119,8 @@ def measure(
 
     steps: dict[str, Callable[[], object]] = {
         "copy": lambda: dst.copy_(src, non_blocking=is_cuda),
-        "load": lambda: load_expert(path, device, host_pool=pool),
+        # store_root as an actor's load passes it: the link check is part of every load.
+        "load": lambda: load_expert(path, device, host_pool=pool, store_root=str(path.parent)),
         "load_fresh": lambda: load_expert(path, device),
         "read": read_into_preallocated,
         "load_checked": lambda: load_expert(

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ._base import _check_gate
+from ._conditions import MAX_CONDITIONS
 from ._exceptions import InputError, LoadTestConfigError
 from ._workload import Distribution
 
@@ -60,8 +61,15 @@ class LoadTestConfig:
                 raise LoadTestConfigError(
                     message, setting=setting, value=getattr(self, setting)
                 ) from exc
-        if self.conditions is not None and self.conditions < 1:
-            raise _out_of_range("conditions", self.conditions, ">= 1")
+        if Distribution.parse(self.condition_distribution).kind == "cluster":
+            # Refused here, before the run connects (the workload refused it only then).
+            raise LoadTestConfigError(
+                "condition_distribution must be uniform or zipf:S (cluster is a law over the"
+                " experts' prototypes)", setting="condition_distribution",
+                value=self.condition_distribution,
+            )
+        if self.conditions is not None and not 1 <= self.conditions <= MAX_CONDITIONS:
+            raise _out_of_range("conditions", self.conditions, f"in [1, {MAX_CONDITIONS}]")
         if self.requests is None and self.duration_s is None and self.eval_data is None:
             # With eval_data and neither, the run is one pass over its rows.
             raise LoadTestConfigError("give requests or duration_s", setting="requests",

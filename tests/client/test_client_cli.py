@@ -131,7 +131,10 @@ def test_bad_retries_and_timeouts_exit_2(capsys, flag, value, words):
         (["--concurrency", "0"], "--concurrency must be >= 1"),
         (["--rate", "0"], "--rate must be > 0"),
         (["--duration", "0"], "--duration must be > 0"),
-        (["--conditions", "0"], "--conditions must be >= 1"),
+        (["--conditions", "0"], "--conditions must be in [1, 1000000]"),
+        (["--conditions", "1000001"], "--conditions must be in [1, 1000000]"),
+        (["--conditions", "4", "--condition-distribution", "cluster"],
+         "--condition-distribution must be uniform or zipf:S"),
         (["--condition-distribution", "pareto"],
          "--condition-distribution: distribution must be uniform, zipf:S (S >= 0) or cluster, "
          "got 'pareto'"),
