@@ -59,6 +59,10 @@ class _Pending:
     future: asyncio.Future[Callable[[], BatchAnswer]]
     rows: int = field(init=False)
     routing: Any = None  # set when the request was routed ahead of its batch (prefetch)
+    # Taken into a batch: from then on its rows leave `queued_rows` when the batch ends, not
+    # when the caller leaves (a timeout does not stop their computing).
+    dispatched: bool = False
+    counted: bool = True  # its rows are still in `queued_rows`
 
     def __post_init__(self) -> None:
         self.rows = int(self.x.shape[0])
@@ -116,13 +120,16 @@ class Batcher:
         self._closed = False
         self._checked_options: set[Hashable] = set()
         self._open_connections = open_connections
-        # Requests submitted and not yet answered: queued or in a running batch.
+        # Callers waiting for an answer, queued or in a running batch. It follows the callers,
+        # not their rows (unlike `_queued_rows`): one that left (a timeout) frees its
+        # connection to send again, so it must not count as a connection that cannot.
         self._waiting = 0
         self.batches = 0  # batches dispatched so far (for tests and metrics)
 
     @property
     def queued_rows(self) -> int:
-        """Rows admitted and not yet answered (waiting or being computed)."""
+        """Rows admitted and not yet computed: queued, or in a batch still running (also when
+        their caller has left, as its timeout does not stop the batch)."""
         return self._queued_rows
 
     async def submit(
@@ -159,8 +166,10 @@ class Batcher:
         try:
             build = await item.future
         finally:
-            self._queued_rows -= rows
             self._waiting -= 1
+            if not item.dispatched:
+                # Left (or failed) while queued: no batch will take it, its rows never run.
+                self._queued_rows -= rows
         return build()
 
     def _validate(self, x: torch.Tensor | np.ndarray, options: Hashable) -> torch.Tensor:
@@ -281,8 +290,18 @@ class Batcher:
             # Prefetch is only a hint: the batch routes (and reports bad input) for itself.
             logger.debug("prefetch of %s queued requests failed", len(items), exc_info=True)
 
+    def _release(self, items: list[_Pending]) -> None:
+        """Take the items' rows off `queued_rows` (once each)."""
+        for item in items:
+            if item.counted:
+                item.counted = False
+                self._queued_rows -= item.rows
+
     def _batch_done(self, batch: list[_Pending], task: asyncio.Task[None]) -> None:
         self._inflight.discard(task)
+        # `_process` released them before answering; a batch cancelled before its first step
+        # (a close) never ran it.
+        self._release(batch)
         if self._slots is not None:
             self._slots.release()
         if task.cancelled():
@@ -346,6 +365,7 @@ class Batcher:
                 continue
             fits = not batch or rows + item.rows <= self._settings.max_batch_rows
             if item.key == key and fits:
+                item.dispatched = True
                 batch.append(item)
                 rows += item.rows
             else:
@@ -363,9 +383,12 @@ class Batcher:
                 # One bad request must not fail the others merged with it: route each alone.
                 await asyncio.gather(*(self._process([item]) for item in batch))
             else:
+                self._release(batch)
                 _fail(batch, InvalidRequest(str(exc), field="inputs"))
             return
         except Exception as exc:
+            # Before the answers, so that a caller answered sees its rows off the count.
+            self._release(batch)
             if isinstance(exc, ActorFailed):
                 # The pool logged why (once); a traceback per batch would flood an outage's log.
                 logger.warning("batch of %s requests failed: %s", len(batch), exc)
@@ -375,6 +398,7 @@ class Batcher:
                 if not item.future.done():
                     item.future.set_exception(exc)
             return
+        self._release(batch)
         for r, item in enumerate(batch):
             if not item.future.done():
                 failure = answers.failure(r)

@@ -311,8 +311,11 @@ class RayExpertPool(DispatchingPool):
                 return await channel.run(payload)
             reply: ActorReply = await self._handles[actor].run.remote(payload)
         except (RayActorError, ChannelClosed) as exc:
-            # A restarted actor is a new process: its channel is opened afresh.
-            self._channels.pop(actor, None)
+            # A restarted actor is a new process: its channel is opened afresh. Only this
+            # call's entry goes: Ray may fail an old process's call after the restart, when a
+            # newer call has opened the new process's channel.
+            if actor in self._channels and self._channels[actor] is channel:
+                del self._channels[actor]
             raise ActorDied(actor) from exc
         except ChannelCallFailed as exc:
             raise ActorFailed(actor=actor, reason=str(exc)) from exc
