@@ -22,17 +22,16 @@ from experts_store._exceptions import (
     ExpertLoadError,
     ManifestError,
     StoreError,
-    StoreNotFound,
 )
 from experts_store._format import all_finite, parse_header, read_expert_bytes, sha256_hex
 from experts_store._frozen import FrozenExpert
 from experts_store._hostbuf import HostBufferPool
 from experts_store._hypernet import verify_hyper_files
-from experts_store._inside import opened_outside, resolves_outside
+from experts_store._inside import resolves_outside
+from experts_store._live import read_manifest_file
 from experts_store._load import load_expert, load_frozen_expert
 from experts_store._manifest import (
     LINEAR_LIFT_EXTRA_DIMS,
-    MAX_MANIFEST_BYTES,
     STORE_KINDS,
     ExpertEntry,
     Manifest,
@@ -42,7 +41,7 @@ from experts_store._manifest import (
 from experts_store._model import ExpertMLP
 from experts_store._pace import Pace, no_pace
 from experts_store._ref import ExpertRef
-from experts_store._writer import MANIFEST_NAME, REPORT_NAME
+from experts_store._writer import REPORT_NAME
 
 __all__ = ["Store", "StoreExpertLoader", "StoreProblem", "read_report"]
 
@@ -130,7 +129,7 @@ class Store:
         file that a symbolic link leads out of ``root`` (experts' files are refused when
         loaded: a store may have 100,000)."""
         root = Path(root)
-        raw = _read_manifest_file(root)
+        raw = read_manifest_file(root)
         manifest, rows = read_manifest_rows(
             raw,
             pace=pace,
@@ -373,43 +372,6 @@ def read_report(root: Path, version: str) -> dict[str, Any] | None:
                        REPORT_NAME, root, described, version)
         return None
     return data
-
-
-def _read_manifest_file(root: Path) -> bytes:
-    """manifest.json's bytes: StoreNotFound when there is none, ManifestError when it is not
-    a regular file, a link leads out of `root`, or it is larger than MAX_MANIFEST_BYTES."""
-    path = root / MANIFEST_NAME
-    try:
-        # Not blocking: a FIFO there would block the read (a server's swap) for good. The
-        # checks below are of the file opened, not of what the path names by then.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except (FileNotFoundError, NotADirectoryError) as exc:
-        raise StoreNotFound(root=root) from exc
-    except OSError as exc:  # unreadable
-        raise ManifestError(root=root, message=f"cannot read {path.name}: {exc}") from exc
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):  # a directory, a FIFO
-            raise ManifestError(root=root, message=f"cannot read {path.name}: not a regular file")
-        outside = opened_outside(fd, path, root)
-        if outside is not None:
-            raise ManifestError(
-                root=root, message=f"{path.name} is a link that leads outside the store"
-            )
-        if st.st_size > MAX_MANIFEST_BYTES:
-            # From the size, unread: decoding it would take several times that in memory.
-            raise ManifestError(
-                root=root,
-                message=f"{path.name} holds {st.st_size} bytes, more than the "
-                f"{MAX_MANIFEST_BYTES} a manifest may (MAX_MANIFEST_BYTES)",
-            )
-        # Its size as opened: a publish replaces the file, it never writes into it.
-        with open(fd, "rb", closefd=False) as fh:
-            return fh.read(st.st_size)
-    except OSError as exc:
-        raise ManifestError(root=root, message=f"cannot read {path.name}: {exc}") from exc
-    finally:
-        os.close(fd)
 
 
 def _regular_file_size(path: Path) -> int | None:

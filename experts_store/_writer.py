@@ -36,6 +36,7 @@ from experts_store._format import (
 )
 from experts_store._graph import GraphBlock
 from experts_store._hyper import HyperSpec
+from experts_store._live import MANIFEST_NAME, live_manifest, live_version
 from experts_store._locks import FileLock, held_elsewhere
 from experts_store._manifest import (
     MANIFEST_FORMAT_VERSION,
@@ -46,23 +47,17 @@ from experts_store._manifest import (
     router_file_name,
 )
 from experts_store._model import ExpertMLP
-from experts_store._paced_json import decode_json_member
 from experts_store._pmoe import PMoESpec
+from experts_store._retired import DEFAULT_RETIRE_AFTER_S, retire_unreferenced
 
-__all__ = ["StoreWriter"]
+# The file names and the default are offered here too: `_store` and the tests take them from
+# this module.
+__all__ = ["DEFAULT_RETIRE_AFTER_S", "MANIFEST_NAME", "REPORT_NAME", "StoreWriter"]
 
 logger = logging.getLogger(__name__)
 
-MANIFEST_NAME = "manifest.json"
 REPORT_NAME = "report.json"
 STAGING_PREFIX = ".staging-"
-# Files no manifest references any more, each with when it stopped being referenced: a publish
-# deletes one only after `retire_after_s`, not at once.
-RETIRED_NAME = "retired.json"
-# A server may serve a version older than the previous one (it refused the versions after
-# it, or publishes came faster than its watch interval): ten minutes covers its lag, its
-# in-flight requests and an operator's fix of a refused version.
-DEFAULT_RETIRE_AFTER_S = 600.0
 # Held by each writer in its staging folder for its whole life, and by a publish in the root.
 WRITER_LOCK_NAME = ".writer.lock"
 PUBLISH_LOCK_NAME = ".publish.lock"
@@ -91,61 +86,6 @@ def _write_durably(path: Path, text: str) -> None:
 def _new_version(now: datetime) -> str:
     # Sortable by time; the random suffix keeps two publishes in one microsecond apart.
     return now.strftime("%Y%m%dT%H%M%S%fZ") + "-" + secrets.token_hex(3)
-
-
-def _live_manifest(root: Path) -> tuple[str | None, set[str] | None]:
-    """The live version and the files its manifest references: (None, set()) for no store,
-    (None, None) for a manifest that cannot be read."""
-    try:
-        manifest = Manifest.model_validate_json((root / MANIFEST_NAME).read_bytes())
-    except FileNotFoundError:
-        return None, set()
-    except (OSError, ValidationError):
-        return None, None
-    return manifest.store_version, manifest.referenced_files
-
-
-def _live_version(root: Path) -> str | None:
-    """The live store_version, read from the manifest's start (None: no readable store)."""
-    try:
-        with open(root / MANIFEST_NAME, "rb") as fh:
-            raw = fh.read(1 << 16)
-            try:
-                version = decode_json_member(raw, "store_version")
-            except ValueError:  # the start did not settle it: a manifest past 64 KiB
-                version = decode_json_member(raw + fh.read(), "store_version")
-    except (OSError, ValueError, KeyError):
-        return None
-    return version if isinstance(version, str) else None
-
-
-def _read_retired(root: Path) -> dict[str, float]:
-    """The retired files and when each was retired; an unreadable ledger counts as empty
-    (its files are retired anew: deleted later, never sooner)."""
-    try:
-        data = json.loads((root / RETIRED_NAME).read_text(encoding="utf-8"))
-        return {str(name): float(since) for name, since in data["retired"].items()}
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        logger.warning("unreadable %s in %s (%s): retiring its files anew", RETIRED_NAME, root,
-                       exc)
-        return {}
-
-
-def _write_retired(root: Path, retired: dict[str, float]) -> None:
-    path = root / RETIRED_NAME
-    if not retired:
-        path.unlink(missing_ok=True)
-        return
-    tmp = path.with_name(f".{RETIRED_NAME}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    try:
-        tmp.write_text(json.dumps({"format": 1, "retired": retired}, indent=1, sort_keys=True),
-                       encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as exc:  # the files stay: a later publish retires them again
-        logger.warning("cannot write %s in %s: %s", RETIRED_NAME, root, exc)
-        tmp.unlink(missing_ok=True)
 
 
 class StoreWriter:
@@ -182,7 +122,7 @@ class StoreWriter:
         # failed first build leaves no empty folder behind.
         self._made_root = not self.root.exists()
         self.root.mkdir(parents=True, exist_ok=True)
-        self._started_on = _live_version(self.root)
+        self._started_on = live_version(self.root)
         # Named anew at publish, so that versions sort in the order they went live.
         self.version = _new_version(self._now())
         self.staging = self.root / f"{STAGING_PREFIX}{self.version}"
@@ -326,11 +266,14 @@ class StoreWriter:
 
         `gate`, when given, is the store's default gate and sets the temperature (manifest
         format 2); without it the gate block records `temperature` as given by the caller.
-        Waits for another publish into the same store to finish first.
+        Waits for another publish into the same store to finish first. A live manifest that
+        `Store.open` refuses (invalid, past MAX_MANIFEST_BYTES, not a regular file, a link
+        out of the store) is replaced and no file is retired; a warning names the store and
+        why.
         """
         self._check_open()
         with self._publish_lock():
-            live, previous = _live_manifest(self.root)
+            live, previous = live_manifest(self.root)
             if self._based_on is not None and live != self._based_on:
                 raise StoreChanged(root=self.root, based_on=self._based_on, live=live)
             if live is not None and live != self._started_on:
@@ -459,27 +402,9 @@ class StoreWriter:
         those retired at least `retire_after_s` ago (a server may still serve an older
         version than the previous one: deleting its files at once answered 503s)."""
         now = self._now().timestamp()
-        if previous is not None:
+        if previous is not None:  # None: which files the replaced manifest needs is unknown
             keep = previous | manifest.referenced_files
-            retired = _read_retired(self.root)
-            still: dict[str, float] = {}
-            candidates = [
-                *self.root.glob("experts/*.safetensors"),
-                *self.root.glob("router-*.safetensors"),
-                *self.root.glob("hyper-*.safetensors"),
-                *self.root.glob("conditions-*.safetensors"),
-            ]
-            for path in candidates:
-                name = path.relative_to(self.root).as_posix()
-                if name in keep:
-                    continue
-                since = retired.get(name, now)
-                if now - since >= self._retire_after_s:
-                    logger.debug("removing %s, unreferenced since %s", path, since)
-                    path.unlink(missing_ok=True)
-                else:
-                    still[name] = since
-            _write_retired(self.root, still)
+            retire_unreferenced(self.root, keep, now, self._retire_after_s)
         for staging in self.root.glob(f"{STAGING_PREFIX}*"):
             if staging != self.staging and staging.is_dir() and self._abandoned(staging, now):
                 logger.info("removing %s, left by a writer no longer running", staging)
