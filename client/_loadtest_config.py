@@ -52,20 +52,22 @@ class LoadTestConfig:
     condition_distribution: str = "uniform"
 
     def __post_init__(self) -> None:
-        for setting in ("distribution", "condition_distribution"):
-            try:
-                Distribution.parse(getattr(self, setting))
-            except ValueError as exc:
-                # Distribution.parse's message says "distribution"; name the other setting.
-                message = str(exc) if setting == "distribution" else f"{setting}: {exc}"
-                raise LoadTestConfigError(
-                    message, setting=setting, value=getattr(self, setting)
-                ) from exc
-        if Distribution.parse(self.condition_distribution).kind == "cluster":
-            # Refused here, before the run connects (the workload refused it only then).
+        try:
+            Distribution.parse(self.distribution)
+        except ValueError as exc:
             raise LoadTestConfigError(
-                "condition_distribution must be uniform or zipf:S (cluster is a law over the"
-                " experts' prototypes)", setting="condition_distribution",
+                str(exc), setting="distribution", value=self.distribution
+            ) from exc
+        try:
+            law: Distribution | None = Distribution.parse(self.condition_distribution)
+        except ValueError:
+            law = None
+        if law is None or law.kind == "cluster":
+            # Refused here, before the run connects (the workload refused cluster only then):
+            # cluster is a law over the experts' prototypes, conditions have none.
+            raise LoadTestConfigError(
+                "condition_distribution must be uniform or zipf:S (S >= 0), got "
+                f"{self.condition_distribution!r}", setting="condition_distribution",
                 value=self.condition_distribution,
             )
         if self.conditions is not None and not 1 <= self.conditions <= MAX_CONDITIONS:

@@ -123,7 +123,10 @@ class Settings(BaseSettings):
         default=2, ge=1, le=64, description="batches of one store version routed or running at once"
     )
     max_queue_rows: int = Field(
-        default=65536, ge=1, description="rows waiting before new requests get 429"
+        default=65536,
+        ge=1,
+        description="rows admitted and not yet computed (queued, or in a running batch also "
+        "after their caller left) above which new requests get 429",
     )
     spill_queue_rows: int = Field(
         default=1024, ge=1, description="queued rows on a home actor before a hot expert spills"

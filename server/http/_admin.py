@@ -17,6 +17,7 @@ import asyncio
 import ipaddress
 import logging
 import os
+import re
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -111,5 +112,7 @@ def _store_named(text: str, store: Path) -> str:
     roots = {os.path.abspath(store)} | ({given} if os.sep in given else set())
     for root in sorted(roots, key=len, reverse=True):
         root = root.rstrip(os.sep)
-        text = text.replace(root + os.sep, "").replace(root, "the store")
+        text = text.replace(root + os.sep, "")
+        # Only the folder itself: not a sibling whose name it begins (/srv/store-old).
+        text = re.sub(re.escape(root) + r"(?![\w.-])", "the store", text)
     return text

@@ -142,7 +142,7 @@ class DispatchingPool(ABC):
         mid-call has its groups retried elsewhere (or on the restarted actor), up to
         `MAX_RETRIES` times, so that two actors dying close together still lose nothing;
         past that, `ActorFailed`. A dead call produced no answer, so nothing is answered twice.
-        A failure is raised once every call of the batch has ended.
+        A failure is raised as it comes; the batch's other calls go on to their end.
         """
         if self._closed:
             raise PoolClosed()
@@ -209,16 +209,13 @@ class DispatchingPool(ABC):
             for actor, idx in by_actor.items()
         ]
         try:
-            # Every call ends before a failure is raised: the other actors go on computing
-            # after one call failed, and a caller that bounds the batches in flight (the
-            # batcher's slots) bounds the actors' work only if `run` returns after it.
-            outcomes = await asyncio.gather(*calls, return_exceptions=True)
+            # The first failure is raised at once, the other calls left to end on their own
+            # (each completes its own rows): waiting for them turned a 503 into a 504 behind
+            # a slow sibling. So a failed batch's slot is free while they still compute.
+            await asyncio.gather(*calls)
         finally:
             for actor, rows in placed.items():
                 self._dispatcher.complete(actor, rows)
-        for outcome in outcomes:
-            if outcome is not None:
-                raise outcome
 
     async def _await_revival(self) -> None:
         reviving = [task for task in self._reviving.values() if not task.done()]

@@ -136,8 +136,7 @@ def test_bad_retries_and_timeouts_exit_2(capsys, flag, value, words):
         (["--conditions", "4", "--condition-distribution", "cluster"],
          "--condition-distribution must be uniform or zipf:S"),
         (["--condition-distribution", "pareto"],
-         "--condition-distribution: distribution must be uniform, zipf:S (S >= 0) or cluster, "
-         "got 'pareto'"),
+         "--condition-distribution must be uniform or zipf:S (S >= 0), got 'pareto'"),
         (["--gate", '{"tau": 1}'], "--gate: unknown gate fields ['tau']"),
     ],
 )

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.unit
         ({"conditions": 0}, "conditions", "conditions must be in [1, 1000000]"),
         ({"distribution": "pareto"}, "distribution", "distribution must be uniform"),
         ({"condition_distribution": "pareto"}, "condition_distribution",
-         "condition_distribution: distribution must be uniform"),
+         "condition_distribution must be uniform or zipf:S (S >= 0), got 'pareto'"),
         ({"gate": {"tau": 1.0}}, "gate", "unknown gate fields ['tau']"),
     ],
 )

@@ -143,8 +143,9 @@ def test_links_inside_the_store_and_a_linked_store_folder_are_followed(
 def test_a_linked_store_folder_moved_to_another_store_judges_files_by_where_it_leads_now(
     tmp_path: Path,
 ) -> None:
-    # Its real path is remembered between loads: a file of the store it now leads to still
-    # loads, and one that leads back out of that store is refused.
+    # Its real path is remembered between loads, and trusted only while it still leads
+    # there: a file of the store it now leads to loads, and one that leads back into the
+    # store it led to before is refused, also as the first load after the move.
     first, second = tmp_path / "volume" / "v1", tmp_path / "volume" / "v2"
     publish(first)
     shutil.copytree(first, second)
@@ -154,12 +155,14 @@ def test_a_linked_store_folder_moved_to_another_store_judges_files_by_where_it_l
     store = Store.open(linked)
     loader = ExpertRefLoader("cpu")
     loader.load(store.expert_ref(0))
-    linked.unlink()
-    linked.symlink_to(second)
-    ExpertRefLoader("cpu").load(store.expert_ref(1))
     path = second / "experts" / os.path.basename(store.expert_ref(2).path)
     path.unlink()
     path.symlink_to(first / "experts" / path.name)
+    linked.unlink()
+    linked.symlink_to(second)
+    with pytest.raises(ExpertFormatError, match="outside the store"):
+        ExpertRefLoader("cpu").load(store.expert_ref(2))
+    ExpertRefLoader("cpu").load(store.expert_ref(1))
     with pytest.raises(ExpertFormatError, match="outside the store"):
         ExpertRefLoader("cpu").load(store.expert_ref(2))
 

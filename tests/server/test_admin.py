@@ -135,3 +135,12 @@ async def test_a_refused_reload_names_the_stores_files_not_the_servers_paths(
 )
 def test_is_loopback(host: str | None, loopback: bool) -> None:
     assert is_loopback(host) is loopback
+
+
+def test_a_refused_reloads_reason_cuts_the_store_folder_and_not_its_siblings() -> None:
+    from server.http._admin import _store_named
+
+    text = "bad manifest in /srv/store: /srv/store/router-1.safetensors; see /srv/store-old/x"
+    assert _store_named(text, Path("/srv/store")) == (
+        "bad manifest in the store: router-1.safetensors; see /srv/store-old/x"
+    )
