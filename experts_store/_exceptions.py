@@ -52,6 +52,12 @@ class StoreError(Exception):
         super().__init__(message)
         self.message = message
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Subclasses take keyword-only fields, so the default (cls, args) cannot rebuild one
+        # where it is unpickled (a Ray task's error reached the driver as "Failed to
+        # deserialize exception"): rebuilt from its args and fields as they are.
+        return _rebuilt, (type(self), self.args, self.__dict__)
+
 
 class StoreNotFound(StoreError):
     """The directory holds no published store (no manifest.json)."""
@@ -201,3 +207,10 @@ class CacheBusy(CacheError):
         self.timeout = timeout
         within = "" if timeout is None else f" within {timeout:g} s"
         super().__init__(f"no room for expert {expert_id}{within}: every resident expert is in use")
+
+
+def _rebuilt(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    exc = cls.__new__(cls, *args)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc

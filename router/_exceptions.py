@@ -19,6 +19,7 @@ them without parsing messages.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "BadGate",
@@ -41,6 +42,12 @@ class RouterError(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Subclasses take keyword-only fields, so the default (cls, args) cannot rebuild one
+        # where it is unpickled (a Ray task's error reached the driver as "Failed to
+        # deserialize exception"): rebuilt from its args and fields as they are.
+        return _rebuilt, (type(self), self.args, self.__dict__)
 
 
 class RouterInputError(RouterError):
@@ -116,3 +123,10 @@ class RouterFileError(RouterError):
     def __init__(self, *, path: Path | str, message: str) -> None:
         self.path = Path(path)
         super().__init__(f"bad router file {self.path}: {message}")
+
+
+def _rebuilt(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    exc = cls.__new__(cls, *args)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc

@@ -49,6 +49,12 @@ class ServerError(Exception):
         for key, value in fields.items():
             setattr(self, key, value)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Subclasses take keyword-only fields, so the default (cls, args) cannot rebuild one
+        # where it is unpickled (a Ray task's error reached the driver as "Failed to
+        # deserialize exception"): rebuilt from its args and fields as they are.
+        return _rebuilt, (type(self), self.args, self.__dict__)
+
 
 class PoolSaturated(ServerError):
     def __init__(self, *, queued_rows: int, max_queue_rows: int, retry_after_s: float) -> None:
@@ -166,3 +172,10 @@ class HttpError(ServerError):
         self.code = code
         self.detail = detail
         self.headers = headers or {}
+
+
+def _rebuilt(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    exc = cls.__new__(cls, *args)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc

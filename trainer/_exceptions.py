@@ -23,6 +23,12 @@ class TrainerError(Exception):
         for key, value in fields.items():
             setattr(self, key, value)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Subclasses take keyword-only fields, so the default (cls, args) cannot rebuild one
+        # where it is unpickled (a Ray task's error reached the driver as "Failed to
+        # deserialize exception"): rebuilt from its args and fields as they are.
+        return _rebuilt, (type(self), self.args, self.__dict__)
+
 
 class DataError(TrainerError):
     """The data are refused before any training starts."""
@@ -46,3 +52,10 @@ class BuildFailed(TrainerError):
         super().__init__(f"training {what} failed: {reason}", expert_id=expert_id, reason=reason)
         self.expert_id = expert_id
         self.reason = reason
+
+
+def _rebuilt(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    exc = cls.__new__(cls, *args)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
