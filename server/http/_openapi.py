@@ -20,6 +20,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from server.http._paths import PREDICT_PATH, ROUTE_PATH
+from server.kinds import condition_taker
 from server.serving import ServingState
 
 __all__ = ["MAX_ABS_INPUT", "inline_defs", "install_openapi"]
@@ -148,17 +149,16 @@ def install_openapi(app: FastAPI, serving: ServingState, model_name: str) -> Non
             return built["base"]  # type: ignore[no-any-return]
         if built.get("for") != version.version:
             schema = copy.deepcopy(built["base"])
-            m, settings = version.manifest, serving.settings
+            m, model, settings = version.manifest, version.model, serving.settings
             tau, ratio = m.gate_spec.temperature, settings.max_temperature_ratio
-            router = getattr(version.model, "router", None)
             limits = _Limits(
                 input_dim=m.input_dim,
                 max_rows=settings.max_rows,
                 max_top_k=min(m.num_experts, settings.max_top_k),
                 max_beam=settings.max_beam,
-                beam_levels=max(1, int(getattr(router, "depth", 1))),
+                beam_levels=model.beam_levels,
                 temperature=(tau / ratio, tau * ratio),
-                takes_conditions=hasattr(version.model, "with_conditions"),
+                takes_conditions=condition_taker(model) is not None,
             )
             _tighten(schema, limits)
             _name_the_model(schema, model_name, version.version)

@@ -13,12 +13,13 @@ from server.kinds._conditions import (
     check_kind_budget,
 )
 from server.kinds._graph import GraphModel, GraphOptions, GraphRouting
-from server.kinds._hyper import ConditionRequest, HyperModel, HyperOptions, HyperRouting
+from server.kinds._hyper import HyperModel, HyperOptions, HyperRouting
 from server.kinds._momlp import GateRouter, MomlpModel
 from server.kinds._pmoe import PatchModel, PatchOptions, PatchRouting
 from server.kinds._registry import KINDS, open_model
 from server.kinds._types import (
     BatchRun,
+    ConditionRequest,
     GateRequest,
     HyperSection,
     ModelMismatch,
@@ -29,11 +30,13 @@ from server.kinds._types import (
     ServedModel,
 )
 from server.kinds._views import (
+    ConditionTaker,
     ExpertGenerator,
     GraphLayout,
     PatchChoice,
     PatchInputs,
     PatchRowRouting,
+    condition_taker,
     expert_generator,
     graph_layout,
     patch_inputs,
@@ -44,6 +47,7 @@ __all__ = [
     "KINDS",
     "BatchRun",
     "ConditionRequest",
+    "ConditionTaker",
     "ExpertGenerator",
     "HyperModel",
     "HyperOptions",
@@ -71,6 +75,7 @@ __all__ = [
     "PlannedGroup",
     "RowRouting",
     "ServedModel",
+    "condition_taker",
     "expert_generator",
     "graph_layout",
     "open_model",

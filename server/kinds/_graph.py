@@ -179,6 +179,10 @@ class GraphModel:
         return ModelSection()  # the graph itself is GET /v1/graph's
 
     @property
+    def beam_levels(self) -> int:
+        return 1  # each node routes a row to one expert: no beam gate
+
+    @property
     def max_distance_evals(self) -> int:
         """Σ_v ν_v·depth_v: the most a row's tree walks can cost."""
         return sum(node.tree.branching * node.tree.depth for node in self.nodes.values())

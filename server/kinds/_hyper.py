@@ -1,20 +1,18 @@
 """Kind "hyper": a hypernetwork f generates, per condition I, the weights θ_I of a small
 primary network g (paper 001); θ_I is cached on the actors like a loaded expert.
 
-Rows: the HTTP floor appends each row's condition to its x (`with_conditions`), so the
-batcher moves [x, I] rows and merges requests of different conditions into one batch.
+Rows: the HTTP floor appends each row's condition to its x (`with_conditions`, checked by
+`server.kinds._hyper_conditions`), so the batcher moves [x, I] rows and merges requests of
+different conditions into one batch.
 Route: each distinct condition is a cache key, `condition_key(f's sha256, I's float32
 bytes)`. Plan: one group per key, a `GeneratedRef` the actor's loader generates θ_I for on a
 miss (f pinned there). Combine: each row takes its key's output as it is (weight 1), so a
-row's output depends only on its x and its condition.
+row's output depends only on its x and its condition. POST /v1/generate's θ is made in the
+server process (`server.kinds._hyper_generate`).
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import tempfile
-import threading
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +24,6 @@ import torch
 from experts_store import (
     ExpertLoadError,
     ExpertTooLarge,
-    FrozenHyperNetwork,
     GeneratedRef,
     GeneratorRef,
     HyperSpec,
@@ -38,12 +35,14 @@ from experts_store import (
     load_conditions,
     no_pace,
     own_file_problem,
-    theta_file_bytes,
 )
-from server._exceptions import CapExceeded, ExpertUnavailable, InvalidRequest
+from server._exceptions import InvalidRequest
 from server._settings import Settings
+from server.kinds._hyper_conditions import HyperConditions
+from server.kinds._hyper_generate import GENERATOR_ID, LocalGenerator
 from server.kinds._one_round import OneRoundRun
 from server.kinds._types import (
+    ConditionRequest,
     GateRequest,
     HyperSection,
     ModelMismatch,
@@ -53,29 +52,7 @@ from server.kinds._types import (
 )
 from server.pool import GroupResult
 
-__all__ = ["ConditionRequest", "HyperModel", "HyperOptions", "HyperRouting"]
-
-# Errors about f name this id: it is no expert of the store.
-GENERATOR_ID = -1
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ConditionRequest:
-    """A request's conditions as the HTTP floor parsed them: at most one field is set."""
-
-    conditions: list[list[float]] | None = None  # one per row
-    condition: list[float] | None = None  # one for every row
-    condition_ids: list[str] | None = None  # one named condition per row
-
-    @property
-    def given(self) -> str | None:
-        """The name of the field the request used, or None."""
-        for name in ("conditions", "condition", "condition_ids"):
-            if getattr(self, name) is not None:
-                return name
-        return None
+__all__ = ["HyperModel", "HyperOptions", "HyperRouting"]
 
 
 @dataclass(frozen=True)
@@ -145,14 +122,13 @@ class HyperModel:
         self.experts: list[Any] = []  # no expert files: θ is generated
         self._spec_json = spec.model_dump_json()
         self._table = table
-        self._ids = {name: i for i, name in enumerate(ids)}
+        self._conditions = HyperConditions(spec, table, ids, from_prototypes=router is not None)
         self._table_keys: dict[str, int] = {}
         if table is not None:
             for i, row in enumerate(table):
                 self._table_keys.setdefault(condition_key(generator.sha256, row), i)
         self._prototype_keys: list[str] | None = None
-        self._local: FrozenHyperNetwork | None = None
-        self._local_lock = threading.Lock()
+        self._local = LocalGenerator(generator, spec)
 
     @classmethod
     def open(cls, store: Store, pace: Pace = no_pace) -> HyperModel:
@@ -216,6 +192,12 @@ class HyperModel:
             return int(self._table.shape[0])
         return len(self.experts)
 
+    @property
+    def beam_levels(self) -> int:
+        # The prototype tree's levels, as /openapi.json has always stated them; `resolve`
+        # refuses any beam for this kind all the same (it has no gate).
+        return max(1, int(self.router.depth)) if self.router is not None else 1
+
     def model_section(self) -> ModelSection:
         spec = self.spec
         return ModelSection(
@@ -253,87 +235,25 @@ class HyperModel:
         self, x: np.ndarray, request: ConditionRequest | None, settings: Settings
     ) -> np.ndarray:
         """[x, I] rows from x [B, m1] and the request's conditions (422 naming the field)."""
-        field = request.given if request is not None else None
-        if self.router is not None:
-            if field is not None:
-                raise InvalidRequest(
-                    f"this store routes each row to its nearest prototype; it takes no {field}",
-                    field=field,
-                )
-            return x
-        if request is None or field is None:
-            raise InvalidRequest(
-                "a hyper store needs conditions (one per row), condition (one for all rows) "
-                "or condition_ids, in a JSON body",
-                field="conditions",
-            )
-        rows, m2 = x.shape[0], self.spec.condition_dim
-        if request.conditions is not None:
-            values = self._rows(request.conditions, rows, "conditions")
-        elif request.condition is not None:
-            values = self._rows([request.condition], 1, "condition")
-            values = np.repeat(values, rows, axis=0)
-        else:
-            assert request.condition_ids is not None
-            values = self._named(request.condition_ids, rows)
-        _check_distinct(values, field, settings)
-        assert values.shape == (rows, m2)
-        return np.ascontiguousarray(np.concatenate([x, values], axis=1), dtype=np.float32)
+        return self._conditions.attach(x, request, settings)
 
     def check_attached(self, rows: np.ndarray, settings: Settings) -> None:
         """Rows that came as [x, I] already (the v2 protocol's input): the same cap on
         distinct conditions as `with_conditions`, since each one costs a θ generation."""
-        if self.router is None:
-            _check_distinct(rows[:, self.spec.input_dim :], "input", settings)
-
-    def _rows(self, values: list[list[float]], rows: int, field: str) -> np.ndarray:
-        if len(values) != rows:
-            raise InvalidRequest(f"{field} has {len(values)} entries for {rows} rows",
-                                 field=field)
-        m2 = self.spec.condition_dim
-        bad = next((i for i, row in enumerate(values) if len(row) != m2), None)
-        if bad is not None:
-            raise InvalidRequest(
-                f"{field}[{bad}] has {len(values[bad])} values, the store's conditions have {m2}",
-                field=field,
-            )
-        with np.errstate(over="ignore", invalid="ignore"):
-            array = np.asarray(values, dtype=np.float32).reshape(rows, m2)
-        if not bool(np.isfinite(array).all()):
-            raise InvalidRequest(f"{field} must be finite float32 numbers", field=field)
-        return array
-
-    def _named(self, names: list[str], rows: int) -> np.ndarray:
-        if len(names) not in (1, rows):
-            raise InvalidRequest(
-                f"condition_ids has {len(names)} entries for {rows} rows (give 1 or {rows})",
-                field="condition_ids",
-            )
-        unknown = sorted({n for n in names if n not in self._ids})
-        if unknown or self._table is None:
-            raise InvalidRequest(
-                f"unknown condition ids {unknown[:5]}; the store names {len(self._ids)}",
-                field="condition_ids",
-            )
-        index = [self._ids[n] for n in names] * (rows if len(names) == 1 else 1)
-        values: np.ndarray = self._table[index].numpy()
-        return values
+        self._conditions.check_attached(rows, settings)
 
     @property
     def condition_ids(self) -> list[str]:
         """The names of the store's table, in table order."""
-        return list(self._ids)
+        return self._conditions.names
 
     def condition_of(self, name: str) -> np.ndarray:
         """A named condition's values (422 `condition_id` when the table lacks it)."""
-        if name not in self._ids or self._table is None:
-            raise InvalidRequest(f"unknown condition id {name!r}", field="condition_id")
-        return self._table[self._ids[name]].numpy()
+        return self._conditions.named(name)
 
     def check_condition(self, values: list[float] | None) -> np.ndarray:
         """One condition's values as float32 (422 `condition`: wrong length, not finite)."""
-        row: np.ndarray = self._rows([values or []], 1, "condition")[0]
-        return row
+        return self._conditions.checked(values)
 
     def route(self, x: torch.Tensor, options: Hashable) -> HyperRouting:
         if self.router is not None:
@@ -394,46 +314,7 @@ class HyperModel:
     ) -> tuple[str, bytes]:
         """θ_I as the bytes of a store expert file, generated in this process with the same
         f and the same one-condition forward the actors use; returns (key, file bytes)."""
-        with self._local_lock:
-            if self._local is None:
-                try:
-                    self._local = FrozenHyperNetwork.load(
-                        self.generator.path,
-                        expected_sha256=self.generator.sha256,
-                        expected_bytes=self.generator.file_bytes,
-                    )
-                except ExpertLoadError as exc:
-                    raise self._unavailable(exc) from exc
-            net = self._local
-        tensor = torch.from_numpy(np.asarray(condition, dtype=np.float32).reshape(1, -1))
-        flat = net.flat(tensor)[0]
-        if not bool(torch.isfinite(flat).all()):
-            raise InvalidRequest(
-                "the θ generated for this condition is not finite (a condition far outside "
-                "the store's range overflows float32)",
-                field="condition",
-            )
-        with tempfile.TemporaryDirectory(prefix="momlp-theta-") as tmp:
-            data = theta_file_bytes(flat, self.spec, Path(tmp_dir or tmp))
-        return condition_key(self.generator.sha256, tensor[0]), data
-
-    def _unavailable(self, exc: ExpertLoadError) -> ExpertUnavailable:
-        """f unreadable, told as the actors tell it (server.pool's `load_error`): the file by
-        the name the store gives it, not "expert -1" at the server's path (the log has it)."""
-        logger.warning("the hypernetwork %s cannot be read: %s", self.generator.path, exc)
-        root = os.path.dirname(self.generator.path).rstrip(os.sep)
-        reason = own_file_problem(f"hypernetwork {os.path.basename(self.generator.path)}", exc)
-        if root:
-            reason = reason.replace(root + os.sep, "")
-        return ExpertUnavailable(expert_id=GENERATOR_ID, reason=reason)
-
-
-def _check_distinct(values: np.ndarray, field: str, settings: Settings) -> None:
-    distinct = int(np.unique(values, axis=0).shape[0])
-    if distinct > settings.max_conditions:
-        raise CapExceeded(
-            cap="max_conditions", limit=settings.max_conditions, value=distinct, field=field
-        )
+        return self._local.generate_file(condition, tmp_dir)
 
 
 class _HyperRun(OneRoundRun):

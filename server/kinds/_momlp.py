@@ -106,6 +106,10 @@ class MomlpModel:
     def routable_experts(self) -> int:
         return self.num_experts
 
+    @property
+    def beam_levels(self) -> int:
+        return max(1, self.router.depth)
+
     def model_section(self) -> ModelSection:
         return ModelSection()
 
@@ -131,7 +135,7 @@ class MomlpModel:
                 raise CapExceeded(
                     cap="max_beam", limit=settings.max_beam, value=list(beam), field="beam"
                 )
-            if len(beam) > max(1, self.router.depth):
+            if len(beam) > self.beam_levels:
                 raise InvalidRequest(
                     f"beam has {len(beam)} widths, the tree has {self.router.depth} levels",
                     field="beam",

@@ -239,6 +239,10 @@ class PatchModel:
         return ModelSection(pmoe=self.spec)
 
     @property
+    def beam_levels(self) -> int:
+        return 1  # patches are routed by expert or token choice: no beam gate
+
+    @property
     def num_patches(self) -> int:
         return self.spec.layout.num_patches
 

@@ -27,6 +27,7 @@ from server.pool import Group, GroupResult
 
 __all__ = [
     "BatchRun",
+    "ConditionRequest",
     "GateRequest",
     "HyperSection",
     "ModelMismatch",
@@ -56,6 +57,23 @@ class GateRequest:
     top_p: float | None = None
     beam: tuple[int, ...] | None = None
     score: str | None = None
+
+
+@dataclass(frozen=True)
+class ConditionRequest:
+    """A request's conditions as the HTTP floor parsed them: at most one field is set."""
+
+    conditions: list[list[float]] | None = None  # one per row
+    condition: list[float] | None = None  # one for every row
+    condition_ids: list[str] | None = None  # one named condition per row
+
+    @property
+    def given(self) -> str | None:
+        """The name of the field the request used, or None."""
+        for name in ("conditions", "condition", "condition_ids"):
+            if getattr(self, name) is not None:
+                return name
+        return None
 
 
 @dataclass(frozen=True)
@@ -158,6 +176,12 @@ class ServedModel(Protocol):
 
     def model_section(self) -> ModelSection:
         """The kind's own fields of GET /v1/model (none for a kind without any)."""
+        ...
+
+    @property
+    def beam_levels(self) -> int:
+        """The most widths a request's `beam` may give, as /openapi.json states it: the levels
+        of the prototype tree a beam gate walks, 1 for a kind without one."""
         ...
 
     def resolve(self, request: GateRequest, settings: Settings) -> Hashable:

@@ -1,9 +1,10 @@
 """Optional capabilities a kind may have beyond `ServedModel`, for the floors above to ask for.
 
-The HTTP floor asks for them with `patch_inputs`, `patch_routing`, `graph_layout` and
-`expert_generator` (isinstance against these runtime-checkable Protocols, remembered per
-class), so a kind that has them gets image bodies, per-patch routing in responses, GET
-/v1/graph or POST /v1/generate without the HTTP floor naming the kind.
+The floors above ask for them with `patch_inputs`, `patch_routing`, `graph_layout`,
+`expert_generator` and `condition_taker` (isinstance against these runtime-checkable
+Protocols, remembered per class), so a kind that has them gets image bodies, per-patch routing
+in responses, GET /v1/graph, POST /v1/generate and its budget check at start, or conditions
+beside its rows, without those floors naming the kind.
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from experts_store import GraphBlock
+from server._settings import Settings
+from server.kinds._types import ConditionRequest
 
 __all__ = [
-    "ExpertGenerator", "GraphLayout", "PatchChoice", "PatchInputs", "PatchRowRouting",
-    "expert_generator", "graph_layout", "patch_inputs", "patch_routing",
+    "ConditionTaker", "ExpertGenerator", "GraphLayout", "PatchChoice", "PatchInputs",
+    "PatchRowRouting", "condition_taker", "expert_generator", "graph_layout", "patch_inputs",
+    "patch_routing",
 ]  # fmt: skip
 
 
@@ -91,6 +95,28 @@ class ExpertGenerator(Protocol):
         """θ for `condition` as the bytes of a store expert file: (its cache key, the bytes)."""
         ...
 
+    def check_budget(self, budget_bytes: int) -> None:
+        """ExpertTooLarge when the generator (pinned on every actor) and one generated expert
+        beside it cannot fit `budget_bytes`."""
+        ...
+
+
+@runtime_checkable
+class ConditionTaker(Protocol):
+    """A model whose rows carry a condition I beside x: the batcher moves [x, I] rows."""
+
+    def with_conditions(
+        self, x: np.ndarray[Any, Any], request: ConditionRequest | None, settings: Settings
+    ) -> np.ndarray[Any, Any]:
+        """The rows it routes on from x [B, m1] and the request's conditions (InvalidRequest
+        naming the field, CapExceeded past `max_conditions`)."""
+        ...
+
+    def check_attached(self, rows: np.ndarray[Any, Any], settings: Settings) -> None:
+        """Rows that came as [x, I] already (the v2 protocol's input), checked as
+        `with_conditions` checks a request's conditions."""
+        ...
+
 
 # isinstance against a runtime-checkable Protocol looks up each member on the object: ~6 µs,
 # asked on every request. A kind's model and routing classes define their members on the
@@ -124,3 +150,8 @@ def graph_layout(model: object) -> GraphLayout | None:
 def expert_generator(model: object) -> ExpertGenerator | None:
     """`model` as an `ExpertGenerator` when its kind generates its experts, else None."""
     return model if _conforms(model, ExpertGenerator) else None  # type: ignore[return-value]
+
+
+def condition_taker(model: object) -> ConditionTaker | None:
+    """`model` as a `ConditionTaker` when its rows carry conditions, else None."""
+    return model if _conforms(model, ConditionTaker) else None  # type: ignore[return-value]

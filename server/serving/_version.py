@@ -62,6 +62,10 @@ class BatcherLike(Protocol):
         self, x: torch.Tensor | np.ndarray, options: Hashable | None = None
     ) -> BatchAnswer: ...
     async def close(self) -> None: ...
+    @property
+    def queued_rows(self) -> int:
+        """Rows waiting to be batched or computed (the metrics' `momlp_queue_rows`)."""
+        ...
 
 
 BatcherFactory = Callable[[ServedModel, ExpertPool, Settings, Clock], BatcherLike]

@@ -42,6 +42,8 @@ def fake_app(store: Path, **overrides: Any) -> FastAPI:
 class ExplodingBatcher:
     """A batcher whose every submit raises an error the app does not expect."""
 
+    queued_rows = 0
+
     async def submit(self, x: Any, options: Any = None) -> Any:
         raise RuntimeError("secret internals")
 

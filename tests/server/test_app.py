@@ -350,3 +350,36 @@ async def test_the_experts_listing_is_built_off_the_event_loop_inside_its_versio
     # On a thread of its own, while the version counted it as a request in it (a swap then
     # waits for it before freeing the version's rows).
     assert seen == [(seen[0][0], 1)] and seen[0][0] != threading.main_thread().name
+
+
+async def test_the_queue_gauge_counts_the_rows_waiting_in_the_batcher(store: Path) -> None:
+    class HeldBatcher:
+        """Holds every submitted request until released; counts its rows as queued."""
+
+        def __init__(self) -> None:
+            self.queued_rows = 0
+            self.entered = asyncio.Event()
+            self.release = asyncio.Event()
+
+        async def submit(self, x: Any, options: Any = None) -> Any:
+            self.queued_rows += len(x)
+            self.entered.set()
+            await self.release.wait()
+            raise RuntimeError("released")
+
+        async def close(self) -> None:
+            self.release.set()
+
+    held = HeldBatcher()
+    app = create_app(app_settings(store), pool_factory=fake_pool,
+                     batcher_factory=lambda *args: held)
+    async with running(app) as client:
+        waiting = asyncio.create_task(
+            client.post("/v1/predict", json={"inputs": _inputs(3).tolist()})
+        )
+        await held.entered.wait()
+        text = (await client.get("/metrics")).text
+        held.release.set()
+        answer = await waiting
+    assert _sample(text, "momlp_queue_rows") == 3.0
+    assert answer.status_code == 500
