@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -68,10 +68,11 @@ def _to_tensor(array: np.ndarray | None) -> torch.Tensor:
 
 
 class DispatchingPool(ABC):
-    """Places groups on actors, retries a dead actor's groups once, remembers bad experts.
+    """Places groups on actors, retries a dead actor's groups, remembers bad experts.
 
     Subclasses only move calls to actors (`_call_run`, `_call_prefetch`, `_call_info`) and
-    raise `ActorDied` when the actor died during the call.
+    raise `ActorDied` when the actor died during the call. `clock` (failure memory) and
+    `sleep` (a revival's back-off) are injectable so that tests never wait.
     """
 
     def __init__(
@@ -82,6 +83,7 @@ class DispatchingPool(ABC):
         budget_bytes: int,
         spill_queue_rows: int,
         clock: Clock | None = None,
+        sleep: Callable[[float], Awaitable[None]] | None = None,
         failure_ttl_s: float = 30.0,
         revive_timeout_s: float = 60.0,
         info_timeout_s: float = 2.0,
@@ -90,6 +92,7 @@ class DispatchingPool(ABC):
         self._device = device
         self._budget_bytes = budget_bytes
         self._clock: Clock = clock if clock is not None else MonotonicClock()
+        self._sleep = sleep if sleep is not None else asyncio.sleep
         self._failure_ttl_s = failure_ttl_s
         self._revive_timeout_s = revive_timeout_s
         self._info_timeout_s = info_timeout_s
@@ -102,6 +105,10 @@ class DispatchingPool(ABC):
         self._failures: dict[str, tuple[str, float]] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._reviving: dict[str, asyncio.Task[Any]] = {}
+        # Actor -> deaths of its processes noticed so far. A call that fails after a death
+        # noticed since it started went to that process (or one that dies too; see
+        # `_run_on`): its failure says nothing new about the actor, which may be back by now.
+        self._deaths = dict.fromkeys(names, 0)
         self._counts: dict[str, CacheCounts] = {}
         self._closed = False
 
@@ -177,6 +184,10 @@ class DispatchingPool(ABC):
             # Every actor is dead or the one that just failed: wait for Ray to restart one
             # (a restarted actor is a fresh process, so the one that failed is fine again).
             await self._await_revival()
+            if self._closed:
+                # The close ended the revival it waited for: an answer of the close's, not
+                # "no live actor" (503 actor_failed) as if the actors had failed.
+                raise PoolClosed()
             exclude = frozenset()
         placement = self._dispatcher.place(
             [(groups[i].expert.sha256, int(groups[i].rows.shape[0])) for i in indices],
@@ -240,6 +251,7 @@ class DispatchingPool(ABC):
     ) -> None:
         rows = placed.pop(actor)
         payload = [(groups[i].expert, _rows_array(groups[i].rows)) for i in indices]
+        deaths = self._deaths[actor]
         try:
             reply = await self._call_run(actor, payload)
         except ActorDied:
@@ -252,13 +264,25 @@ class DispatchingPool(ABC):
             if self._closed:
                 # Closed under the call: no revival to start, nothing to retry on.
                 raise PoolClosed()
-            self._dispatcher.mark_dead(actor)
-            self._watch_revival(actor)
+            # A death noticed while this call ran makes its failure stale: Ray may fail the
+            # old process's calls after it restarted the actor and the new process answered;
+            # marking that one dead would drop its cache table and revive it for nothing, so
+            # the groups may go to it again. (A call Ray queued for the restarted process,
+            # which then died too, passes for stale as well: its retry, or the socket's
+            # drop, finds that death.)
+            stale = self._deaths[actor] != deaths
+            if not stale:
+                self._actor_died(actor)
+                exclude |= {actor}
             if retries_left <= 0:
                 raise ActorFailed(actor=actor, reason="died again during the retries")
-            logger.warning("actor %s died mid-call; retrying %s groups", actor, len(indices))
+            if stale:
+                logger.info("actor %s: a call to its previous process failed; retrying %s "
+                            "groups", actor, len(indices))
+            else:
+                logger.warning("actor %s died mid-call; retrying %s groups", actor, len(indices))
             await self._dispatch(
-                groups, indices, results, retries_left=retries_left - 1, exclude=exclude | {actor}
+                groups, indices, results, retries_left=retries_left - 1, exclude=exclude
             )
             return
         self._dispatcher.update_residency(actor, reply.resident)
@@ -303,6 +327,11 @@ class DispatchingPool(ABC):
         if self._closed or not self._dispatcher.alive(actor):
             return
         logger.warning("actor %s dropped its connection (%s)", actor, reason)
+        self._actor_died(actor)
+
+    def _actor_died(self, actor: str) -> None:
+        """A process of `actor` is known dead: no calls to it until its restart answers."""
+        self._deaths[actor] += 1
         self._dispatcher.mark_dead(actor)
         self._watch_revival(actor)
 
@@ -340,7 +369,7 @@ class DispatchingPool(ABC):
                         actor,
                     )
                     return
-                await asyncio.sleep(delay)
+                await self._sleep(delay)
                 waited += delay
                 delay = min(1.0, delay * 2)
                 continue
@@ -371,6 +400,8 @@ class DispatchingPool(ABC):
         )
         for name in self._dispatcher.names:
             if self._dispatcher.alive(name):
+                # Not `_actor_died`: the processes may live on, and a call's later failure
+                # is then news about its process.
                 self._dispatcher.mark_dead(name)
                 self._watch_revival(name)
 

@@ -7,6 +7,7 @@ each call on a worker thread; `kill` simulates an actor dying mid-call and being
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 
@@ -29,6 +30,7 @@ class FakeExpertPool(DispatchingPool):
         settings: Settings,
         *,
         clock: Clock | None = None,
+        sleep: Callable[[float], Awaitable[None]] | None = None,
         failure_ttl_s: float = 30.0,
     ) -> None:
         device = resolve_device(settings.device)
@@ -39,6 +41,7 @@ class FakeExpertPool(DispatchingPool):
             budget_bytes=settings.cache_bytes,
             spill_queue_rows=settings.spill_queue_rows,
             clock=clock,
+            sleep=sleep,
             failure_ttl_s=failure_ttl_s,
         )
         self._settings = settings

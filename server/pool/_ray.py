@@ -11,6 +11,7 @@ import logging
 import shutil
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +145,7 @@ class RayExpertPool(DispatchingPool):
         device: str,
         settings: Settings,
         clock: Clock | None = None,
+        sleep: Callable[[float], Awaitable[None]] | None = None,
         failure_ttl_s: float = 30.0,
         channels: Path | None = None,
         node_id: str | None = None,
@@ -155,6 +157,7 @@ class RayExpertPool(DispatchingPool):
             budget_bytes=settings.cache_bytes,
             spill_queue_rows=settings.spill_queue_rows,
             clock=clock,
+            sleep=sleep,
             failure_ttl_s=failure_ttl_s,
         )
         self._handles = handles
@@ -171,6 +174,7 @@ class RayExpertPool(DispatchingPool):
         settings: Settings,
         *,
         clock: Clock | None = None,
+        sleep: Callable[[float], Awaitable[None]] | None = None,
         torch_threads: int | None = 1,
         num_cpus_per_actor: float = 1.0,
         max_concurrency: int = 4,
@@ -283,6 +287,7 @@ class RayExpertPool(DispatchingPool):
             device=device,
             settings=settings,
             clock=clock,
+            sleep=sleep,
             channels=channels,
             node_id=context.get_node_id(),
             gcs_address=_gcs_address(context),

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -170,23 +169,28 @@ async def test_a_reload_past_its_timeout_still_puts_the_publish_it_followed_live
     # The reload's timeout cancelled swap() while it waited out an earlier swap, before it
     # started its own: its 504 said the swap goes on, and the publish never went live.
     opener = state_module._open_version_files
+    opening, finish = threading.Event(), threading.Event()
 
     def slow_open(*args: Any) -> Any:
         opened = opener(*args)
-        time.sleep(1.0)  # a large store's open
+        opening.set()
+        finish.wait(10)  # a large store's open, until the reload has timed out
         return opened
 
-    monkeypatch.setattr(state_module, "_open_version_files", slow_open)
     app = fake_app(store, request_timeout_s=0.5)
     async with running(app) as client:
+        monkeypatch.setattr(state_module, "_open_version_files", slow_open)
         serving = app.state.serving
         build_small_store(store, seed=1)
         first = asyncio.ensure_future(serving.swap())
-        await asyncio.sleep(0.2)
-        build_small_store(store, seed=2)
-        published = manifest(store)["store_version"]
-        reload = await client.post("/v1/admin/reload")
-        assert reload.status_code == 504
+        try:
+            assert await asyncio.to_thread(opening.wait, 10)
+            build_small_store(store, seed=2)
+            published = manifest(store)["store_version"]
+            reload = await client.post("/v1/admin/reload")
+            assert reload.status_code == 504
+        finally:
+            finish.set()
         await first
         for _ in range(100):
             if serving.version.version == published:
@@ -269,15 +273,20 @@ async def test_a_swap_that_fails_after_its_reload_answered_504_is_logged(
     store: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # With the watcher off nothing else would ever say that the publish did not go live.
+    finish = threading.Event()
+
     def slow_failure(*args: Any) -> Any:
-        time.sleep(1.0)
+        finish.wait(10)  # fails only once its reload has answered 504
         raise OSError("the store's disk went away")
 
     app = fake_app(store, request_timeout_s=0.3)
     async with running(app) as client:
         monkeypatch.setattr(state_module, "_open_version_files", slow_failure)
         build_small_store(store, seed=1)
-        assert (await client.post("/v1/admin/reload")).status_code == 504
+        try:
+            assert (await client.post("/v1/admin/reload")).status_code == 504
+        finally:
+            finish.set()
         for _ in range(60):
             if "a store swap whose caller left failed" in caplog.text:
                 break

@@ -317,3 +317,114 @@ async def test_prefetch_warms_each_expert_on_its_home_actor(make_store: MakeStor
     results = await pool.run(groups_for([1, 6], 3))
     assert all(r.hit and r.actor == homes[r.expert_id] for r in results)
     await pool.close()
+
+
+class SlowRestart(FakeExpertPool):
+    """A fake pool whose dead actors take long to restart: their probes wait for `restarted`."""
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self.restarted = asyncio.Event()
+
+    async def _call_info(self, actor: str) -> Any:
+        await self.restarted.wait()
+        return await super()._call_info(actor)
+
+
+async def test_a_pool_closed_while_a_batch_waits_for_a_revival_answers_pool_closed(
+    make_store: MakeStore,
+) -> None:
+    # The close ended the revival the batch waited for, and the batch then found no live
+    # actor: 503 actor_failed ("no live actor in the pool") where every other call during a
+    # close gets PoolClosed (503 not_ready).
+    store = Store.open(make_store(K=4, n=3, width=6, out=2))
+    pool = IdPool(store, SlowRestart(Settings(actors=1, cache_bytes=10**6)))
+    pool.kill("actor-0")
+    batch = asyncio.ensure_future(pool.run(groups_for([0, 1], 3)))
+    for _ in range(500):  # the call dies; the batch then waits for the restart
+        if not pool.dispatcher.alive("actor-0"):
+            break
+        await asyncio.sleep(0.01)
+    assert not pool.dispatcher.alive("actor-0") and not batch.done()
+    await pool.close()
+    with pytest.raises(PoolClosed):
+        await batch
+
+
+class LateOldProcessFailure(FakeExpertPool):
+    """actor-0's first call is in flight when its process dies, and Ray tells so only after
+    the actor restarted (as it may, for an old process's second call in flight)."""
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self.in_flight: asyncio.Future[None] | None = None
+
+    async def _call_run(
+        self, actor: str, payload: list[tuple[ExpertRef, np.ndarray]]
+    ) -> ActorReply:
+        if actor == "actor-0" and self.in_flight is None:
+            self.in_flight = asyncio.get_running_loop().create_future()
+            await self.in_flight
+            raise ActorDied(actor)
+        return await super()._call_run(actor, payload)
+
+
+async def test_a_late_failure_of_a_restarted_actors_old_process_leaves_it_alive(
+    make_store: MakeStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The late failure marked the restarted, healthy actor dead again: its cache table
+    # dropped, a revival started, and the call's groups were retried on another actor.
+    store = Store.open(make_store(K=8, n=3, width=6, out=2))
+    pool = IdPool(store, LateOldProcessFailure(Settings(actors=2, cache_bytes=10**6)))
+    homed = [e for e in range(8) if pool.dispatcher.home(e) == "actor-0"]
+    assert homed
+    with caplog.at_level("WARNING", logger="server.pool._dispatch"):
+        first = asyncio.ensure_future(pool.run(groups_for(homed, 3)))
+        for _ in range(500):
+            if pool.inner.in_flight is not None:
+                break
+            await asyncio.sleep(0.01)
+        pool.kill("actor-0")  # the process dies: the next call notices
+        second = await pool.run(groups_for(homed, 3, seed=1))
+        assert pool.calls[0][0] == "actor-0"  # where the second batch found it dead
+        assert {r.actor for r in second} == {"actor-1"}
+        assert await pool.wait_until_alive("actor-0")  # restarted, and it answered
+        pool.inner.in_flight.set_result(None)  # the old process's call fails only now
+        results = await first
+    assert pool.dispatcher.alive("actor-0")
+    assert [r.error for r in results] == [None] * len(homed)
+    assert {r.actor for r in results} == {"actor-0"}  # retried on its restarted home
+    for group, result in zip(groups_for(homed, 3), results, strict=True):
+        torch.testing.assert_close(result.outputs, expected(store, group))
+    assert caplog.text.count("actor actor-0 marked dead") == 1
+    await pool.close()
+
+
+class NeverBack(FakeExpertPool):
+    """A fake pool whose runtime never restarts a dead actor, though it says it will."""
+
+    async def _call_info(self, actor: str) -> Any:
+        raise ActorDied(actor)
+
+
+async def test_a_revival_backs_off_on_the_pools_sleep_and_gives_up_after_its_timeout(
+    make_store: MakeStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The back-off slept on asyncio.sleep, not the pool's: a test of a revival that gives up
+    # had to wait out its 60 s.
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        await asyncio.sleep(0)
+
+    store = Store.open(make_store(K=4, n=3, width=6, out=2))
+    pool = IdPool(store, NeverBack(Settings(actors=2, cache_bytes=10**6), sleep=sleep))
+    pool.inner._actor_lost("actor-0", "its socket closed")
+    with caplog.at_level("ERROR", logger="server.pool._base"):
+        assert not await asyncio.wait_for(pool.wait_until_alive("actor-0"), 10)
+    assert slept[:7] == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+    assert sum(slept) >= 60.0 and sum(slept[:-1]) < 60.0
+    assert "actor actor-0 did not come back within 60.0 s" in caplog.text
+    assert [a.alive for a in pool.actors()] == [False, True]
+    await pool.close()

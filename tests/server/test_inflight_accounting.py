@@ -1,8 +1,9 @@
 """Work in flight after its caller left or a call of its batch failed: the queue limit counts
 rows until they are computed, a batch's slot is held until its last call ends, and a late
-failure of an old actor process keeps the channel a restart opened (a review of the
-sixty-seventh session). The tests of those three failed before their fixes; the two of a
-caller leaving while queued and of the batch window guard what was right already."""
+failure of an old actor process keeps the channel a restart opened and leaves the restarted
+actor alive (reviews of the sixty-seventh session). The tests of those four failed before
+their fixes; the two of a caller leaving while queued and of the batch window guard what was
+right already."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from app_support import app_settings, build_small_store
 from test_batcher import FakeClock, GatedPool, TableRouter, inputs, refs, settle
 from test_channel import REFS, reply_for
@@ -22,7 +24,7 @@ from server import ActorFailed, PoolSaturated
 from server._settings import Settings
 from server.batching import Batcher, OpenConnections
 from server.kinds import MomlpModel
-from server.pool import ActorDied, ChannelServer, FakeExpertPool, RayExpertPool
+from server.pool import ActorDied, ChannelServer, FakeExpertPool, Group, RayExpertPool
 
 pytestmark = pytest.mark.unit
 
@@ -241,3 +243,52 @@ async def test_a_late_failure_of_the_old_process_keeps_the_new_processs_channel(
     finally:
         await pool.close()
         server.close()
+
+
+async def test_a_late_failure_of_the_old_process_leaves_the_restarted_actor_alive(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The old process's late RayActorError, after the restarted process had answered, was
+    # one more ActorDied: the healthy actor marked dead again, and a revival started.
+    import ray
+    from ray.exceptions import RayActorError
+
+    monkeypatch.setattr(ray, "kill", lambda handle, no_restart: None)
+    store = build_small_store(tmp_path / "store")
+    calls: list[tuple[Any, asyncio.Future[Any]]] = []
+
+    def old_then_new_run(payload: Any) -> asyncio.Future[Any]:
+        calls.append((payload, asyncio.get_running_loop().create_future()))
+        return calls[-1][1]
+
+    async def probe() -> None:
+        return None  # the restarted process answers the revival's probe
+
+    class Handle:
+        run = _Remote(old_then_new_run)
+        info = _Remote(probe)
+
+    pool = RayExpertPool({"actor-0": Handle()}, device="cpu",
+                         settings=app_settings(store, actors=1), channels=None, node_id="n")
+    opened = Store.open(store)
+    first, second = (
+        asyncio.ensure_future(pool.run([Group(opened.expert_ref(e), torch.ones(1, 4))]))
+        for e in (0, 1)
+    )
+    try:
+        with caplog.at_level("WARNING", logger="server.pool._dispatch"):
+            await _until(lambda: len(calls) == 2)  # both in flight when the process dies
+            calls[1][1].set_exception(RayActorError())
+            await _until(lambda: len(calls) == 3)  # retried on the restarted process
+            calls[2][1].set_result(reply_for(calls[2][0]))
+            await second
+            calls[0][1].set_exception(RayActorError())  # the old process's late answer
+            await _until(lambda: len(calls) == 4)
+            assert pool.dispatcher.alive("actor-0")
+            calls[3][1].set_result(reply_for(calls[3][0]))
+            [result] = await first
+        assert result.error is None and result.actor == "actor-0"
+        assert caplog.text.count("actor actor-0 marked dead") == 1
+        assert len(Handle.info.calls) == 1  # one revival, for the one death
+    finally:
+        await pool.close()
