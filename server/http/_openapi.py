@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from server.http._paths import PREDICT_PATH, ROUTE_PATH
-from server.kinds import condition_taker
+from server.kinds import GATE_OPTIONS
 from server.serving import ServingState
 
 __all__ = ["MAX_ABS_INPUT", "inline_defs", "install_openapi"]
@@ -59,7 +59,11 @@ class _Limits:
     max_beam: int
     beam_levels: int
     temperature: tuple[float, float]  # [τ / ratio, τ · ratio] around the store's τ
-    takes_conditions: bool = False  # kind hyper: conditions, condition, condition_ids
+    # The kind's `options_taken`: a request the schema allows is one the server accepts.
+    options: frozenset[str] = GATE_OPTIONS
+
+
+_GATE_FIELDS = ("temperature", "min_weight", "top_p", "beam", "score")
 
 
 def _integer_options(node: dict[str, Any]) -> list[dict[str, Any]]:
@@ -68,6 +72,9 @@ def _integer_options(node: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _tighten_gate(gate: dict[str, Any], limits: _Limits) -> None:
     props = gate.get("properties", {})
+    for name in _GATE_FIELDS:
+        if name not in limits.options:
+            props.pop(name, None)  # an empty gate ({}) stays: every kind takes it
     for option in props.get("temperature", {}).get("anyOf", []):
         if option.get("type") == "number":
             option.pop("exclusiveMinimum", None)
@@ -80,9 +87,11 @@ def _tighten_gate(gate: dict[str, Any], limits: _Limits) -> None:
 
 def _tighten_body(schema: dict[str, Any], limits: _Limits) -> None:
     props = schema.get("properties", {})
-    if not limits.takes_conditions:
+    if "conditions" not in limits.options:
         for name in ("conditions", "condition", "condition_ids"):
             props.pop(name, None)
+    if "mode" not in limits.options:
+        props.pop("mode", None)
     inputs = props.get("inputs")
     if inputs is not None:
         inputs["maxItems"] = limits.max_rows
@@ -90,11 +99,11 @@ def _tighten_body(schema: dict[str, Any], limits: _Limits) -> None:
         row["minItems"] = row["maxItems"] = limits.input_dim
         row["items"].update(minimum=-MAX_ABS_INPUT, maximum=MAX_ABS_INPUT)
     for option in _integer_options(props.get("top_k", {})):
-        option["maximum"] = limits.max_top_k
+        option["maximum"] = limits.max_top_k if "top_k" in limits.options else 1
     for option in props.get("gate", {}).get("anyOf", []):
         if option.get("type") == "object":
             _tighten_gate(option, limits)
-    if "top_k" in props and "gate" in props:
+    if "top_k" in limits.options and "beam" in limits.options:
         # A beam walk and top_k > 1 are two ways to pick several experts: not both at once.
         schema["not"] = {
             "required": ["top_k", "gate"],
@@ -114,10 +123,16 @@ def _tighten(schema: dict[str, Any], limits: _Limits) -> None:
         body = operation["requestBody"]["content"].get("application/json", {}).get("schema")
         if body is not None:
             _tighten_body(body, limits)
-        for parameter in operation.get("parameters", []):
+        # A binary body's gate comes in the query: the same options as a JSON body's.
+        operation["parameters"] = [
+            parameter for parameter in operation.get("parameters", [])
+            if parameter["name"] not in GATE_OPTIONS - {"top_k"} - limits.options
+        ]
+        for parameter in operation["parameters"]:
             if parameter["name"] == "top_k":
+                top_k = limits.max_top_k if "top_k" in limits.options else 1
                 for option in _integer_options(parameter["schema"]):
-                    option["maximum"] = limits.max_top_k
+                    option["maximum"] = top_k
 
 
 def _name_the_model(schema: dict[str, Any], model: str, version: str) -> None:
@@ -158,7 +173,7 @@ def install_openapi(app: FastAPI, serving: ServingState, model_name: str) -> Non
                 max_beam=settings.max_beam,
                 beam_levels=model.beam_levels,
                 temperature=(tau / ratio, tau * ratio),
-                takes_conditions=condition_taker(model) is not None,
+                options=model.options_taken,
             )
             _tighten(schema, limits)
             _name_the_model(schema, model_name, version.version)

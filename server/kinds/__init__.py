@@ -18,6 +18,8 @@ from server.kinds._momlp import GateRouter, MomlpModel
 from server.kinds._pmoe import PatchModel, PatchOptions, PatchRouting
 from server.kinds._registry import KINDS, open_model
 from server.kinds._types import (
+    GATE_OPTIONS,
+    REQUEST_OPTIONS,
     BatchRun,
     ConditionRequest,
     GateRequest,
@@ -44,6 +46,8 @@ from server.kinds._views import (
 )
 
 __all__ = [
+    "GATE_OPTIONS",
+    "REQUEST_OPTIONS",
     "KINDS",
     "BatchRun",
     "ConditionRequest",

@@ -183,6 +183,10 @@ class GraphModel:
         return 1  # each node routes a row to one expert: no beam gate
 
     @property
+    def options_taken(self) -> frozenset[str]:
+        return frozenset({"mode"})  # each node's walk; one expert per node, no gate
+
+    @property
     def max_distance_evals(self) -> int:
         """Σ_v ν_v·depth_v: the most a row's tree walks can cost."""
         return sum(node.tree.branching * node.tree.depth for node in self.nodes.values())

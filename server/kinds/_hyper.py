@@ -198,6 +198,11 @@ class HyperModel:
         # refuses any beam for this kind all the same (it has no gate).
         return max(1, int(self.router.depth)) if self.router is not None else 1
 
+    @property
+    def options_taken(self) -> frozenset[str]:
+        # No gate; conditions only where requests bring them (not from the prototypes).
+        return frozenset({"conditions"}) if self._conditions.from_requests else frozenset()
+
     def model_section(self) -> ModelSection:
         spec = self.spec
         return ModelSection(

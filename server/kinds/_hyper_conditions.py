@@ -42,6 +42,11 @@ class HyperConditions:
         self._from_prototypes = from_prototypes
 
     @property
+    def from_requests(self) -> bool:
+        """Whether requests bring the rows' conditions (else the prototypes give them)."""
+        return not self._from_prototypes
+
+    @property
     def names(self) -> list[str]:
         """The names of the table's rows, in table order."""
         return list(self._ids)

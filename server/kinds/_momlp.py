@@ -26,7 +26,14 @@ from server._exceptions import CapExceeded, InvalidRequest
 from server._settings import Settings
 from server.kinds._grouping import sorted_groups
 from server.kinds._one_round import OneRoundRun
-from server.kinds._types import GateRequest, ModelMismatch, ModelSection, Plan, PlannedGroup
+from server.kinds._types import (
+    GATE_OPTIONS,
+    GateRequest,
+    ModelMismatch,
+    ModelSection,
+    Plan,
+    PlannedGroup,
+)
 from server.pool import GroupResult
 
 __all__ = ["GateRouter", "MomlpModel"]
@@ -109,6 +116,10 @@ class MomlpModel:
     @property
     def beam_levels(self) -> int:
         return max(1, self.router.depth)
+
+    @property
+    def options_taken(self) -> frozenset[str]:
+        return GATE_OPTIONS  # every gate option; no conditions
 
     def model_section(self) -> ModelSection:
         return ModelSection()

@@ -243,6 +243,11 @@ class PatchModel:
         return 1  # patches are routed by expert or token choice: no beam gate
 
     @property
+    def options_taken(self) -> frozenset[str]:
+        # No gate; a token-choice store's walk has a mode, expert choice has none.
+        return frozenset({"mode"}) if self.spec.routing == "token_choice" else frozenset()
+
+    @property
     def num_patches(self) -> int:
         return self.spec.layout.num_patches
 

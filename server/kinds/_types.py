@@ -26,6 +26,8 @@ from server._settings import Settings
 from server.pool import Group, GroupResult
 
 __all__ = [
+    "GATE_OPTIONS",
+    "REQUEST_OPTIONS",
     "BatchRun",
     "ConditionRequest",
     "GateRequest",
@@ -74,6 +76,14 @@ class ConditionRequest:
             if getattr(self, name) is not None:
                 return name
         return None
+
+
+# What a request may set beyond its rows, by name: GateRequest's fields, and "conditions" for
+# the three ways of giving a row's condition (conditions, condition, condition_ids).
+REQUEST_OPTIONS = frozenset(
+    {"top_k", "mode", "temperature", "min_weight", "top_p", "beam", "score", "conditions"}
+)
+GATE_OPTIONS = frozenset({"top_k", "mode", "temperature", "min_weight", "top_p", "beam", "score"})
 
 
 @dataclass(frozen=True)
@@ -182,6 +192,12 @@ class ServedModel(Protocol):
     def beam_levels(self) -> int:
         """The most widths a request's `beam` may give, as /openapi.json states it: the levels
         of the prototype tree a beam gate walks, 1 for a kind without one."""
+        ...
+
+    @property
+    def options_taken(self) -> frozenset[str]:
+        """Which of `REQUEST_OPTIONS` a request may set for this store; `resolve` refuses the
+        others, and /openapi.json leaves them out (top_k = 1 every kind takes)."""
         ...
 
     def resolve(self, request: GateRequest, settings: Settings) -> Hashable:

@@ -82,3 +82,73 @@ async def test_only_a_kind_that_takes_conditions_documents_them(tmp_path: Path) 
     assert refused.status_code == 422
     assert error_of(refused)["message"] == "a store of kind 'momlp' takes no conditions"
     assert error_of(refused)["detail"]["field"] == "condition_ids"
+
+
+def _graph(root: Path) -> Path:
+    from graph_support import tiny_graph_store
+
+    tiny_graph_store(root)
+    return root
+
+
+def _hyper_prototype(root: Path) -> Path:
+    from router import PrototypeTree
+
+    torch.manual_seed(8)
+    f = HyperNetwork(4, PrimarySpec(4, (8,), 2), depth=1, width=32)
+    protos = torch.randn(12, 4, generator=torch.Generator().manual_seed(9))
+    publish_hypernetwork(root, f, conditions=protos, condition_ids=[str(k) for k in range(12)],
+                         router=PrototypeTree.build(protos, branching=4, seed=0))
+    return root
+
+
+def _pmoe_expert_choice(root: Path) -> Path:
+    from experts_store import ImageLayout
+    from trainer.pmoe import PatchMoE, publish_pmoe
+
+    image = ImageLayout(height=6, width=4, channels=2, patch_height=3, patch_width=2)
+    model = PatchMoE(num_patches=image.num_patches, patch_dim=image.patch_dim, num_experts=3,
+                     patches_per_expert=2, hidden=5, num_classes=3, gating="softmax",
+                     router_init_std=1.0, expert_init_std=0.5, seed=0)
+    publish_pmoe(model, root, train="joint", image=image)
+    return root
+
+
+# Per kind: the gate options a request may set, as the kind's `resolve` takes them.
+_REFUSED = {"top_k": 2, "mode": "exact", "temperature": 1.0, "min_weight": 0.1, "top_p": 0.5,
+            "beam": [2], "score": "softmax"}
+
+
+@pytest.mark.parametrize(
+    ("build", "taken"),
+    [(_graph, {"mode"}), (_hyper_prototype, set()), (_pmoe_expert_choice, set())],
+    ids=["graph", "hyper-prototype", "pmoe-expert-choice"],
+)
+async def test_the_schema_leaves_out_what_the_kind_refuses(
+    tmp_path: Path, build: Any, taken: set[str]
+) -> None:
+    # It listed every gate option for every kind (and top_k up to K, or 0 for a hyper
+    # store): schema-valid requests the server then refused with 422.
+    root = build(tmp_path / "store")
+    async with running(fake_app(root)) as client:
+        spec = (await client.get("/openapi.json")).json()
+        dim = (await client.get("/v1/model")).json()["input_dim"]
+        x = [[0.0] * dim]
+        answers = {}
+        for name, value in _REFUSED.items():
+            gated = name not in ("top_k", "mode")
+            body = {"inputs": x, **({"gate": {name: value}} if gated else {name: value})}
+            answers[name] = await client.post("/v1/predict", json=body)
+        plain = await client.post("/v1/predict", json={"inputs": x, "top_k": 1, "gate": {}})
+    body = predict_body(spec)
+    gate = next(o for o in body["properties"]["gate"]["anyOf"] if o.get("type") == "object")
+    listed = set(gate.get("properties", {})) | ({"mode"} & set(body["properties"]))
+    assert listed == taken - {"top_k"}
+    top_k = next(o for o in body["properties"]["top_k"]["anyOf"] if o.get("type") == "integer")
+    assert top_k["maximum"] == 1
+    params = {p["name"] for p in spec["paths"]["/v1/predict"]["post"]["parameters"]}
+    assert params & set(_REFUSED) == {"top_k"} | taken
+    assert plain.status_code == 200, plain.text
+    for name, answer in answers.items():
+        if name not in taken:
+            assert answer.status_code == 422, (name, answer.text)
