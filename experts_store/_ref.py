@@ -49,9 +49,10 @@ class ExpertRefLoader:
     so a corrupted or swapped file is refused naming the expert even after a good first read.
     A ref without one this reader knows (a store published before checksums) is verified
     against its sha256 on the first load of that content, as a `Store` does. A file that a
-    symbolic link leads out of its store is refused unread, naming it. CPU loads of
-    large experts recycle freed host buffers; the pool parks at most two of the largest
-    expert seen.
+    symbolic link leads out of its store is refused unread, naming it, on a content's first
+    load (later loads must match the same checksum, so a link swapped in reads only that
+    content). CPU loads of large experts recycle freed host buffers; the pool parks at most
+    two of the largest expert seen.
 
     On a CUDA device, `host_tier` (when given) keeps each file's verified bytes in pinned host
     memory after its load, and a later load of the same content is the host-to-device copy
@@ -87,9 +88,15 @@ class ExpertRefLoader:
             seen_finite = ref.sha256 in self._finite
             if self._host_pool is not None:
                 self._host_pool.max_bytes = max(self._host_pool.max_bytes, 2 * ref.nbytes)
+        # Where a link leads is judged on a content's first load, like its finiteness: a
+        # later load's bytes must match the same checksum, so a link swapped in since then
+        # reads nothing but that content (the judging cost ~7 % of an actor's CPU on the
+        # issue's workload when paid on every load: RESULTS.md, "Sixty-seventh session").
+        root = None if seen_finite else _store_root(ref.path)
         if self.host_tier is not None:
             expert = self._through_tier(
-                self.host_tier, ref, fast=fast, verified=verified, check_finite=not seen_finite
+                self.host_tier, ref, fast=fast, verified=verified, check_finite=not seen_finite,
+                store_root=root,
             )
         else:
             expert = load_frozen_expert(
@@ -101,7 +108,7 @@ class ExpertRefLoader:
                 host_pool=self._host_pool,
                 expected_bytes=ref.file_bytes,
                 check_finite=not seen_finite,
-                store_root=_store_root(ref.path),
+                store_root=root,
             )
         if expert.arch.nbytes() != ref.nbytes:
             raise ExpertFormatError(
@@ -115,7 +122,14 @@ class ExpertRefLoader:
         return expert
 
     def _through_tier(
-        self, tier: HostTier, ref: ExpertRef, *, fast: bool, verified: bool, check_finite: bool
+        self,
+        tier: HostTier,
+        ref: ExpertRef,
+        *,
+        fast: bool,
+        verified: bool,
+        check_finite: bool,
+        store_root: str | None,
     ) -> FrozenExpert:
         kept = tier.get(ref.sha256)
         # Read and checked as without a tier, and kept only once it checked and parsed.
@@ -126,7 +140,7 @@ class ExpertRefLoader:
             expert_id=ref.expert_id,
             pin_memory=True,
             expected_bytes=ref.file_bytes,
-            store_root=_store_root(ref.path),
+            store_root=store_root,
         )
         arch, state = state_from_bytes(
             buf, self.device, expert_id=ref.expert_id, pinned=True, check_finite=check_finite

@@ -16,6 +16,7 @@ from experts_store_helpers import publish
 import trainer.hyper as hyper
 from experts_store import (
     ExpertFormatError,
+    ExpertLoadError,
     ExpertRefLoader,
     FrozenHyperNetwork,
     ManifestError,
@@ -193,3 +194,23 @@ def test_a_hard_linked_expert_is_its_file(store_root: Path, tmp_path: Path) -> N
     os.link(path, outside)
     store.load_frozen(0)
     ExpertRefLoader("cpu").load(store.expert_ref(0))
+
+
+def test_an_actors_loader_judges_a_link_on_a_contents_first_load_and_checksums_after(
+    store_root: Path, tmp_path: Path
+) -> None:
+    # Judged on every load, the check cost ~7 % of an actor's CPU; after the first load the
+    # bytes must match the same checksum, so a link swapped in reads nothing else.
+    store = Store.open(store_root)
+    loader = ExpertRefLoader("cpu")
+    loader.load(store.expert_ref(1))
+    path = store.expert_path(1)
+    other = tmp_path / "elsewhere" / "other.safetensors"
+    other.parent.mkdir()
+    shutil.copyfile(store.expert_path(0), other)  # another expert's bytes
+    path.unlink()
+    path.symlink_to(other)
+    with pytest.raises(ExpertLoadError, match="expert 1"):
+        loader.load(store.expert_ref(1))
+    with pytest.raises(ExpertFormatError, match="outside the store"):
+        ExpertRefLoader("cpu").load(store.expert_ref(1))  # a first load: judged
