@@ -20,7 +20,6 @@ server's error handler) map them without parsing messages.
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Any
 
@@ -105,12 +104,6 @@ class StoreWriteError(StoreError):
         still = f" (version {live} is still live)" if live else ""
         super().__init__(f"cannot write {self.path}: {reason}; nothing was published{still}")
 
-    def __reduce__(self) -> tuple[Any, tuple[()]]:
-        # Keyword fields: the default (cls, (message,)) would not rebuild it where a Ray
-        # task's error arrives (a build's expert written on a full disk).
-        return functools.partial(
-            StoreWriteError, path=self.path, reason=self.reason, live=self.live
-        ), ()
 
     @classmethod
     def of(cls, exc: OSError, path: Path | str, live: str | None = None) -> StoreWriteError:

@@ -49,10 +49,10 @@ class ExpertRefLoader:
     so a corrupted or swapped file is refused naming the expert even after a good first read.
     A ref without one this reader knows (a store published before checksums) is verified
     against its sha256 on the first load of that content, as a `Store` does. A file that a
-    symbolic link leads out of its store is refused unread, naming it, on a content's first
-    load (later loads must match the same checksum, so a link swapped in reads only that
-    content). CPU loads of large experts recycle freed host buffers; the pool parks at most
-    two of the largest expert seen.
+    symbolic link leads out of its store is refused unread, naming it (on a content's first
+    load where later loads must match its fast checksum, so a link swapped in reads only
+    that content; on every load of a ref without one). CPU loads of large experts recycle
+    freed host buffers; the pool parks at most two of the largest expert seen.
 
     On a CUDA device, `host_tier` (when given) keeps each file's verified bytes in pinned host
     memory after its load, and a later load of the same content is the host-to-device copy
@@ -88,11 +88,12 @@ class ExpertRefLoader:
             seen_finite = ref.sha256 in self._finite
             if self._host_pool is not None:
                 self._host_pool.max_bytes = max(self._host_pool.max_bytes, 2 * ref.nbytes)
-        # Where a link leads is judged on a content's first load, like its finiteness: a
-        # later load's bytes must match the same checksum, so a link swapped in since then
-        # reads nothing but that content (the judging cost ~7 % of an actor's CPU on the
-        # issue's workload when paid on every load: RESULTS.md, "Sixty-seventh session").
-        root = None if seen_finite else _store_root(ref.path)
+        # Where a link leads is judged on a content's first load, like its finiteness, when
+        # every later load is checked against the fast checksum: a link swapped in since then
+        # reads nothing but that content (judged on every load it cost ~7 % of an actor's
+        # CPU on the workload: RESULTS.md, "Sixty-seventh session"). A ref without a
+        # known fast checksum is read unchecked after its first load: judged every time.
+        root = None if seen_finite and fast else _store_root(ref.path)
         if self.host_tier is not None:
             expert = self._through_tier(
                 self.host_tier, ref, fast=fast, verified=verified, check_finite=not seen_finite,

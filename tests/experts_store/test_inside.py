@@ -214,3 +214,25 @@ def test_an_actors_loader_judges_a_link_on_a_contents_first_load_and_checksums_a
         loader.load(store.expert_ref(1))
     with pytest.raises(ExpertFormatError, match="outside the store"):
         ExpertRefLoader("cpu").load(store.expert_ref(1))  # a first load: judged
+
+
+def test_a_ref_without_a_fast_checksum_is_judged_on_every_load(
+    store_root: Path, tmp_path: Path
+) -> None:
+    # A pre-checksum store's expert is read unchecked after its first load: skipping the link
+    # check there too served another file through a link out of the store (a review of
+    # 024488e).
+    import dataclasses
+
+    store = Store.open(store_root)
+    ref = dataclasses.replace(store.expert_ref(1), checksum=None)
+    loader = ExpertRefLoader("cpu")
+    loader.load(ref)
+    other = tmp_path / "elsewhere" / "other.safetensors"
+    other.parent.mkdir()
+    shutil.copyfile(store.expert_path(0), other)
+    path = store.expert_path(1)
+    path.unlink()
+    path.symlink_to(other)
+    with pytest.raises(ExpertFormatError, match="outside the store"):
+        loader.load(ref)
