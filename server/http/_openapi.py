@@ -115,6 +115,25 @@ def _tighten_body(schema: dict[str, Any], limits: _Limits) -> None:
         }
 
 
+def _beam_pattern(max_beam: int, levels: int) -> str:
+    """A query's beam ("2,2,2") as the server takes it: 1 to `levels` widths of 1..max_beam."""
+    width = _up_to(max_beam)
+    return f"^{width}(,{width}){{0,{levels - 1}}}$"
+
+
+def _up_to(m: int) -> str:
+    """A regular expression of the whole numbers 1..m, written without leading zeros."""
+    digits = str(m)
+    parts = ["[1-9]" + "[0-9]" * (n - 1) for n in range(1, len(digits))]
+    for i, digit in enumerate(int(d) for d in digits):
+        lowest = 1 if i == 0 else 0
+        if digit > lowest:
+            rest = "[0-9]" * (len(digits) - i - 1)
+            parts.append(f"{digits[:i]}[{lowest}-{digit - 1}]{rest}")
+    parts.append(digits)
+    return "(?:" + "|".join(parts) + ")"
+
+
 def _tighten(schema: dict[str, Any], limits: _Limits) -> None:
     for path in _BODY_PATHS:
         operation = schema["paths"].get(path, {}).get("post")
@@ -129,10 +148,20 @@ def _tighten(schema: dict[str, Any], limits: _Limits) -> None:
             if parameter["name"] not in GATE_OPTIONS - {"top_k"} - limits.options
         ]
         for parameter in operation["parameters"]:
+            options = parameter["schema"].get("anyOf", [parameter["schema"]])
             if parameter["name"] == "top_k":
                 top_k = limits.max_top_k if "top_k" in limits.options else 1
                 for option in _integer_options(parameter["schema"]):
                     option["maximum"] = top_k
+            elif parameter["name"] == "temperature":
+                for option in options:
+                    if option.get("type") == "number":  # as the JSON gate's
+                        option.pop("exclusiveMinimum", None)
+                        option["minimum"], option["maximum"] = limits.temperature
+            elif parameter["name"] == "beam":
+                for option in options:
+                    if option.get("type") == "string":  # as the JSON gate's widths and levels
+                        option["pattern"] = _beam_pattern(limits.max_beam, limits.beam_levels)
 
 
 def _name_the_model(schema: dict[str, Any], model: str, version: str) -> None:

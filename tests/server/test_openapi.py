@@ -152,3 +152,38 @@ async def test_the_schema_leaves_out_what_the_kind_refuses(
     for name, answer in answers.items():
         if name not in taken:
             assert answer.status_code == 422, (name, answer.text)
+
+
+async def test_a_binary_bodys_query_gate_is_bounded_as_the_json_gate_is(tmp_path: Path) -> None:
+    # The query's beam and temperature were bounded by type only: ?beam=2,2,2 on a 2-level
+    # tree, ?beam=999999 and ?temperature=0.0001 were schema-valid and refused with 422.
+    import re
+
+    store = build_small_store(tmp_path / "s", K=8)  # a tree of 2 levels, max_beam 8
+    raw = np.zeros((1, 4), dtype="<f4").tobytes()
+    headers = {"Content-Type": "application/octet-stream", "X-Momlp-Rows": "1"}
+    async with running(fake_app(store)) as client:
+        spec = (await client.get("/openapi.json")).json()
+        answers = {
+            query: await client.post(f"/v1/predict?{query}", content=raw, headers=headers)
+            for query in ("beam=2,2", "beam=8", "beam=2,2,2", "beam=9", "temperature=0.0001")
+        }
+    operation = spec["paths"]["/v1/predict"]["post"]
+    parameters = {p["name"]: p["schema"] for p in operation["parameters"]}
+    beam = next(o for o in parameters["beam"]["anyOf"] if o.get("type") == "string")
+    temperature = next(o for o in parameters["temperature"]["anyOf"] if o.get("type") == "number")
+    gate = next(o for o in predict_body(spec)["properties"]["gate"]["anyOf"]
+                if o.get("type") == "object")
+    json_temperature = next(o for o in gate["properties"]["temperature"]["anyOf"]
+                            if o.get("type") == "number")
+    assert (temperature["minimum"], temperature["maximum"]) == (
+        json_temperature["minimum"], json_temperature["maximum"]
+    )
+    for query, answer in answers.items():
+        name, value = query.split("=")
+        if name == "beam":
+            allowed = re.search(beam["pattern"], value) is not None
+        else:
+            allowed = temperature["minimum"] <= float(value) <= temperature["maximum"]
+        assert answer.status_code == (200 if allowed else 422), (query, answer.text)
+    assert [q for q, a in answers.items() if a.status_code == 200] == ["beam=2,2", "beam=8"]
