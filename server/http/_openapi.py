@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from server.http._paths import PREDICT_PATH, ROUTE_PATH
-from server.kinds import GATE_OPTIONS
+from server.kinds import GATE_OPTIONS, HyperSection
 from server.serving import ServingState
 
 __all__ = ["MAX_ABS_INPUT", "inline_defs", "install_openapi"]
@@ -61,6 +61,10 @@ class _Limits:
     temperature: tuple[float, float]  # [τ / ratio, τ · ratio] around the store's τ
     # The kind's `options_taken`: a request the schema allows is one the server accepts.
     options: frozenset[str] = GATE_OPTIONS
+    # A kind that takes conditions: their width, and the names a request may give (None:
+    # unknown or too many to list; empty: the store names none).
+    condition_dim: int | None = None
+    condition_names: tuple[str, ...] | None = None
 
 
 _GATE_FIELDS = ("temperature", "min_weight", "top_p", "beam", "score")
@@ -90,6 +94,8 @@ def _tighten_body(schema: dict[str, Any], limits: _Limits) -> None:
     if "conditions" not in limits.options:
         for name in ("conditions", "condition", "condition_ids"):
             props.pop(name, None)
+    else:
+        _tighten_conditions(schema, limits)
     if "mode" not in limits.options:
         props.pop("mode", None)
     inputs = props.get("inputs")
@@ -113,6 +119,27 @@ def _tighten_body(schema: dict[str, Any], limits: _Limits) -> None:
                          "properties": {"beam": {"type": "array"}}},
             },
         }
+
+
+def _tighten_conditions(schema: dict[str, Any], limits: _Limits) -> None:
+    """A kind that takes conditions needs one of the three ways of giving them (a request
+    with none is refused), each row's of the store's width, and named ones it has."""
+    props = schema.get("properties", {})
+    if limits.condition_names is not None and not limits.condition_names:
+        props.pop("condition_ids", None)  # the store names no condition
+    given = [name for name in ("conditions", "condition", "condition_ids") if name in props]
+    schema["anyOf"] = [
+        {"required": [name], "properties": {name: {"type": "array"}}} for name in given
+    ]
+    for name in given:
+        array = next(o for o in props[name].get("anyOf", [props[name]]) if o.get("type") == "array")
+        if name == "conditions" and limits.condition_dim is not None:
+            row = array["items"]
+            row["minItems"] = row["maxItems"] = limits.condition_dim
+        elif name == "condition" and limits.condition_dim is not None:
+            array["minItems"] = array["maxItems"] = limits.condition_dim
+        elif name == "condition_ids" and limits.condition_names:
+            array["items"]["enum"] = list(limits.condition_names)
 
 
 def _beam_pattern(max_beam: int, levels: int) -> str:
@@ -139,9 +166,14 @@ def _tighten(schema: dict[str, Any], limits: _Limits) -> None:
         operation = schema["paths"].get(path, {}).get("post")
         if operation is None:
             continue
-        body = operation["requestBody"]["content"].get("application/json", {}).get("schema")
+        content = operation["requestBody"]["content"]
+        body = content.get("application/json", {}).get("schema")
         if body is not None:
             _tighten_body(body, limits)
+        if "conditions" in limits.options:
+            # Conditions come in a JSON body only: a binary body is always refused.
+            for media in [media for media in content if media != "application/json"]:
+                del content[media]
         # A binary body's gate comes in the query: the same options as a JSON body's.
         operation["parameters"] = [
             parameter for parameter in operation.get("parameters", [])
@@ -176,6 +208,18 @@ def _name_the_model(schema: dict[str, Any], model: str, version: str) -> None:
                     parameter["schema"]["enum"] = [version]
 
 
+def _condition_limits(hyper: HyperSection | None) -> dict[str, Any]:
+    if hyper is None:
+        return {}
+    names = hyper.condition_ids
+    # The section lists the first 1,000 names: a full list may be cut short, so no enum.
+    listed = tuple(names) if len(names) < _LISTED_NAMES else None
+    return {"condition_dim": hyper.condition_dim, "condition_names": listed}
+
+
+_LISTED_NAMES = 1000
+
+
 def install_openapi(app: FastAPI, serving: ServingState, model_name: str) -> None:
     """Make `app.openapi()` (and /openapi.json) describe the version being served."""
     built: dict[str, Any] = {}
@@ -203,6 +247,7 @@ def install_openapi(app: FastAPI, serving: ServingState, model_name: str) -> Non
                 beam_levels=model.beam_levels,
                 temperature=(tau / ratio, tau * ratio),
                 options=model.options_taken,
+                **_condition_limits(model.model_section().hyper),
             )
             _tighten(schema, limits)
             _name_the_model(schema, model_name, version.version)

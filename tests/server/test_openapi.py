@@ -187,3 +187,46 @@ async def test_a_binary_bodys_query_gate_is_bounded_as_the_json_gate_is(tmp_path
             allowed = temperature["minimum"] <= float(value) <= temperature["maximum"]
         assert answer.status_code == (200 if allowed else 422), (query, answer.text)
     assert [q for q, a in answers.items() if a.status_code == 200] == ["beam=2,2", "beam=8"]
+
+
+async def test_a_kind_that_needs_conditions_documents_only_requests_that_bring_them(
+    tmp_path: Path,
+) -> None:
+    # The schema let a request give no condition, or ones of any width, or unknown names, or
+    # a binary body (which cannot carry them): each refused with 422.
+    torch.manual_seed(0)
+    f = HyperNetwork(3, PrimarySpec(2, (4,), 1), depth=1, width=8)
+    publish_hypernetwork(tmp_path / "named", f, conditions=torch.randn(2, 3),
+                         condition_ids=["a", "b"])
+    publish_hypernetwork(tmp_path / "unnamed", f)
+    x = [[0.0, 0.0]]
+    bodies = {
+        "none": {"inputs": x},
+        "narrow": {"inputs": x, "condition": [0.5]},
+        "unknown": {"inputs": x, "condition_ids": ["z"]},
+        "named": {"inputs": x, "condition_ids": ["a"]},
+        "given": {"inputs": x, "condition": [0.5, 0.5, 0.5]},
+    }
+    async with running(fake_app(tmp_path / "named")) as client:
+        spec = (await client.get("/openapi.json")).json()
+        answers = {k: await client.post("/v1/predict", json=b) for k, b in bodies.items()}
+    async with running(fake_app(tmp_path / "unnamed")) as client:
+        unnamed = (await client.get("/openapi.json")).json()
+        by_name = await client.post("/v1/predict", json=bodies["named"])
+    operation = spec["paths"]["/v1/predict"]["post"]
+    assert list(operation["requestBody"]["content"]) == ["application/json"]
+    body = predict_body(spec)
+    assert [o["required"] for o in body["anyOf"]] == [
+        ["conditions"], ["condition"], ["condition_ids"]
+    ]
+    condition = next(o for o in body["properties"]["condition"]["anyOf"]
+                     if o.get("type") == "array")
+    assert condition["minItems"] == condition["maxItems"] == 3
+    names = next(o for o in body["properties"]["condition_ids"]["anyOf"]
+                 if o.get("type") == "array")
+    assert names["items"]["enum"] == ["a", "b"]
+    assert {k: a.status_code for k, a in answers.items()} == {
+        "none": 422, "narrow": 422, "unknown": 422, "named": 200, "given": 200
+    }
+    assert "condition_ids" not in predict_body(unnamed)["properties"]
+    assert by_name.status_code == 422, by_name.text
