@@ -24,6 +24,7 @@ from experts_store import (
     theta_file_bytes,
 )
 from server._exceptions import ExpertUnavailable, InvalidRequest
+from server.pool import without_root
 
 __all__ = ["GENERATOR_ID", "LocalGenerator"]
 
@@ -77,8 +78,8 @@ class LocalGenerator:
         the name the store gives it, not "expert -1" at the server's path (the log has it)."""
         path = self._generator.path
         logger.warning("the hypernetwork %s cannot be read: %s", path, exc)
-        root = os.path.dirname(path).rstrip(os.sep)
         reason = own_file_problem(f"hypernetwork {os.path.basename(path)}", exc)
-        if root:
-            reason = reason.replace(root + os.sep, "")
-        return ExpertUnavailable(expert_id=GENERATOR_ID, reason=reason)
+        # f lies at the store's root.
+        return ExpertUnavailable(
+            expert_id=GENERATOR_ID, reason=without_root(reason, os.path.dirname(path))
+        )

@@ -20,6 +20,7 @@ from server.pool._errors import (
     WireError,
 )
 from server.pool._fake import FakeExpertPool
+from server.pool._loader import without_root
 from server.pool._ray import RayExpertPool, actor_count, actor_device
 from server.pool._session import ray_session, start_ray, stop_ray
 from server.pool._threads import in_daemon_thread
@@ -67,4 +68,5 @@ __all__ = [
     "row_block",
     "start_ray",
     "stop_ray",
+    "without_root",
 ]

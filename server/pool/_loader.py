@@ -20,7 +20,7 @@ from experts_store import (
     own_file_problem,
 )
 
-__all__ = ["Cached", "DeviceLoader", "load_error", "store_relative"]
+__all__ = ["Cached", "DeviceLoader", "load_error", "store_relative", "without_root"]
 
 
 # What an actor's cache holds: loaded experts, generated θ (also FrozenExperts) and pinned
@@ -109,7 +109,12 @@ def store_relative(ref: ExpertRef, text: str) -> str:
     where = os.path.dirname(ref.path)
     # f lies at the store's root; an expert file in its experts/ directory (the manifest
     # admits no other name for it).
-    root = where if isinstance(ref, GeneratedRef) else os.path.dirname(where)
-    if root.rstrip(os.sep) == "":
+    return without_root(text, where if isinstance(ref, GeneratedRef) else os.path.dirname(where))
+
+
+def without_root(text: str, root: str) -> str:
+    """`text` with `root` cut from the paths under it it names."""
+    root = root.rstrip(os.sep)
+    if not root:
         return text  # a path with no directory to hide (a ref built by hand)
-    return text.replace(root.rstrip(os.sep) + os.sep, "")
+    return text.replace(root + os.sep, "")
