@@ -1,6 +1,6 @@
-"""`momlp store info|verify|calibrate DIR`. Only the standard library is imported at module
-level. `calibrate` fits τ with the trainer (imported by its handler: the CLI glue sits above
-both packages; experts_store itself never imports trainer)."""
+"""`momlp store info|verify|calibrate|materialize DIR`. Only the standard library is imported
+at module level. `calibrate` fits τ with the trainer, whose handler the CLI root passes in:
+experts_store imports neither the trainer nor the router nor the server."""
 
 from __future__ import annotations
 
@@ -15,10 +15,16 @@ from typing import Any
 __all__ = ["register"]
 
 
-def register(subparsers: Any, *, serve_check: Callable[[Any], str | None] | None = None) -> None:
-    """Add the ``store`` command group to the root ``momlp`` parser. `serve_check(store)`:
-    why a server would refuse a store whose files each check out, or None (the CLI root
-    passes it: experts_store never imports the server)."""
+def register(
+    subparsers: Any,
+    *,
+    serve_check: Callable[[Any], str | None] | None = None,
+    calibrate: Callable[[argparse.Namespace], int] | None = None,
+) -> None:
+    """Add the ``store`` command group to the root ``momlp`` parser, both passed by the CLI
+    root from the layers above. `serve_check(store)`: why a server would refuse a store whose
+    files each check out, or None. `calibrate(args)`: the handler of `store calibrate`
+    (without one, where the trainer is not installed, the command is not offered)."""
     store = subparsers.add_parser("store", help="inspect and verify an expert store")
     commands = store.add_subparsers(dest="store_command", metavar="STORE_COMMAND", required=True)
     info = commands.add_parser("info", help="show a store's manifest summary and experts")
@@ -32,26 +38,8 @@ def register(subparsers: Any, *, serve_check: Callable[[Any], str | None] | None
         help="no progress bar on stderr (bytes read of the experts' total)",
     )
     verify.set_defaults(handler=functools.partial(_verify, serve_check=serve_check))
-    calibrate = commands.add_parser(
-        "calibrate",
-        help="fit the gate temperature on data and republish the store with it",
-        description="Choose τ of the top-k gate softmax(-d²/τ) by the held-out loss of the "
-        "top-k mixtures on FILE's rows, and publish it as a new store version (expert files "
-        "unchanged; a running server hot-swaps it).",
-    )
-    calibrate.add_argument("dir", metavar="STORE", help="store directory")
-    calibrate.add_argument(
-        "--data", required=True, metavar="FILE", help=".npz (X, y), .csv or .parquet rows"
-    )
-    calibrate.add_argument(
-        "--target", metavar="COLUMN", default=None,
-        help="the column of a .csv or .parquet table that holds y",
-    )
-    calibrate.add_argument(
-        "--top-k", default=None, metavar="K,K",
-        help="top-k mixtures to fit for, each in 2..K (default: 2,3, those the store has)",
-    )
-    calibrate.set_defaults(handler=_calibrate)
+    if calibrate is not None:
+        _add_calibrate(commands, calibrate)
     materialize = commands.add_parser(
         "materialize",
         help="write a prototype-conditioned hyper store out as an ordinary K-expert store",
@@ -61,6 +49,29 @@ def register(subparsers: Any, *, serve_check: Callable[[Any], str | None] | None
     materialize.add_argument("dir", metavar="STORE", help="hyper store directory")
     materialize.add_argument("--out", required=True, metavar="DIR", help="new store directory")
     materialize.set_defaults(handler=_materialize)
+
+
+def _add_calibrate(commands: Any, handler: Callable[[argparse.Namespace], int]) -> None:
+    parser = commands.add_parser(
+        "calibrate",
+        help="fit the gate temperature on data and republish the store with it",
+        description="Choose τ of the top-k gate softmax(-d²/τ) by the held-out loss of the "
+        "top-k mixtures on FILE's rows, and publish it as a new store version (expert files "
+        "unchanged; a running server hot-swaps it).",
+    )
+    parser.add_argument("dir", metavar="STORE", help="store directory")
+    parser.add_argument(
+        "--data", required=True, metavar="FILE", help=".npz (X, y), .csv or .parquet rows"
+    )
+    parser.add_argument(
+        "--target", metavar="COLUMN", default=None,
+        help="the column of a .csv or .parquet table that holds y",
+    )
+    parser.add_argument(
+        "--top-k", default=None, metavar="K,K",
+        help="top-k mixtures to fit for, each in 2..K (default: 2,3, those the store has)",
+    )
+    parser.set_defaults(handler=handler)
 
 
 def _human_bytes(n: int) -> str:
@@ -309,29 +320,3 @@ def _materialize_out_problem(source: str, out: str) -> str | None:
     if existing == target and target.resolve() == Path(source).resolve():
         return "is the source store; materialize into another directory"
     return None
-
-
-def _calibrate(args: argparse.Namespace) -> int:
-    from experts_store import StoreError
-    from router import RouterError
-
-    try:
-        top_ks = None if args.top_k is None else [int(k) for k in args.top_k.split(",")]
-    except ValueError:
-        print(f"error: --top-k takes integers like 2,3, got {args.top_k!r}", file=sys.stderr)
-        return 2
-    from trainer import TrainerError, calibrate_store
-
-    try:
-        manifest = calibrate_store(args.dir, args.data, top_ks=top_ks, target=args.target)
-    except (StoreError, TrainerError, RouterError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    gate = manifest.gate_spec
-    c = gate.calibration or {}
-    print(
-        f"calibrated τ={gate.temperature:.6g} on {c.get('rows')} rows: loss top-1 "
-        f"{c.get('loss_top1'):.6g}, top-k {c.get('loss_at_temperature')} "
-        f"(at τ=1: {c.get('loss_at_1')}); published version {manifest.store_version}"
-    )
-    return 0

@@ -45,9 +45,16 @@ def _refused_by_server(store: Any) -> str | None:
     return None
 
 
+def _calibrate_store(args: argparse.Namespace) -> int:
+    """`momlp store calibrate`: the trainer fits τ (imported here, when the command runs)."""
+    from trainer._cli import handle_store_calibrate
+
+    return handle_store_calibrate(args)
+
+
 # What a registrar's commands need from the layers above it, passed down to `register`.
 _INJECTED: dict[str, dict[str, Any]] = {
-    "experts_store._cli": {"serve_check": _refused_by_server},
+    "experts_store._cli": {"serve_check": _refused_by_server, "calibrate": _calibrate_store},
 }
 
 Handler = Callable[[argparse.Namespace], int]

@@ -1,4 +1,5 @@
-"""`momlp build`: argparse registration (stdlib only at import time) and its handler."""
+"""`momlp build`: argparse registration (stdlib only at import time) and its handler; and the
+handler of `momlp store calibrate`, which the CLI root passes to the store's command group."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["register"]
+__all__ = ["handle_store_calibrate", "register"]
 
 # Repeated here rather than imported: this module must not import numpy/torch at load time.
 _DATASETS = ("holder1d", "ackley2d", "ackley3d", "rastrigin2d", "rastrigin3d", "digits")
@@ -397,4 +398,31 @@ def _handle_build(args: argparse.Namespace) -> int:
         "total_s": round(report["timings"]["total_s"], 2) if report else None,
     }
     print(json.dumps(summary))
+    return 0
+
+
+def handle_store_calibrate(args: argparse.Namespace) -> int:
+    """`momlp store calibrate STORE --data FILE [--target COLUMN] [--top-k K,K]`."""
+    from experts_store import StoreError
+    from router import RouterError
+
+    try:
+        top_ks = None if args.top_k is None else [int(k) for k in args.top_k.split(",")]
+    except ValueError:
+        print(f"error: --top-k takes integers like 2,3, got {args.top_k!r}", file=sys.stderr)
+        return 2
+    from trainer import TrainerError, calibrate_store
+
+    try:
+        manifest = calibrate_store(args.dir, args.data, top_ks=top_ks, target=args.target)
+    except (StoreError, TrainerError, RouterError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    gate = manifest.gate_spec
+    c = gate.calibration or {}
+    print(
+        f"calibrated τ={gate.temperature:.6g} on {c.get('rows')} rows: loss top-1 "
+        f"{c.get('loss_top1'):.6g}, top-k {c.get('loss_at_temperature')} "
+        f"(at τ=1: {c.get('loss_at_1')}); published version {manifest.store_version}"
+    )
     return 0
