@@ -149,7 +149,9 @@ class DispatchingPool(ABC):
         mid-call has its groups retried elsewhere (or on the restarted actor), up to
         `MAX_RETRIES` times, so that two actors dying close together still lose nothing;
         past that, `ActorFailed`. A dead call produced no answer, so nothing is answered twice.
-        A failure is raised as it comes; the batch's other calls go on to their end.
+        A stale failure (a call to an actor's previous process, whose death was already
+        noticed) is retried on a budget of its own, so that it does not use up one of those
+        retries. A failure is raised as it comes; the batch's other calls go on to their end.
         """
         if self._closed:
             raise PoolClosed()
@@ -167,7 +169,8 @@ class DispatchingPool(ABC):
                 todo.append(index)
         if todo:
             await self._dispatch(
-                groups, todo, results, retries_left=MAX_RETRIES, exclude=frozenset()
+                groups, todo, results, retries_left=MAX_RETRIES, stale_left=MAX_RETRIES,
+                exclude=frozenset(),
             )
         return [result for result in results if result is not None]
 
@@ -178,6 +181,7 @@ class DispatchingPool(ABC):
         results: list[GroupResult | None],
         *,
         retries_left: int,
+        stale_left: int,
         exclude: frozenset[str],
     ) -> None:
         if not [a for a in self._dispatcher.live_actors() if a not in exclude]:
@@ -216,7 +220,7 @@ class DispatchingPool(ABC):
             raise ActorFailed(actor="*", reason=reason)
         calls = [
             self._run_on(actor, groups, idx, results, placed, retries_left=retries_left,
-                         exclude=exclude)
+                         stale_left=stale_left, exclude=exclude)
             for actor, idx in by_actor.items()
         ]
         try:
@@ -247,6 +251,7 @@ class DispatchingPool(ABC):
         placed: dict[str, int],
         *,
         retries_left: int,
+        stale_left: int,
         exclude: frozenset[str],
     ) -> None:
         rows = placed.pop(actor)
@@ -271,18 +276,24 @@ class DispatchingPool(ABC):
             # which then died too, passes for stale as well: its retry, or the socket's
             # drop, finds that death.)
             stale = self._deaths[actor] != deaths
-            if not stale:
-                self._actor_died(actor)
-                exclude |= {actor}
-            if retries_left <= 0:
-                raise ActorFailed(actor=actor, reason="died again during the retries")
             if stale:
+                # Not a death of its own: it does not use up a retry that a next death may
+                # need (its own budget still ends a chase of an actor that keeps dying).
+                if stale_left <= 0:
+                    raise ActorFailed(actor=actor, reason="died again during the retries")
                 logger.info("actor %s: a call to its previous process failed; retrying %s "
                             "groups", actor, len(indices))
+                stale_left -= 1
             else:
+                self._actor_died(actor)
+                exclude |= {actor}
+                if retries_left <= 0:
+                    raise ActorFailed(actor=actor, reason="died again during the retries")
                 logger.warning("actor %s died mid-call; retrying %s groups", actor, len(indices))
+                retries_left -= 1
             await self._dispatch(
-                groups, indices, results, retries_left=retries_left - 1, exclude=exclude
+                groups, indices, results, retries_left=retries_left, stale_left=stale_left,
+                exclude=exclude,
             )
             return
         self._dispatcher.update_residency(actor, reply.resident)
@@ -346,8 +357,11 @@ class DispatchingPool(ABC):
         Calls to a restarting Ray actor fail at once (ActorUnavailableError) rather than
         queue, so this polls with a growing delay instead of waiting on one call.
         """
-        waited, delay, gone = 0.0, 0.05, 0
-        while waited < self._revive_timeout_s:
+        # By the clock: a call that fails slowly (hanging up to its timeout, or the runtime
+        # check after it) takes its time out of the wait as a back-off's sleep does.
+        deadline = self._clock.now() + self._revive_timeout_s
+        delay, gone = 0.05, 0
+        while self._clock.now() < deadline:
             try:
                 await asyncio.wait_for(self._call_info(actor), self._info_timeout_s)
             except (ActorDied, TimeoutError) as exc:
@@ -356,8 +370,6 @@ class DispatchingPool(ABC):
                 problem = await self._runtime_problem()
                 if problem is not None:
                     self._runtime_lost(problem)
-                if isinstance(exc, TimeoutError):
-                    waited += self._info_timeout_s
                 gone = gone + 1 if isinstance(exc, ActorGone) else 0
                 if gone >= _GONE_ANSWERS:
                     # Waiting out the timeout would hold every request for it (60 s), to end
@@ -370,7 +382,6 @@ class DispatchingPool(ABC):
                     )
                     return
                 await self._sleep(delay)
-                waited += delay
                 delay = min(1.0, delay * 2)
                 continue
             if self._unreachable is not None:

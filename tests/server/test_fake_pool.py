@@ -400,6 +400,35 @@ async def test_a_late_failure_of_a_restarted_actors_old_process_leaves_it_alive(
     await pool.close()
 
 
+async def test_a_late_failure_of_the_old_process_does_not_use_up_a_retry(
+    make_store: MakeStore,
+) -> None:
+    # The stale failure took one of the two retries: when both actors then died under the
+    # retried call, the batch failed with 503 actor_failed ("died again during the
+    # retries"), though two deaths close together are what the retries are there for.
+    store = Store.open(make_store(K=8, n=3, width=6, out=2))
+    pool = IdPool(store, LateOldProcessFailure(Settings(actors=2, cache_bytes=10**6)))
+    homed = [e for e in range(8) if pool.dispatcher.home(e) == "actor-0"]
+    assert homed
+    first = asyncio.ensure_future(pool.run(groups_for(homed, 3)))
+    for _ in range(500):
+        if pool.inner.in_flight is not None:
+            break
+        await asyncio.sleep(0.01)
+    pool.kill("actor-0")
+    await pool.run(groups_for(homed, 3, seed=1))  # finds actor-0 dead: restarted
+    assert await pool.wait_until_alive("actor-0")
+    pool.kill("actor-0")  # the retried call's actor dies,
+    pool.kill("actor-1")  # and so does the one it is retried on next
+    pool.inner.in_flight.set_result(None)  # the old process's call fails only now
+    results = await first
+    assert [r.error for r in results] == [None] * len(homed)
+    for group, result in zip(groups_for(homed, 3), results, strict=True):
+        torch.testing.assert_close(result.outputs, expected(store, group))
+    assert [actor for actor, _ in pool.calls[-3:-1]] == ["actor-0", "actor-1"]
+    await pool.close()
+
+
 class NeverBack(FakeExpertPool):
     """A fake pool whose runtime never restarts a dead actor, though it says it will."""
 
@@ -413,13 +442,17 @@ async def test_a_revival_backs_off_on_the_pools_sleep_and_gives_up_after_its_tim
     # The back-off slept on asyncio.sleep, not the pool's: a test of a revival that gives up
     # had to wait out its 60 s.
     slept: list[float] = []
+    clock = StepClock()
 
     async def sleep(seconds: float) -> None:
         slept.append(seconds)
+        clock.t += seconds
         await asyncio.sleep(0)
 
     store = Store.open(make_store(K=4, n=3, width=6, out=2))
-    pool = IdPool(store, NeverBack(Settings(actors=2, cache_bytes=10**6), sleep=sleep))
+    pool = IdPool(
+        store, NeverBack(Settings(actors=2, cache_bytes=10**6), clock=clock, sleep=sleep)
+    )
     pool.inner._actor_lost("actor-0", "its socket closed")
     with caplog.at_level("ERROR", logger="server.pool._base"):
         assert not await asyncio.wait_for(pool.wait_until_alive("actor-0"), 10)
@@ -427,4 +460,39 @@ async def test_a_revival_backs_off_on_the_pools_sleep_and_gives_up_after_its_tim
     assert sum(slept) >= 60.0 and sum(slept[:-1]) < 60.0
     assert "actor actor-0 did not come back within 60.0 s" in caplog.text
     assert [a.alive for a in pool.actors()] == [False, True]
+    await pool.close()
+
+
+class SlowNeverBack(NeverBack):
+    """Each question to the dead actor fails only after 20 s (as one hanging up to its
+    timeout does), on the pool's clock."""
+
+    def __init__(self, settings: Settings, clock: StepClock, **kwargs: Any) -> None:
+        super().__init__(settings, clock=clock, **kwargs)
+        self.step_clock = clock
+        self.asked = 0
+
+    async def _call_info(self, actor: str) -> Any:
+        self.asked += 1
+        self.step_clock.t += 20.0
+        return await super()._call_info(actor)
+
+
+async def test_a_revival_gives_up_after_its_timeout_by_the_clock_when_each_call_is_slow(
+    make_store: MakeStore,
+) -> None:
+    # The timeout summed the back-off's sleeps only: with calls that each took 20 s to fail,
+    # the revival asked 66 times (over 22 minutes) before giving up on its 60 s.
+    clock = StepClock()
+
+    async def sleep(seconds: float) -> None:
+        clock.t += seconds
+        await asyncio.sleep(0)
+
+    store = Store.open(make_store(K=4, n=3, width=6, out=2))
+    inner = SlowNeverBack(Settings(actors=2, cache_bytes=10**6), clock, sleep=sleep)
+    pool = IdPool(store, inner)
+    pool.inner._actor_lost("actor-0", "its socket closed")
+    assert not await asyncio.wait_for(pool.wait_until_alive("actor-0"), 10)
+    assert inner.asked == 3 and clock.t < 60.0 + 20.0 + 1.0
     await pool.close()
