@@ -18,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 
 from server._exceptions import HttpError
+from server.http._content_encoding import decode_body
 from server.http._deadline import Deadline
 from server.http._models import PredictRequest, RouteRequest
 from server.kinds import ConditionRequest, GateRequest, PatchInputs
@@ -87,13 +88,14 @@ class _BodyHeaders(NamedTuple):
     media: str  # Content-Type without parameters, lower case
     length: str | None  # Content-Length as sent
     rows: str | None  # X-Momlp-Rows as sent
+    encoding: str | None  # Content-Encoding as sent
 
 
 def _body_headers(request: Request) -> _BodyHeaders:
-    """The three headers a body's parse reads, in one pass over the raw headers (each
+    """The four headers a body's parse reads, in one pass over the raw headers (each
     `request.headers.get` scans them all again). The first of a repeated header wins, as with
     `request.headers.get`; ASGI servers give names in lower case."""
-    media = length = rows = None
+    media = length = rows = encoding = None
     for name, value in request.scope["headers"]:
         if name == b"content-type":
             media = value if media is None else media
@@ -101,11 +103,14 @@ def _body_headers(request: Request) -> _BodyHeaders:
             length = value if length is None else length
         elif name == _ROWS_NAME:
             rows = value if rows is None else rows
+        elif name == b"content-encoding":
+            encoding = value if encoding is None else encoding
     raw = "application/json" if media is None else media.decode("latin-1")
     return _BodyHeaders(
         raw.split(";", 1)[0].strip().lower(),
         None if length is None else length.decode("latin-1"),
         None if rows is None else rows.decode("latin-1"),
+        None if encoding is None else encoding.decode("latin-1"),
     )
 
 
@@ -372,8 +377,14 @@ async def parse_inputs(
             check_rows(int(rows_header), input_dim, max_rows=max_rows, input_dim=input_dim)
     body = await read_body_limited(request, max_bytes, body_deadline, declared=headers.length)
     rows_header = headers.rows
+    encoding = headers.encoding
+    if encoding is not None and encoding.strip().lower() in ("", "identity"):
+        encoding = None
 
     def parse() -> ParsedInputs:
+        nonlocal body
+        if encoding is not None:
+            body = decode_body(body, encoding, max_bytes=max_bytes)
         if media in JSON_TYPES:
             return _json_inputs(body, model, max_rows=max_rows, input_dim=input_dim)
         if media == NPY_TYPE:
@@ -382,7 +393,8 @@ async def parse_inputs(
             x = parse_raw_float32(body, rows_header, max_rows=max_rows, input_dim=input_dim)
         return ParsedInputs(x, gate, return_stats, return_routing)
 
-    return await parse_sized(len(body), parse)
+    # A compressed body's size says nothing of its decoded size: decode it off the loop.
+    return await parse_sized(len(body) if encoding is None else max_bytes, parse)
 
 
 async def parse_sized(nbytes: int, parse: Callable[[], _T]) -> _T:

@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from server._exceptions import HttpError, InvalidRequest
 from server.http._body import read_body_limited, require_json, validation_detail
+from server.http._content_encoding import decode_body
 from server.http._deadline import Deadlines
 from server.http._metrics import Metrics
 from server.http._models import ConditionId, FiniteNumber, _Strict
@@ -53,7 +54,11 @@ def add_hyper_routes(app: FastAPI) -> None:
         settings = serving.settings
         deadlines: Deadlines = request.app.state.deadlines
         require_json(request)
-        body = await read_body_limited(request, settings.max_body_bytes, deadlines.body)
+        body = decode_body(
+            await read_body_limited(request, settings.max_body_bytes, deadlines.body),
+            request.headers.get("content-encoding"),
+            max_bytes=settings.max_body_bytes,
+        )
         try:
             parsed = GenerateRequest.model_validate_json(body)
         except ValidationError as exc:

@@ -7,7 +7,8 @@ Request `parameters` set the gate as `/v1`'s `gate` object does (`top_k`, `mode`
 `temperature`, `min_weight`, `top_p`, `beam` as "2,2", `score`; the same server-side caps); the
 response carries the expert ids (-1 past a row's last kept expert) and gate
 weights as extra output tensors, and the per-request VRAM and store version as parameters.
-No Content-Type is required: tritonclient's sync client may send none.
+No Content-Type is required: tritonclient's sync client may send none. A body may come
+compressed (Content-Encoding gzip or deflate, tritonclient's `request_compression_algorithm`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from fastapi.responses import Response
 from server._exceptions import HttpError
 from server._settings import Settings
 from server.http._body import parse_sized, read_body_limited
+from server.http._content_encoding import decode_body
 from server.http._deadline import Deadlines
 from server.http._hot import HotRoute
 from server.http._openapi import inline_defs
@@ -33,6 +35,7 @@ from server.http._v2_codec import (
     HEADER_LENGTH,
     InferRequest,
     OutputTensor,
+    ParsedInfer,
     encode_response,
     parse_infer,
     wanted_outputs,
@@ -91,7 +94,8 @@ def _serving(request: Request) -> ServingState:
 def _version_for(serving: ServingState, name: str, version: str | None) -> StoreVersion:
     current = serving.current()
     if name != model_name(serving.settings):
-        raise HttpError(404, "not_found", f"unknown model {name!r} (version {version!r})")
+        asked = "" if version is None else f" (version {version!r})"
+        raise HttpError(404, "not_found", f"unknown model {name!r}{asked}")
     if version not in (None, "", current.version):
         # A client pinned to a version a hot swap replaced: the model is there, not that.
         raise HttpError(
@@ -187,6 +191,17 @@ def _metadata(current: StoreVersion, name: str) -> ModelMetadata:
     )
 
 
+def _parse_encoded(
+    body: bytes, encoding: str | None, header_length: str | None, *, max_bytes: int,
+    input_name: str, input_dim: int, max_rows: int,
+) -> ParsedInfer:
+    """The request in `body`, decoded first when it came compressed (Content-Encoding)."""
+    decoded = decode_body(body, encoding, max_bytes=max_bytes)
+    return parse_infer(
+        decoded, header_length, input_name=input_name, input_dim=input_dim, max_rows=max_rows
+    )
+
+
 async def infer(request: Request, name: str, version: str | None) -> Response:
     """POST /v2/models/{name}[/versions/{version}]/infer (also called by `HotRoutes`)."""
     serving = _serving(request)
@@ -195,15 +210,20 @@ async def infer(request: Request, name: str, version: str | None) -> Response:
         _version_for(serving, name, version)
         deadlines: Deadlines = request.app.state.deadlines
         body = await read_body_limited(request, settings.max_body_bytes, deadlines.body)
+        encoding = request.headers.get("content-encoding")
         parse = functools.partial(
-            parse_infer,
+            _parse_encoded,
             body,
+            encoding,
             request.headers.get(HEADER_LENGTH),
+            max_bytes=settings.max_body_bytes,
             input_name=INPUT_NAME,
             input_dim=current.model.input_dim,
             max_rows=settings.max_rows,
         )
-        parsed = await parse_sized(len(body), parse)
+        # A compressed body's size says nothing of its decoded size: decode it off the loop.
+        parsed = await parse_sized(len(body) if encoding is None else settings.max_body_bytes,
+                                   parse)
         wanted_outputs(parsed.request, list(_OUTPUT_NAMES))  # 422 before any work
         options = current.model.resolve(_gate(parsed.request.parameters), settings)
         x = check_attached_conditions(current.model, parsed.x, settings)

@@ -121,7 +121,17 @@ def parse_infer(
     rows, cols = tensor.shape
     check_rows(rows, cols, max_rows=max_rows, input_dim=input_dim)
     dtype = DTYPES[tensor.datatype]
+    _refuse_unsupported(tensor.parameters, f"input {tensor.name!r}")
     size = tensor.parameters.get("binary_data_size")
+    if size is not None and tensor.data is not None:
+        raise _bad("the input has both data and binary_data_size: send one of them")
+    if size is None and binary:
+        # Bytes after the JSON header that no input claims: a client's framing is off (a
+        # binary flag lost on the way), and the JSON data would be served in their place.
+        raise _bad(
+            f"{len(binary)} bytes of binary data follow the JSON header, but the input has no "
+            "binary_data_size"
+        )
     if size is not None:
         expected = rows * cols * dtype.itemsize
         if isinstance(size, bool) or not isinstance(size, int):
@@ -180,13 +190,38 @@ def wanted_outputs(request: InferRequest, names: list[str]) -> dict[str, bool]:
     """The outputs to answer with, in order, each with whether it goes in binary; 422 for an
     output the model does not have or a flag that is not a boolean (checked before any work)."""
     binary_all = _flag(request.parameters, "binary_data_output", False)
-    if request.outputs is None:
+    if not request.outputs:
+        # None or [] alike: "all outputs" when none are named, as Triton answers an empty list.
         return {name: binary_all for name in names}
-    wanted = {out.name: _flag(out.parameters, "binary_data", binary_all) for out in request.outputs}
-    unknown = [name for name in wanted if name not in names]
+    unknown = [out.name for out in request.outputs if out.name not in names]
     if unknown:
         raise _bad(f"unknown output(s) {unknown}; this model has {sorted(names)}")
+    wanted: dict[str, bool] = {}
+    for out in request.outputs:
+        if out.name in wanted:
+            # Its two entries may disagree (binary or not): neither would be answered as asked.
+            raise _bad(f"output {out.name!r} is requested more than once")
+        _refuse_unsupported(out.parameters, f"output {out.name!r}")
+        wanted[out.name] = _flag(out.parameters, "binary_data", binary_all)
     return wanted
+
+
+# Parameters of extensions this server does not implement (its metadata lists only
+# binary_tensor_data): answered as if absent, the client would read what it did not ask for
+# (raw scores as class labels, a shared-memory region nobody wrote).
+_UNSUPPORTED = {
+    "classification": (
+        "the classification extension (class_count)", "ask for the output without it"
+    ),
+    "shared_memory_region": ("shared memory", "send and take tensors in the body"),
+}
+
+
+def _refuse_unsupported(parameters: dict[str, Any], what: str) -> None:
+    for name, (extension, instead) in _UNSUPPORTED.items():
+        if name in parameters:
+            raise _bad(f"{what} asks for {extension}, which this server does not support: "
+                       f"{instead}")
 
 
 def _flag(parameters: dict[str, Any], name: str, default: bool) -> bool:

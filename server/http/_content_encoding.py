@@ -1,0 +1,68 @@
+"""A request body's Content-Encoding: gzip, deflate or none.
+
+tritonclient compresses a v2 request body when asked (`request_compression_algorithm="gzip"`
+or `"deflate"`), as Triton's own HTTP endpoint accepts; the body's JSON header length
+(`Inference-Header-Content-Length`) then counts the decoded bytes. /v1 bodies take the same
+codings (an httpx client may send them too). The server's body limit holds for the decoded
+bytes: a few kilobytes of gzip may stand for gigabytes.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from server._exceptions import HttpError
+
+__all__ = ["decode_body"]
+
+# zlib's window bits: 16 + 15 reads a gzip member, 15 a zlib stream (HTTP's "deflate").
+_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+_RAW_DEFLATE = -zlib.MAX_WBITS
+
+
+def decode_body(body: bytes, encoding: str | None, *, max_bytes: int) -> bytes:
+    """`body` decoded as its Content-Encoding says: gzip, deflate or none (identity).
+
+    413 when the decoded body exceeds `max_bytes`, 415 for another coding, 422 (answered as
+    400 under /v2) for bytes that are not what the coding says.
+    """
+    if encoding is None:
+        return body
+    name = encoding.strip().lower()
+    if name in ("", "identity"):
+        return body
+    wbits = _WBITS.get(name)
+    if wbits is None:
+        raise HttpError(
+            415,
+            "unsupported_media_type",
+            f"Content-Encoding {encoding[:64]!r} is not one of gzip, deflate or identity",
+        )
+    decoded = _inflate(body, wbits, max_bytes)
+    if decoded is None and name == "deflate":
+        # HTTP's "deflate" is the zlib format (tritonclient's), but some clients send the raw
+        # deflate stream under that name.
+        decoded = _inflate(body, _RAW_DEFLATE, max_bytes)
+    if decoded is None:
+        raise HttpError(422, "invalid_input", f"the request body is not valid {name} data")
+    return decoded
+
+
+def _inflate(body: bytes, wbits: int, max_bytes: int) -> bytes | None:
+    """The whole stream decoded, or None when `body` is not one complete stream of that
+    format; never more than `max_bytes` + 1 bytes are produced."""
+    inflater = zlib.decompressobj(wbits)
+    try:
+        decoded = inflater.decompress(body, max_bytes + 1)
+    except zlib.error:
+        return None
+    if len(decoded) > max_bytes:
+        raise HttpError(
+            413,
+            "payload_too_large",
+            f"the decoded body exceeds the limit of {max_bytes} bytes",
+            detail={"encoded_bytes": len(body), "max_bytes": max_bytes},
+        )
+    if not inflater.eof or inflater.unused_data:
+        return None
+    return decoded

@@ -1,0 +1,90 @@
+"""A /v1 request body may come compressed (Content-Encoding gzip or deflate): it is served as
+its decoded bytes, held to the body limit once decoded, and any other coding is refused; a body
+labelled with a coding the server does not read was served as if it were plain."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from app_support import build_small_store, error_of, fake_app, running
+
+pytestmark = pytest.mark.unit
+
+MAX_BODY = 64 * 1024
+
+
+def _rows(count: int, dim: int) -> np.ndarray:
+    return np.random.default_rng(3).random((count, dim), dtype=np.float32)
+
+
+async def test_a_compressed_predict_body_is_served_as_the_plain_one(tmp_path: Path) -> None:
+    store = build_small_store(tmp_path / "s", K=8, n=4, out=2)
+    x = _rows(5, 4)
+    body = json.dumps({"inputs": x.tolist()}).encode()
+    async with running(fake_app(store, max_body_bytes=MAX_BODY)) as client:
+        plain = await client.post("/v1/predict", content=body,
+                                  headers={"Content-Type": "application/json"})
+        assert plain.status_code == 200, plain.text
+        for coding, data in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body))):
+            answer = await client.post(
+                "/v1/predict", content=data,
+                headers={"Content-Type": "application/json", "Content-Encoding": coding},
+            )
+            assert answer.status_code == 200, (coding, answer.text)
+            assert answer.json()["outputs"] == plain.json()["outputs"]
+        raw = await client.post(
+            "/v1/predict", content=gzip.compress(x.tobytes()),
+            headers={"Content-Type": "application/octet-stream", "X-Momlp-Rows": "5",
+                     "Content-Encoding": "gzip", "Accept": "application/json"},
+        )
+        assert raw.status_code == 200, raw.text
+        assert raw.json()["outputs"] == plain.json()["outputs"]
+
+
+async def test_a_body_in_another_coding_or_past_the_limit_once_decoded_is_refused(
+    tmp_path: Path,
+) -> None:
+    store = build_small_store(tmp_path / "s", K=8, n=4, out=2)
+    body = json.dumps({"inputs": _rows(2, 4).tolist()}).encode()
+    # A few hundred bytes on the wire that decode past the limit: refused, not inflated whole.
+    bomb = gzip.compress(b" " * (MAX_BODY * 16) + body)
+    assert len(bomb) < MAX_BODY // 8
+    async with running(fake_app(store, max_body_bytes=MAX_BODY)) as client:
+        headers = {"Content-Type": "application/json"}
+        br = await client.post("/v1/predict", content=body,
+                               headers={**headers, "Content-Encoding": "br"})
+        assert br.status_code == 415 and error_of(br)["code"] == "unsupported_media_type"
+        assert "'br'" in error_of(br)["message"]
+        big = await client.post("/v1/predict", content=bomb,
+                                headers={**headers, "Content-Encoding": "gzip"})
+        assert big.status_code == 413 and error_of(big)["code"] == "payload_too_large"
+        broken = await client.post("/v1/predict", content=gzip.compress(body)[:-9],
+                                   headers={**headers, "Content-Encoding": "gzip"})
+        assert broken.status_code == 422 and "not valid gzip" in error_of(broken)["message"]
+
+
+async def test_a_compressed_generate_body_is_served_as_the_plain_one(tmp_path: Path) -> None:
+    from trainer.hyper import HyperNetwork, PrimarySpec, publish_hypernetwork
+
+    torch.manual_seed(0)
+    f = HyperNetwork(5, PrimarySpec(4, (8,), 2), depth=1, width=32)
+    table = torch.randn(3, 5, generator=torch.Generator().manual_seed(1))
+    publish_hypernetwork(tmp_path / "h", f, conditions=table, condition_ids=["a", "b", "c"])
+    body = json.dumps({"condition": table[1].tolist()}).encode()
+    async with running(fake_app(tmp_path / "h", max_body_bytes=MAX_BODY)) as client:
+        headers = {"Content-Type": "application/json"}
+        plain = await client.post("/v1/generate", content=body, headers=headers)
+        assert plain.status_code == 200, plain.text
+        packed = await client.post("/v1/generate", content=gzip.compress(body),
+                                   headers={**headers, "Content-Encoding": "gzip"})
+        assert packed.status_code == 200, packed.text
+        assert packed.content == plain.content
+        br = await client.post("/v1/generate", content=body,
+                               headers={**headers, "Content-Encoding": "br"})
+        assert br.status_code == 415
