@@ -22,7 +22,7 @@ from ._calibrate import fit_temperature
 from ._config import BuildConfig, ResolvedTraining
 from ._datasets import Dataset, load_data_file, make_dataset
 from ._evaluate import ExpertFileRef, evaluate_mixture
-from ._exceptions import DataError
+from ._exceptions import BuildFailed, DataError
 from ._executors import plan_jobs, runtime, train_locally, train_on_ray
 from ._linear_gate import TemperatureSchedule, learned_linear_router
 from ._prototypes import kmeans_prototypes, learned_prototypes
@@ -78,7 +78,7 @@ def load_config_dataset(config: BuildConfig) -> Dataset:
 
 def build_store(config: BuildConfig, progress: bool = True) -> Manifest:
     """Train a mixture on the config's data and publish it as a store at `config.out`."""
-    from experts_store import ExpertArch, StoreWriter
+    from experts_store import ExpertArch, ExpertLoadError, StoreWriter
     from router import PrototypeTree, lift_rows
 
     timings: dict[str, float] = {}
@@ -129,19 +129,25 @@ def build_store(config: BuildConfig, progress: bool = True) -> Manifest:
                     " and the baseline" if baseline is not None else "", timings["train_s"])
         entries = {i: writer.register_expert_file(i) for i in range(config.experts)}
         mark = time.perf_counter()
-        score = evaluate_mixture(
-            writer.router_path,
-            config.routing,
-            {i: ExpertFileRef(writer.expert_path(i), e.sha256) for i, e in entries.items()},
-            dataset.x_test,
-            dataset.y_test,
-            dataset.task,
-            dataset.output_dim,
-            lift=lift,
-        )
-        timings["evaluate_s"] = time.perf_counter() - mark
-        mark = time.perf_counter()
-        gate = _choose_gate(config, tree, writer, entries, dataset)
+        try:
+            # Read as the server reads them (a staged file a link leads out of the store is
+            # refused, as it would be once served): the figures are the served store's.
+            score = evaluate_mixture(
+                writer.router_path,
+                config.routing,
+                {i: ExpertFileRef(writer.expert_path(i), e.sha256) for i, e in entries.items()},
+                dataset.x_test,
+                dataset.y_test,
+                dataset.task,
+                dataset.output_dim,
+                lift=lift,
+                store_root=writer.root,
+            )
+            timings["evaluate_s"] = time.perf_counter() - mark
+            mark = time.perf_counter()
+            gate = _choose_gate(config, tree, writer, entries, dataset)
+        except ExpertLoadError as exc:
+            raise BuildFailed(expert_id=exc.expert_id, reason=str(exc)) from exc
         if gate.temperature != tree.temperature:
             tree.with_temperature(gate.temperature).save(writer.router_path)
         timings["calibrate_s"] = time.perf_counter() - mark
@@ -243,6 +249,7 @@ def _choose_gate(
             experts[expert_id] = load_frozen_expert(
                 writer.expert_path(expert_id), "cpu",
                 expected_sha256=entries[expert_id].sha256, expert_id=expert_id,
+                store_root=str(writer.root),
             )
         with torch.inference_mode():
             return experts[expert_id](rows)  # type: ignore[no-any-return]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -323,9 +324,14 @@ def _read_table(
         raise DataError("a table needs --target COLUMN naming the target column", source=source)
     try:
         if path.suffix.lower() == ".csv":
-            # A wide file of few rows read in pieces took 2.5 times as long, and typed a column
-            # mixing numbers and names piece by piece (a DtypeWarning and mixed objects).
-            frame = pd.read_csv(path, low_memory=not _fewer_lines_than(path, _FEW_ROWS))
+            # A wide file of few rows read in pieces took 2.5 times as long.
+            pieces = not _fewer_lines_than(path, _FEW_ROWS)
+            with warnings.catch_warnings():
+                # A column typed apart piece by piece is dealt with below (a target read again
+                # as text, an input refused by name); pandas' advice to pass dtype= or
+                # low_memory=False is no option a momlp user has.
+                warnings.simplefilter("ignore", pd.errors.DtypeWarning)
+                frame = pd.read_csv(path, low_memory=pieces)
         else:
             frame = pd.read_parquet(path)
     except (ValueError, OSError, ImportError) as exc:
@@ -364,6 +370,9 @@ def _read_table(
     if len(labels) == 1:
         raise DataError("the table has no input columns besides the target", source=source)
     column = frame[target]
+    mixed = column.dtype == object and not pd.api.types.is_string_dtype(column)
+    if mixed and path.suffix.lower() == ".csv":
+        column = _csv_column_as_text(path, position, len(frame))
     empty = np.flatnonzero(column.isna().to_numpy())
     if empty.size:
         raise DataError(
@@ -398,12 +407,35 @@ def _some(names: list[Any]) -> str:
     return f"{names[:_SHOWN_NAMES]} and {len(names) - _SHOWN_NAMES} more"
 
 
+def _csv_column_as_text(path: Path, position: int, rows: int) -> Any:
+    """The CSV's column at `position` as the text of its cells (NaN where empty).
+
+    pandas types a long file piece by piece: a column of numbers and names comes back as
+    numbers from some pieces and as text from others (1 beside '1', and 01 read as 1), where
+    a whole-file parse keeps the text of every cell. Read alone as text, the column is what
+    a short file gives, whatever the file's length.
+    """
+    import pandas as pd
+
+    source = str(path)
+    try:
+        column = pd.read_csv(path, usecols=[position], dtype=str).iloc[:, 0]
+    except (ValueError, OSError) as exc:
+        raise DataError(f"cannot read the table: {exc}", source=source) from exc
+    if len(column) != rows:
+        raise DataError(f"the file changed while it was read ({rows} rows, then "
+                        f"{len(column)})", source=source)
+    return column
+
+
 def _fewer_lines_than(path: Path, limit: int) -> bool:
     """Whether `path` holds fewer than `limit` line breaks; reads no further than the limit."""
     lines = 0
     with open_regular(path) as handle:
         while block := handle.read(1 << 20):
-            lines += block.count(b"\n")
+            # pandas ends a line at LF, CRLF or a lone CR (classic Mac): a file of lone CRs
+            # counted none, and was parsed whole however long. A CRLF counts once.
+            lines += max(block.count(b"\n"), block.count(b"\r"))
             if lines >= limit:
                 return False
     return True

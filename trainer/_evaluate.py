@@ -52,9 +52,12 @@ def mixture_outputs(
     output_dim: int,
     *,
     lift: str | None = None,
+    store_root: Path | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(outputs [B, out], expert ids [B]) of the mixture read back from files; with
-    lift="linear" rows are lifted before routing, as the server does."""
+    lift="linear" rows are lifted before routing, as the server does. `store_root`: the
+    store the files belong to; an expert file a link leads out of it is refused unread
+    (ExpertFormatError), as the server refuses it."""
     from experts_store import load_expert
     from router import PrototypeTree, lift_rows
 
@@ -67,7 +70,10 @@ def mixture_outputs(
         rows = torch.nonzero(chosen == expert_id).squeeze(1)
         ref = experts[int(expert_id)]
         # One expert resident at a time, as a server with a one-expert budget would do.
-        expert = load_expert(ref.path, expected_sha256=ref.sha256, expert_id=int(expert_id))
+        expert = load_expert(
+            ref.path, expected_sha256=ref.sha256, expert_id=int(expert_id),
+            store_root=None if store_root is None else str(store_root),
+        )
         outputs[rows] = predict(expert, xt[rows])
         del expert
     return outputs, chosen
@@ -83,10 +89,13 @@ def evaluate_mixture(
     output_dim: int,
     *,
     lift: str | None = None,
+    store_root: Path | None = None,
 ) -> MixtureScore:
+    """The mixture's metric on the test rows, read back from files as `mixture_outputs`
+    reads them."""
     start = time.perf_counter()
     outputs, chosen = mixture_outputs(
-        router_path, routing, experts, x_test, output_dim, lift=lift
+        router_path, routing, experts, x_test, output_dim, lift=lift, store_root=store_root
     )
     dtype = torch.int64 if task == "classification" else torch.float32
     targets = torch.as_tensor(np.asarray(y_test), dtype=dtype)
