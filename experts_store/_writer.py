@@ -180,11 +180,14 @@ class StoreWriter:
         return self._record(expert_id, written)
 
     def register_expert_file(self, expert_id: int) -> ExpertEntry:
-        """Record a file a task wrote at ``expert_path(expert_id)`` (its header is checked)."""
+        """Record a file a task wrote at ``expert_path(expert_id)`` (its header is checked; a
+        file that a symbolic link leads out of the store is refused unread, as a server would
+        refuse it once published)."""
         self._check_open()
         sha256, fast = hashlib.sha256(), new_fast_digest()
         buf = read_expert_bytes(
-            self.expert_path(expert_id), expert_id=expert_id, digests=(sha256, fast)
+            self.expert_path(expert_id), expert_id=expert_id, digests=(sha256, fast),
+            store_root=str(self.root),
         )
         header = parse_header(buf, expert_id=expert_id)
         written = ExpertFile(

@@ -204,6 +204,26 @@ def test_bad_task_file_is_refused_at_registration(tmp_path: Path) -> None:
     assert info.value.expert_id == 0
 
 
+def test_a_task_file_linked_out_of_the_store_is_refused_at_registration(
+    tmp_path: Path,
+) -> None:
+    # It was hashed and recorded through the link, and the store published with it: every
+    # server then refused that expert (a link that leads outside the store), 503 for good.
+    outside = tmp_path / "elsewhere.safetensors"
+    save_expert(make_expert(seed=3), outside)
+    with StoreWriter(tmp_path / "store") as writer:
+        writer.expert_path(0).symlink_to(outside)
+        with pytest.raises(ExpertFormatError, match="leads outside the store") as info:
+            writer.register_expert_file(0)
+        # A link to another file inside the store is the store's own business: kept.
+        inside = writer.staging / "kept.safetensors"
+        written = save_expert(make_expert(seed=4), inside)
+        writer.expert_path(1).symlink_to(inside)
+        assert writer.register_expert_file(1).sha256 == written.sha256
+    assert info.value.expert_id == 0
+    assert str(outside) not in str(info.value)  # where it leads is not told
+
+
 def test_missing_ids_or_router_are_refused(tmp_path: Path) -> None:
     root = tmp_path / "store"
     with StoreWriter(root) as writer:
