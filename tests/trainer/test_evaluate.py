@@ -20,17 +20,20 @@ _BUILD = [
 
 @pytest.fixture
 def staged_link_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Expert 0's staged file, once trained, made a link to a copy outside the store."""
+    """Expert 0's staged file, once trained and registered, made a link to a copy outside
+    the store (registration refuses a link out of the store itself: tests/experts_store/
+    test_writer.py; this is a link made after it, which the evaluation reads)."""
     outside = tmp_path / "outside" / "expert-0.safetensors"
     outside.parent.mkdir()
     register = StoreWriter.register_expert_file
 
     def linked(self: StoreWriter, expert_id: int) -> object:
+        entry = register(self, expert_id)
         if expert_id == 0:
             staged = self.expert_path(0)
             shutil.move(staged, outside)
             os.symlink(outside, staged)
-        return register(self, expert_id)
+        return entry
 
     monkeypatch.setattr(StoreWriter, "register_expert_file", linked)
     return outside
