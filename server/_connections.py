@@ -1,5 +1,5 @@
 """The HTTP connections uvicorn holds for the server: a deadline for each request's headers,
-and a cap on how many are open at once.
+a bound on their size, and a cap on how many are open at once.
 
 uvicorn times an idle connection out only after a response (its keep-alive timeout, which any
 byte received cancels), and the app bounds a body only once it reads it (`body_timeout_s`).
@@ -8,12 +8,21 @@ audit held 20,800 until the process ran out of file descriptors and refused ever
 (benchmarks/RESULTS.md, "Sixtieth session"). Here a connection whose request headers have not
 all arrived `header_timeout_s` after it opened, or after its previous response, is closed, and
 one opened while `max_connections` are open is closed at once, before anything is read.
+
+uvicorn's httptools protocol (the one it picks when httptools is installed, as here) bounds
+neither the size nor the count of a request's headers (its h11 protocol refuses past 16 KiB):
+one connection sent 8.9 million header lines in 4 s and grew the process by 1.1 GB, and
+200 connections holding 60,000 unfinished header lines each held 0.7 GB. Here a request line
+and headers beyond `MAX_HEADER_BYTES`, or more than `MAX_HEADER_FIELDS` header lines, are
+answered 431 and the connection is closed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -25,21 +34,70 @@ if TYPE_CHECKING:
 else:
     _Base = asyncio.Protocol
 
-__all__ = ["CloseReason", "ClosedConnectionLog", "guarded_protocol"]
+__all__ = [
+    "MAX_HEADER_BYTES",
+    "MAX_HEADER_FIELDS",
+    "CloseReason",
+    "ClosedConnectionLog",
+    "guarded_protocol",
+]
 
 logger = logging.getLogger(__name__)
 
 CloseReason = str
-"""Why a connection was closed unasked: "header_timeout" or "over_limit"."""
+"""Why a connection was closed unasked: "header_timeout", "over_limit" or
+"headers_too_large"."""
+
+# As nginx's default large_client_header_buffers hold (4 x 8 KiB) twice over, and Apache's
+# LimitRequestFields: far above what any client of this API sends (a bearer key, a request
+# id, tritonclient's few headers), far below what costs the process anything.
+MAX_HEADER_BYTES = 64 * 1024
+MAX_HEADER_FIELDS = 100
+# After a 431 the connection still takes (and drops) what the client was sending for this
+# long before it closes: closed at once with unread bytes, it is reset, and a client still
+# sending may lose the answer.
+_LINGER_S = 1.0
+
+
+def _headers_too_large_answer() -> bytes:
+    body = json.dumps(
+        {
+            "error": {
+                "code": "headers_too_large",
+                "message": f"the request line and headers exceed {MAX_HEADER_BYTES} bytes or "
+                f"{MAX_HEADER_FIELDS} header lines",
+                "detail": {
+                    "max_header_bytes": MAX_HEADER_BYTES,
+                    "max_header_fields": MAX_HEADER_FIELDS,
+                },
+            }
+        }
+    ).encode()
+    head = (
+        "HTTP/1.1 431 Request Header Fields Too Large\r\n"
+        "content-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n"
+        f"x-request-id: {secrets.token_hex(8)}\r\n"
+        "connection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + body
 
 
 class _Guard(_Base):
     header_timeout_s: float
     max_connections: int
     on_close: Callable[[CloseReason], None]
+    # Whether the base is httptools' protocol, whose parser callbacks the header bound hooks.
+    bound_headers: bool
 
     _header_timer: asyncio.TimerHandle | None = None
     _waiting_since: object = None
+    # Bytes received, header lines and the url and header bytes parsed, since the request
+    # whose headers are awaited began; None while a request's headers are complete.
+    _header_bytes: int | None = 0
+    _header_fields = 0
+    _header_parsed = 0
+    _refused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[arg-type]
@@ -57,6 +115,72 @@ class _Guard(_Base):
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_waiting()
         super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # answered 431: what the client still sends is dropped unread
+        if not self.bound_headers:
+            super().data_received(data)
+            return
+        if self._header_bytes is not None:
+            self._header_bytes += len(data)
+        super().data_received(data)
+        # A header line still incomplete is held by the parser, not yet reported: counted in
+        # bytes received. What this chunk holds past a request's headers is not counted.
+        awaited = self._header_bytes
+        if self._refused or (awaited is not None and awaited > MAX_HEADER_BYTES):
+            self._refuse_headers()
+
+    # httptools' parser callbacks, called only when `bound_headers`.
+    def on_url(self, url: bytes) -> None:
+        self._header_parsed += len(url)
+        if self._header_parsed <= MAX_HEADER_BYTES:
+            super().on_url(url)
+        else:
+            self._refused = True
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_fields += 1
+        self._header_parsed += len(name) + len(value)
+        if self._header_fields <= MAX_HEADER_FIELDS and self._header_parsed <= MAX_HEADER_BYTES:
+            super().on_header(name, value)
+        else:
+            self._refused = True  # and the line is not kept
+
+    def on_headers_complete(self) -> None:
+        self._header_bytes = None
+        if not self._refused:
+            super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._refused:
+            return
+        super().on_message_complete()
+        # The next request's headers begin; bytes of this chunk past this point are not
+        # counted, at most one read's worth.
+        self._header_bytes = 0
+        self._header_fields = self._header_parsed = 0
+
+    def _refuse_headers(self) -> None:
+        """Answer 431 and close, when the client ends its side or after `_LINGER_S`."""
+        self._refused = True
+        self._stop_waiting()
+        if self.transport.is_closing():
+            return
+        self.on_close("headers_too_large")
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            # A pipelined request's answer is being written: a 431 would land inside it.
+            self.transport.close()
+            return
+        self.transport.write(_headers_too_large_answer())
+        if self.transport.can_write_eof():
+            self.transport.write_eof()  # the client reads the answer, then the end
+        self.loop.call_later(_LINGER_S, self.transport.close)
 
     def _expect_headers(self) -> None:
         """From now on the next request's headers have `header_timeout_s` to arrive."""
@@ -92,7 +216,8 @@ def guarded_protocol(
     base: type[asyncio.Protocol] | None = None,
 ) -> type[asyncio.Protocol]:
     """uvicorn's HTTP/1.1 protocol class (`base`, default the one uvicorn would pick) with the
-    header deadline and the connection cap; `on_close` hears of each connection they close."""
+    header deadline, the bound on headers and the connection cap; `on_close` hears of each
+    connection they close."""
     if base is None:
         from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
@@ -101,6 +226,8 @@ def guarded_protocol(
         "header_timeout_s": header_timeout_s,
         "max_connections": max_connections,
         "on_close": staticmethod(on_close),
+        # h11's parser bounds a request's headers itself (16 KiB, answered 400).
+        "bound_headers": hasattr(base, "on_headers_complete"),
     }
     return type(f"Guarded{base.__name__}", (_Guard, base), namespace)
 
@@ -112,6 +239,8 @@ class ClosedConnectionLog:
     _WHY = {
         "header_timeout": "their request headers did not all arrive within {timeout:g} s",
         "over_limit": "they were opened while {cap} connections were open",
+        "headers_too_large": "their request line and headers exceeded {max_bytes} bytes or"
+        " {max_fields} lines (answered 431)",
     }
 
     def __init__(
@@ -140,7 +269,12 @@ class ClosedConnectionLog:
             return
         self._last[reason] = now
         closed = self._unlogged.pop(reason)
-        why = self._WHY.get(reason, reason).format(timeout=self._timeout, cap=self._cap)
+        why = self._WHY.get(reason, reason).format(
+            timeout=self._timeout,
+            cap=self._cap,
+            max_bytes=MAX_HEADER_BYTES,
+            max_fields=MAX_HEADER_FIELDS,
+        )
         logger.warning(
             "closed %s connection%s because %s%s",
             closed,

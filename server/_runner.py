@@ -60,10 +60,12 @@ def freeze_heap() -> int:
 
 
 def open_without_key(settings: Settings) -> bool:
-    """True when the server will answer beyond this machine with no API key asked for."""
-    if settings.api_key:
+    """True when the server will answer beyond this machine with no API key asked for (a
+    blank key is none: the key check takes it so)."""
+    from server.http import bearer_key, is_loopback
+
+    if bearer_key(settings.api_key) is not None:
         return False
-    from server.http import is_loopback
 
     return not (settings.host == "localhost" or is_loopback(settings.host))
 

@@ -8,7 +8,8 @@ on a hung file system) is answered 504 and goes on in the background.
 
 With an API key set, the key middleware guards this route like every other; without one,
 only loopback clients may reload, so an open server cannot be made to reload by anyone who can
-reach it.
+reach it. A request that a proxy relayed (it names the client in `Forwarded`,
+`X-Forwarded-For` or `X-Real-IP`) is not from this machine, even when the proxy runs on it.
 """
 
 from __future__ import annotations
@@ -24,12 +25,20 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel
 
 from server._exceptions import HttpError
+from server.http._auth import bearer_key
 from server.http._models import ErrorResponse
 from server.serving import ServingState
 
 __all__ = ["ReloadResponse", "add_admin_routes", "is_loopback"]
 
 logger = logging.getLogger(__name__)
+
+# Headers by which a proxy names the client it relays for. uvicorn takes X-Forwarded-For's
+# client only from a proxy it trusts (FORWARDED_ALLOW_IPS, loopback by default) and reads
+# neither of the others: behind a proxy on this machine that sets only `Forwarded` or
+# `X-Real-IP` (nginx's common `proxy_set_header X-Real-IP $remote_addr`), every client
+# anywhere looked like loopback.
+_PROXY_HEADERS = frozenset({b"forwarded", b"x-forwarded-for", b"x-real-ip"})
 
 
 class ReloadResponse(BaseModel):
@@ -51,13 +60,21 @@ def is_loopback(host: str | None) -> bool:
     return address.is_loopback
 
 
+def _relayed(request: Request) -> bool:
+    """True when a proxy relayed the request (it names the client it relays for)."""
+    return any(name in _PROXY_HEADERS for name, _ in request.scope["headers"])
+
+
 def add_admin_routes(app: FastAPI) -> None:
     @app.post(
         "/v1/admin/reload",
         response_model=ReloadResponse,
         responses={
             401: {"model": ErrorResponse, "description": "missing or wrong bearer key"},
-            403: {"model": ErrorResponse, "description": "no key set and not a loopback client"},
+            403: {
+                "model": ErrorResponse,
+                "description": "no key set, and not a loopback client or relayed by a proxy",
+            },
             503: {"model": ErrorResponse, "description": "not ready, or the new store is broken"},
             504: {"model": ErrorResponse, "description": "the swap did not finish in time"},
         },
@@ -70,11 +87,14 @@ def add_admin_routes(app: FastAPI) -> None:
     async def reload(request: Request) -> ReloadResponse:
         serving: ServingState = request.app.state.serving
         client = request.client
-        if serving.settings.api_key is None and not is_loopback(client.host if client else None):
+        if bearer_key(serving.settings.api_key) is None and (
+            not is_loopback(client.host if client else None) or _relayed(request)
+        ):
             raise HttpError(
                 403,
                 "forbidden",
-                "without an API key, the store can be reloaded only from this machine",
+                "without an API key, the store can be reloaded only from this machine, not through"
+                " a proxy",
             )
         previous = serving.current().version
         timeout_s = serving.settings.request_timeout_s

@@ -268,6 +268,19 @@ def parse_npy(
     return _finite_float32(array)
 
 
+def _row_count(decimal: str, max_rows: int) -> int:
+    """A decimal `X-Momlp-Rows` as a number; 413 for one of more digits than `max_rows` has,
+    unconverted: int() refuses over 4,300 digits (a ValueError, which was a 500)."""
+    digits = decimal.strip().lstrip("0")
+    if len(digits) > len(str(max_rows)):
+        raise _too_large(
+            f"X-Momlp-Rows holds a number of {len(digits)} digits, beyond the limit of "
+            f"{max_rows} rows",
+            {"max_rows": max_rows},
+        )
+    return int(digits or "0")
+
+
 def parse_raw_float32(
     body: bytes, rows_header: str | None, *, max_rows: int, input_dim: int
 ) -> np.ndarray[Any, np.dtype[np.float32]]:
@@ -374,7 +387,8 @@ async def parse_inputs(
         rows_header = headers.rows
         # isdecimal, not isdigit: "²" is a digit that int() refuses.
         if rows_header is not None and rows_header.strip().isdecimal():
-            check_rows(int(rows_header), input_dim, max_rows=max_rows, input_dim=input_dim)
+            check_rows(_row_count(rows_header, max_rows), input_dim, max_rows=max_rows,
+                       input_dim=input_dim)
     body = await read_body_limited(request, max_bytes, body_deadline, declared=headers.length)
     rows_header = headers.rows
     encoding = headers.encoding

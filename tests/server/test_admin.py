@@ -144,3 +144,30 @@ def test_a_refused_reloads_reason_cuts_the_store_folder_and_not_its_siblings() -
     assert _store_named(text, Path("/srv/store")) == (
         "bad manifest in the store: router-1.safetensors; see /srv/store-old/x"
     )
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("Forwarded", "for=203.0.113.9;proto=http"),
+        ("X-Real-IP", "203.0.113.9"),
+        ("X-Forwarded-For", "203.0.113.9"),
+    ],
+)
+async def test_without_a_key_a_reload_relayed_by_a_proxy_on_this_machine_is_refused(
+    tmp_path: Path, name: str, value: str
+) -> None:
+    # A proxy on this machine connects from loopback. uvicorn reads the client it names only
+    # from X-Forwarded-For: behind one that sets Forwarded or X-Real-IP, every client
+    # anywhere was taken for this machine and could reload.
+    import httpx
+    from loopback_support import serving_on_loopback
+
+    store = build_small_store(tmp_path / "store")
+    app = create_app(app_settings(store), pool_factory=fake_pool)
+    async with serving_on_loopback(app) as url, httpx.AsyncClient(base_url=url) as client:
+        relayed = await client.post("/v1/admin/reload", headers={name: value})
+        direct = await client.post("/v1/admin/reload")
+    assert relayed.status_code == 403, relayed.text
+    assert error_of(relayed)["code"] == "forbidden"
+    assert direct.status_code == 200, direct.text

@@ -4,6 +4,7 @@ connections are closed, requests that take their time are not."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -20,7 +21,12 @@ from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from server._connections import ClosedConnectionLog, guarded_protocol
+from server._connections import (
+    MAX_HEADER_BYTES,
+    MAX_HEADER_FIELDS,
+    ClosedConnectionLog,
+    guarded_protocol,
+)
 from server._runner import connection_cap, uvicorn_config
 from server._settings import Settings
 
@@ -162,6 +168,83 @@ async def test_a_header_timeout_is_counted_in_the_metrics(tmp_path: Path) -> Non
             async with httpx.AsyncClient() as client:
                 answer = await client.get(f"http://127.0.0.1:{port}/metrics")
     assert 'momlp_connections_closed_total{reason="header_timeout"} 1.0' in answer.text
+
+
+_GET = b"GET /healthz HTTP/1.1\r\nhost: x\r\n"
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        pytest.param(_GET + b"x-big: " + b"a" * MAX_HEADER_BYTES + b"\r\n\r\n", id="long-header"),
+        pytest.param(_GET + b"a: b\r\n" * (MAX_HEADER_FIELDS + 1) + b"\r\n", id="many-lines"),
+        pytest.param(
+            b"GET /healthz?q=" + b"a" * MAX_HEADER_BYTES + b" HTTP/1.1\r\nhost: x\r\n\r\n",
+            id="long-query",
+        ),
+        # Never finished: held until the header timeout, growing the process all along.
+        pytest.param(_GET + b"a:\r\n" * 50_000, id="unfinished"),
+    ],
+)
+async def test_request_headers_beyond_the_bound_get_431_and_others_are_served(
+    tmp_path: Path, head: bytes
+) -> None:
+    # httptools (what uvicorn picks here) bounds neither: one connection's 8.9 million
+    # header lines took 1.1 GB of the process, and the request was then served.
+    app = fake_app(build_small_store(tmp_path / "store"))
+    async with app.router.lifespan_context(app):
+        async with serving(app, header_timeout_s=30.0) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(head)
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.read(), timeout=10.0)
+            writer.close()
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+                other = await client.get("/healthz")
+                metrics = await client.get("/metrics")
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    error = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
+    assert error["code"] == "headers_too_large"
+    assert error["detail"] == {
+        "max_header_bytes": MAX_HEADER_BYTES, "max_header_fields": MAX_HEADER_FIELDS
+    }
+    assert other.status_code == 200
+    assert 'momlp_connections_closed_total{reason="headers_too_large"} 1.0' in metrics.text
+
+
+async def test_headers_within_the_bound_are_served_however_they_arrive(tmp_path: Path) -> None:
+    app = fake_app(build_small_store(tmp_path / "store"))
+    head = (
+        b"POST /v1/predict HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        + b"x-pad: " + b"p" * (MAX_HEADER_BYTES - 4096) + b"\r\n"
+        + b"a: b\r\n" * (MAX_HEADER_FIELDS - 4)
+    )
+    body = b'{"inputs": [[0.1, 0.2, 0.3, 0.4]]}'
+    request = head + b"content-length: %d\r\n\r\n" % len(body) + body
+    async with app.router.lifespan_context(app):
+        async with serving(app, header_timeout_s=30.0) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            answers = []
+            # Three on one connection: in pieces of 1000 bytes, then whole, twice.
+            for pieces in ([request[i : i + 1000] for i in range(0, len(request), 1000)],
+                           [request], [request]):
+                for piece in pieces:
+                    writer.write(piece)
+                    await writer.drain()
+                answers.append(await asyncio.wait_for(_response(reader), timeout=10.0))
+            writer.close()
+    assert all(a.startswith(b"HTTP/1.1 200") for a in answers), answers
+
+
+async def _response(reader: asyncio.StreamReader) -> bytes:
+    """One response with a Content-Length, read whole."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(
+        int(line.partition(b":")[2])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    return head + await reader.readexactly(length)
 
 
 def test_the_cap_is_lowered_to_half_the_descriptor_limit() -> None:

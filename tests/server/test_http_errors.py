@@ -189,6 +189,27 @@ async def test_too_many_rows_is_413_in_every_body_form(store: Path) -> None:
     assert ok.status_code == 200
 
 
+@pytest.mark.parametrize("rows", ["9" * 5_000, " 0" + "1" * 4_400, "99999"])
+async def test_a_row_count_header_of_any_length_is_413_not_a_server_error(
+    store: Path, rows: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # int() refuses more than 4,300 digits: such an X-Momlp-Rows was a logged 500.
+    caplog.set_level(logging.ERROR)
+    x = np.zeros((1, 4), dtype=np.float32)
+    async with running(fake_app(store, max_rows=4)) as client:
+        refused = await client.post(
+            "/v1/predict", content=x.tobytes(), headers={**RAW, "X-Momlp-Rows": rows}
+        )
+        ok = await client.post(
+            "/v1/predict", content=x.tobytes(), headers={**RAW, "X-Momlp-Rows": "0001"}
+        )
+    assert refused.status_code == 413, refused.text
+    assert error_of(refused)["code"] == "payload_too_large"
+    assert error_of(refused)["detail"]["max_rows"] == 4
+    assert ok.status_code == 200, ok.text
+    assert not caplog.records
+
+
 async def test_rows_far_over_the_limit_are_refused_before_the_json_parse(store: Path) -> None:
     # A body under the byte limit with many short rows was parsed whole (holding the GIL:
     # 1.9 s of the whole server for 33 MB) before its row count was refused.
