@@ -11,6 +11,7 @@ from ._base import DEFAULT_BASE_URL
 from ._client import Client
 from ._compare import write_comparison
 from ._exceptions import (
+    ClientClosed,
     ConnectError,
     ConnectTimeout,
     DecodingError,
@@ -39,6 +40,10 @@ from ._models import (
     ExpertPatches,
     ExpertsInfo,
     ExpertStat,
+    GeneratedExpert,
+    GraphInfo,
+    GraphNode,
+    GraphStats,
     ModelInfo,
     Prediction,
     PredictStats,
@@ -53,6 +58,7 @@ __all__ = [
     "ActorInfo",
     "AsyncClient",
     "Client",
+    "ClientClosed",
     "Clock",
     "ConnectError",
     "ConnectTimeout",
@@ -63,6 +69,10 @@ __all__ = [
     "ExpertStat",
     "ExpertUnavailable",
     "ExpertsInfo",
+    "GeneratedExpert",
+    "GraphInfo",
+    "GraphNode",
+    "GraphStats",
     "HTTPStatusError",
     "InputError",
     "InvalidInput",

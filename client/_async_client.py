@@ -12,7 +12,14 @@ import httpx
 
 from ._base import DEFAULT_BASE_URL, BaseClient, Mode, RequestSpec, TimeoutTypes
 from ._exceptions import MomlpError
-from ._models import ExpertsInfo, ModelInfo, Prediction, Routing
+from ._models import (
+    ExpertsInfo,
+    GeneratedExpert,
+    GraphInfo,
+    ModelInfo,
+    Prediction,
+    Routing,
+)
 
 __all__ = ["AsyncClient"]
 
@@ -88,13 +95,15 @@ class AsyncClient(BaseClient):
 
     async def route(
         self, inputs: Any, top_k: int = 1, mode: Mode | None = None,
-        gate: Mapping[str, Any] | None = None,
+        gate: Mapping[str, Any] | None = None, conditions: Mapping[str, Any] | None = None,
     ) -> Routing:
         """Which experts each row goes to, with weights and distances; loads nothing.
 
         `gate` (predict too): temperature, min_weight, top_p, beam, score (server caps apply).
+        `conditions` (predict too; hyper stores): {"conditions": rows}, {"condition": values}
+        or {"condition_ids": names} (one name: every row's).
         """
-        spec = self._build_route(inputs, top_k=top_k, mode=mode, gate=gate)
+        spec = self._build_route(inputs, top_k=top_k, mode=mode, gate=gate, conditions=conditions)
         return self._decode_routing(await self._request(spec))
 
     async def model(self, include_prototypes: bool = False) -> ModelInfo:
@@ -102,6 +111,18 @@ class AsyncClient(BaseClient):
 
     async def experts(self) -> ExpertsInfo:
         return self._decode_experts(await self._request(self._build_get("/v1/experts")))
+
+    async def graph(self) -> GraphInfo:
+        """A graph store's nodes, edges and waves; `NotFound` for the other kinds."""
+        return self._decode_graph(await self._request(self._build_get("/v1/graph")))
+
+    async def generate(
+        self, condition: Any = None, *, condition_id: str | None = None
+    ) -> GeneratedExpert:
+        """θ for one condition (its values, or `condition_id`: a name of the store's table) as
+        a store expert file; hyper stores only (`NotFound` for the other kinds)."""
+        spec = self._build_generate(condition, condition_id)
+        return self._decode_generated(await self._request(spec))
 
     async def health(self) -> bool:
         """True when the server answers /healthz; False when it cannot be reached or fails."""
@@ -141,6 +162,8 @@ class AsyncClient(BaseClient):
     async def _request(self, spec: RequestSpec) -> httpx.Response:
         attempt = 0
         while True:
+            if self._http.is_closed:  # also when closed by another task during a back-off
+                raise self._closed_error(spec)
             try:
                 with self._translate(spec):
                     response = await self._http.request(

@@ -6,6 +6,7 @@ the same by construction.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -18,12 +19,12 @@ import pydantic_core
 
 from ._encoding import NPY_CONTENT_TYPE, encode_inputs
 from ._exceptions import (
+    ClientClosed,
     ConnectError,
     ConnectTimeout,
     DecodingError,
     ExpertUnavailable,
     HTTPStatusError,
-    InputError,
     InvalidInput,
     MomlpError,
     NetworkError,
@@ -37,12 +38,21 @@ from ._exceptions import (
     TransportError,
     Unauthorized,
 )
-from ._models import ExpertsInfo, ModelInfo, Prediction, Routing
+from ._models import ExpertsInfo, GeneratedExpert, GraphInfo, ModelInfo, Prediction, Routing
+from ._options import (
+    check_conditions,
+    check_gate,
+    check_generate,
+    check_options,
+    gate_query,
+)
 
 __all__ = ["DEFAULT_BASE_URL", "BaseClient", "RequestSpec", "TimeoutTypes"]
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 USER_AGENT = "momlp-client/0.1"
+GENERATED_KEY_HEADER = "X-Momlp-Key"
+GENERATED_VERSION_HEADER = "X-Momlp-Store-Version"
 
 Mode = Literal["tree", "exact"]
 TimeoutTypes = float | httpx.Timeout | None
@@ -88,6 +98,12 @@ class BaseClient:
     ) -> None:
         if max_retries < 0:
             raise ValueError("max_retries must be >= 0")
+        # Checked now: a negative wait would only fail at the first retry, as a bare
+        # ValueError from sleep() in the middle of a call.
+        if not (backoff >= 0 and math.isfinite(backoff)):
+            raise ValueError(f"backoff must be a finite number >= 0, got {backoff!r}")
+        if not max_backoff >= 0:
+            raise ValueError(f"max_backoff must be >= 0, got {max_backoff!r}")
         _check_base_url(base_url)
         self.base_url = base_url
         self.max_retries = max_retries
@@ -96,9 +112,14 @@ class BaseClient:
         self.binary_min_values = binary_min_values
         self._timeout = timeout
         self._rng = rng or random.Random()
-        self._headers = {"User-Agent": USER_AGENT, "Accept": "application/json"}
-        if api_key:
-            self._headers["Authorization"] = f"Bearer {api_key}"
+        # As bytes: a key beyond ASCII goes as its UTF-8, which httpx's str headers refuse.
+        self._headers: dict[bytes, bytes] = {
+            b"User-Agent": USER_AGENT.encode(),
+            b"Accept": b"application/json",
+        }
+        key = _bearer_key(api_key)
+        if key is not None:
+            self._headers[b"Authorization"] = b"Bearer " + key
 
     def _build_predict(
         self,
@@ -112,9 +133,9 @@ class BaseClient:
         conditions: Mapping[str, Any] | None = None,
         return_routing: bool = False,
     ) -> RequestSpec:
-        _check_options(top_k, mode)
-        gate = _check_gate(gate)
-        conditions = _check_conditions(conditions)
+        check_options(top_k, mode)
+        gate = check_gate(gate)
+        conditions = check_conditions(conditions)
         if conditions:
             binary = False  # conditions travel in the JSON body only
         encoded = encode_inputs(inputs, binary=binary, binary_min_values=self.binary_min_values)
@@ -124,7 +145,7 @@ class BaseClient:
                 params["mode"] = mode
             if return_routing:
                 params["return_routing"] = "true"
-            params.update(_gate_query(gate))
+            params.update(gate_query(gate))
             return RequestSpec(
                 "POST",
                 "/v1/predict",
@@ -143,20 +164,38 @@ class BaseClient:
         return RequestSpec("POST", "/v1/predict", json=body)
 
     def _build_route(
-        self, inputs: Any, *, top_k: int, mode: Mode | None, gate: Mapping[str, Any] | None = None
+        self,
+        inputs: Any,
+        *,
+        top_k: int,
+        mode: Mode | None,
+        gate: Mapping[str, Any] | None = None,
+        conditions: Mapping[str, Any] | None = None,
     ) -> RequestSpec:
-        _check_options(top_k, mode)
-        gate = _check_gate(gate)
+        check_options(top_k, mode)
+        gate = check_gate(gate)
+        conditions = check_conditions(conditions)
         encoded = encode_inputs(inputs, binary=False)
         body: dict[str, Any] = {"inputs": encoded.rows, "top_k": top_k, "mode": mode}
         if gate:
             body["gate"] = gate
+        if conditions:
+            body.update(conditions)
         return RequestSpec("POST", "/v1/route", json=body)
 
     @staticmethod
     def _build_model(include_prototypes: bool) -> RequestSpec:
         params = {"include_prototypes": "true"} if include_prototypes else {}
         return RequestSpec("GET", "/v1/model", params=params)
+
+    @staticmethod
+    def _build_generate(condition: Any, condition_id: str | None) -> RequestSpec:
+        return RequestSpec(
+            "POST",
+            "/v1/generate",
+            json=check_generate(condition, condition_id),
+            headers={"Accept": "application/octet-stream"},
+        )
 
     @staticmethod
     def _build_get(path: str, *, retry: bool = True) -> RequestSpec:
@@ -182,6 +221,14 @@ class BaseClient:
             raise self._status_error(exc.response) from exc
         except (httpx.HTTPError, httpx.InvalidURL, httpx.CookieConflict, httpx.StreamError) as exc:
             raise _transport_error(exc, f"{spec.method} {spec.path}", self._timeout) from exc
+
+    @staticmethod
+    def _closed_error(spec: RequestSpec) -> ClientClosed:
+        # httpx would raise a bare RuntimeError, outside this package's tree.
+        return ClientClosed(
+            f"{spec.method} {spec.path}: this client is closed; make a new one",
+            url=f"{spec.method} {spec.path}",
+        )
 
     def _check_status(self, response: httpx.Response) -> httpx.Response:
         if response.is_success:
@@ -262,6 +309,21 @@ class BaseClient:
     def _decode_experts(self, response: httpx.Response) -> ExpertsInfo:
         return self._decode(response, ExpertsInfo)
 
+    def _decode_graph(self, response: httpx.Response) -> GraphInfo:
+        return self._decode(response, GraphInfo)
+
+    @staticmethod
+    def _decode_generated(response: httpx.Response) -> GeneratedExpert:
+        key = response.headers.get(GENERATED_KEY_HEADER)
+        version = response.headers.get(GENERATED_VERSION_HEADER)
+        if key is None or version is None or not response.content:
+            raise DecodingError(
+                f"a /v1/generate answer needs a body and the {GENERATED_KEY_HEADER} and "
+                f"{GENERATED_VERSION_HEADER} headers",
+                url=str(response.request.url) if _has_request(response) else "",
+            )
+        return GeneratedExpert(data=response.content, key=key, store_version=version)
+
     @staticmethod
     def _probe_answer(error: MomlpError) -> bool:
         """health()/ready(): no answer or a 5xx means "no"; a 4xx (bad key?) is raised."""
@@ -270,11 +332,14 @@ class BaseClient:
         raise error
 
 
-def _check_options(top_k: int, mode: str | None) -> None:
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise InputError(f"top_k must be an integer >= 1, got {top_k!r}", top_k=top_k)
-    if mode not in (None, "tree", "exact"):
-        raise InputError(f"mode must be 'tree', 'exact' or None, got {mode!r}", mode=mode)
+def _bearer_key(api_key: str | None) -> bytes | None:
+    """The key as the server compares it: UTF-8 bytes, without surrounding whitespace (a key
+    read from a file ends in a newline; httpx refused a key beyond ASCII with a bare
+    UnicodeEncodeError). A blank key is no key, as on the server."""
+    key = (api_key or "").strip()
+    if any(ord(char) < 32 or ord(char) == 127 for char in key):
+        raise ValueError("api_key holds a control character, which no HTTP header can carry")
+    return key.encode("utf-8") or None
 
 
 def _check_base_url(base_url: str) -> None:
@@ -351,40 +416,3 @@ def _safe_text(response: httpx.Response) -> str:
         return response.text.strip()
     except (httpx.HTTPError, httpx.StreamError, UnicodeDecodeError):
         return ""
-
-
-_GATE_FIELDS = ("temperature", "min_weight", "top_p", "beam", "score")
-
-
-def _check_gate(gate: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """The request-time gate as the server takes it (unknown fields refused here)."""
-    if gate is None:
-        return None
-    unknown = sorted(set(gate) - set(_GATE_FIELDS))
-    if unknown:
-        raise InputError(f"unknown gate fields {unknown}; known: {list(_GATE_FIELDS)}",
-                         gate=dict(gate))
-    return {k: (list(v) if k == "beam" else v) for k, v in gate.items() if v is not None}
-
-
-_CONDITION_FIELDS = ("conditions", "condition", "condition_ids")
-
-
-def _check_conditions(conditions: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """A hyper store's conditions: one of {"conditions": rows}, {"condition": values},
-    {"condition_ids": names}; numpy arrays become lists."""
-    if not conditions:
-        return None
-    unknown = sorted(set(conditions) - set(_CONDITION_FIELDS))
-    if unknown or len(conditions) != 1:
-        raise InputError(f"give one of {list(_CONDITION_FIELDS)}, got {sorted(conditions)}",
-                         conditions=sorted(conditions))
-    return {k: (v.tolist() if hasattr(v, "tolist") else list(v)) for k, v in conditions.items()}
-
-
-def _gate_query(gate: Mapping[str, Any] | None) -> dict[str, str]:
-    """The gate as query parameters of a binary body (beam comma-separated)."""
-    if not gate:
-        return {}
-    return {k: ",".join(str(int(w)) for w in v) if k == "beam" else str(v)
-            for k, v in gate.items()}

@@ -12,7 +12,14 @@ import httpx
 
 from ._base import DEFAULT_BASE_URL, BaseClient, Mode, RequestSpec, TimeoutTypes
 from ._exceptions import MomlpError
-from ._models import ExpertsInfo, ModelInfo, Prediction, Routing
+from ._models import (
+    ExpertsInfo,
+    GeneratedExpert,
+    GraphInfo,
+    ModelInfo,
+    Prediction,
+    Routing,
+)
 
 __all__ = ["Client"]
 
@@ -27,6 +34,9 @@ class Client(BaseClient):
     Retry-After or else exponential back-off with jitter (at most `max_backoff`); a 429 or 503
     whose Retry-After exceeds `max_backoff` is raised at once (a retry sooner would go against
     the server's word). `sleep` is injectable so tests never wait.
+
+    One client may be shared by threads (httpx's pool is thread-safe, and nothing here keeps
+    per-call state); a client is closed once, by `close()` or its `with` block.
     """
 
     def __init__(
@@ -88,13 +98,15 @@ class Client(BaseClient):
 
     def route(
         self, inputs: Any, top_k: int = 1, mode: Mode | None = None,
-        gate: Mapping[str, Any] | None = None,
+        gate: Mapping[str, Any] | None = None, conditions: Mapping[str, Any] | None = None,
     ) -> Routing:
         """Which experts each row goes to, with weights and distances; loads nothing.
 
         `gate` (predict too): temperature, min_weight, top_p, beam, score (server caps apply).
+        `conditions` (predict too; hyper stores): {"conditions": rows}, {"condition": values}
+        or {"condition_ids": names} (one name: every row's).
         """
-        spec = self._build_route(inputs, top_k=top_k, mode=mode, gate=gate)
+        spec = self._build_route(inputs, top_k=top_k, mode=mode, gate=gate, conditions=conditions)
         return self._decode_routing(self._request(spec))
 
     def model(self, include_prototypes: bool = False) -> ModelInfo:
@@ -102,6 +114,18 @@ class Client(BaseClient):
 
     def experts(self) -> ExpertsInfo:
         return self._decode_experts(self._request(self._build_get("/v1/experts")))
+
+    def graph(self) -> GraphInfo:
+        """A graph store's nodes, edges and waves; `NotFound` for the other kinds."""
+        return self._decode_graph(self._request(self._build_get("/v1/graph")))
+
+    def generate(
+        self, condition: Any = None, *, condition_id: str | None = None
+    ) -> GeneratedExpert:
+        """θ for one condition (its values, or `condition_id`: a name of the store's table) as
+        a store expert file; hyper stores only (`NotFound` for the other kinds)."""
+        spec = self._build_generate(condition, condition_id)
+        return self._decode_generated(self._request(spec))
 
     def health(self) -> bool:
         """True when the server answers /healthz; False when it cannot be reached or fails."""
@@ -141,6 +165,8 @@ class Client(BaseClient):
     def _request(self, spec: RequestSpec) -> httpx.Response:
         attempt = 0
         while True:
+            if self._http.is_closed:  # also when closed by another thread during a back-off
+                raise self._closed_error(spec)
             try:
                 with self._translate(spec):
                     response = self._http.request(

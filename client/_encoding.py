@@ -16,7 +16,7 @@ from typing import Any
 
 from ._exceptions import InputError
 
-__all__ = ["EncodedInputs", "encode_inputs", "npy_bytes", "numpy_or_none"]
+__all__ = ["EncodedInputs", "encode_inputs", "npy_bytes", "numpy_or_none", "rows_from_sequences"]
 
 NPY_CONTENT_TYPE = "application/x-npy"
 
@@ -55,7 +55,7 @@ def encode_inputs(
         return _encode_numpy(np, inputs, binary=True, binary_min_values=binary_min_values)
     if hasattr(inputs, "tolist") and not isinstance(inputs, list | tuple):
         inputs = inputs.tolist()
-    rows = _rows_from_sequences(inputs)
+    rows = rows_from_sequences(inputs)
     dim = len(rows[0])
     if binary:
         # Python floats are float64: keep them exact, as numpy would for the same lists.
@@ -90,46 +90,48 @@ def _encode_numpy(
     return EncodedInputs(rows, dim, npy=npy_bytes(data, descr, (rows, dim)))
 
 
-def _check_shape(shape: tuple[int, ...]) -> None:
+def _check_shape(shape: tuple[int, ...], what: str = "inputs") -> None:
     if len(shape) != 2:
         raise InputError(
-            f"inputs must be 2-D [rows, dim], got shape {shape}; wrap one input as [x]",
+            f"{what} must be 2-D [rows, dim], got shape {shape}; wrap one input as [x]",
             shape=shape,
         )
     if shape[0] == 0 or shape[1] == 0:
-        raise InputError(f"inputs are empty (shape {shape})", shape=shape)
+        raise InputError(f"{what} are empty (shape {shape})", shape=shape)
 
 
-def _rows_from_sequences(inputs: Any) -> list[list[float]]:
+def rows_from_sequences(inputs: Any, *, what: str = "inputs") -> list[list[float]]:
+    """`inputs` as rows of finite floats, all of one width; `what` names them in errors."""
     if not isinstance(inputs, Sequence) or isinstance(inputs, str | bytes):
-        raise InputError(f"inputs must be a 2-D sequence of numbers, got {type(inputs).__name__}")
+        raise InputError(f"{what} must be a 2-D sequence of numbers, got {type(inputs).__name__}")
     rows: list[list[float]] = []
     dim: int | None = None
     for index, row in enumerate(inputs):
         if hasattr(row, "tolist") and not isinstance(row, list | tuple):
             row = row.tolist()
         if not isinstance(row, Sequence) or isinstance(row, str | bytes):
-            raise InputError("inputs must be 2-D [rows, dim]; wrap one input as [x]", row=index)
-        values = [_number(value, index) for value in row]
+            raise InputError(f"{what} must be 2-D [rows, dim]; wrap one input as [x]", row=index)
+        values = [_number(value, index, what) for value in row]
         if dim is None:
             dim = len(values)
         elif len(values) != dim:
-            raise InputError(f"row {index} has {len(values)} values, row 0 has {dim}", row=index)
+            raise InputError(f"{what}: row {index} has {len(values)} values, row 0 has {dim}",
+                             row=index)
         rows.append(values)
-    _check_shape((len(rows), dim or 0))
+    _check_shape((len(rows), dim or 0), what)
     return rows
 
 
-def _number(value: Any, row: int) -> float:
+def _number(value: Any, row: int, what: str) -> float:
     # numpy scalars and similar expose __float__; strings, bools and None do not get through.
     if isinstance(value, str | bytes | bool) or not hasattr(value, "__float__"):
-        raise InputError(f"row {row} holds a non-number {value!r}", row=row)
+        raise InputError(f"{what}: row {row} holds a non-number {value!r}", row=row)
     try:
         number = float(value)
     except OverflowError:  # an int of hundreds of digits
-        raise InputError(f"row {row} holds a number beyond float range", row=row) from None
+        raise InputError(f"{what}: row {row} holds a number beyond float range", row=row) from None
     if not math.isfinite(number):
-        raise InputError(f"row {row} holds {number}; inputs must be finite", row=row)
+        raise InputError(f"{what}: row {row} holds {number}; they must be finite", row=row)
     return number
 
 

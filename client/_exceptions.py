@@ -1,7 +1,9 @@
 """Every error the client raises on purpose; no raw httpx exception ever escapes.
 
 MomlpError
- ├── InputError              inputs rejected before sending (not a 2-D finite numeric array)
+ ├── InputError              refused before sending: inputs not a 2-D finite numeric array, or
+ │                           an option (top_k, mode, gate, conditions) of the wrong type
+ ├── ClientClosed            a call on a closed client (also a RuntimeError, as httpx's was)
  ├── LoadTestConfigError     a load test setting refused (setting, value); also a ValueError
  ├── DecodingError           a 2xx response that does not match the v1 JSON contract
  ├── TransportError          the request did not get an HTTP answer
@@ -27,6 +29,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "ClientClosed",
     "ConnectError",
     "ConnectTimeout",
     "DecodingError",
@@ -67,7 +70,20 @@ class MomlpError(Exception):
 
 
 class InputError(MomlpError, ValueError):
-    """The inputs cannot be sent: not 2-D, ragged, non-numeric or non-finite."""
+    """The request cannot be sent: inputs not 2-D, ragged, non-numeric or non-finite, or an
+    option of the wrong type (`field` names a gate or condition field)."""
+
+
+class ClientClosed(MomlpError, RuntimeError):
+    """A call on a client after `close()` / `aclose()` (or its context manager) ended it.
+
+    A mistake in the caller, not an unreachable server: `health()` raises it too rather than
+    answering False.
+    """
+
+    def __init__(self, message: str, *, url: str) -> None:
+        super().__init__(message, url=url)
+        self.url = url
 
 
 class LoadTestConfigError(MomlpError, ValueError):

@@ -6,9 +6,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from ._base import _check_gate
 from ._conditions import MAX_CONDITIONS
 from ._exceptions import InputError, LoadTestConfigError
+from ._options import check_gate
 from ._workload import Distribution
 
 __all__ = ["LoadTestConfig"]
@@ -91,7 +91,7 @@ class LoadTestConfig:
             raise _out_of_range("max_retries", self.max_retries, ">= 0")
         # Unknown gate fields fail here (exit 2), not on every request of the run.
         try:
-            _check_gate(self.gate)
+            check_gate(self.gate)
         except InputError as exc:
             raise LoadTestConfigError(exc.message, setting="gate", value=self.gate) from exc
 

@@ -12,6 +12,10 @@ __all__ = [
     "ExpertPatches",
     "ExpertStat",
     "ExpertsInfo",
+    "GeneratedExpert",
+    "GraphInfo",
+    "GraphNode",
+    "GraphStats",
     "ModelInfo",
     "PredictStats",
     "Prediction",
@@ -38,6 +42,18 @@ class ExpertStat(_Model):
     vram_bytes: int
     key: str | None = None  # kind hyper: the condition's cache key
     generator_bytes: int = 0  # kind hyper: the pinned hypernetwork's bytes
+    node: str | None = None  # kind graph: the node this expert served
+    wave: int | None = None  # kind graph: the wave it ran in
+
+
+class GraphStats(_Model):
+    """Kind graph: `PredictStats.graph`. The request's `vram_bytes` is the sum over nodes of
+    each node's largest expert with its activations; `wave_vram_bytes` the same per wave."""
+
+    waves: int
+    wave_vram_bytes: list[int]
+    peak_wave_vram_bytes: int
+    node_distance_evals: dict[str, list[int]]  # node -> per row
 
 
 class PredictStats(_Model):
@@ -52,6 +68,7 @@ class PredictStats(_Model):
     total_ms: float = 0.0
     patches_computed: int | None = None  # pmoe stores: patch computations made
     patches_dense: int | None = None  # pmoe stores: rows·n·k
+    graph: GraphStats | None = None  # graph stores: waves, VRAM per wave, evaluations per node
 
     @property
     def hits(self) -> int:
@@ -79,6 +96,7 @@ class Prediction(_Model):
     store_version: str
     stats: PredictStats | None = None
     patches: list[list[ExpertPatches]] | None = None  # with return_routing (pmoe stores)
+    nodes: dict[str, list[int]] | None = None  # graph stores: node -> its expert for each row
 
     def numpy(self) -> Any:
         """The outputs as a float32 numpy array [rows, output_dim] (needs numpy)."""
@@ -122,6 +140,48 @@ class ModelInfo(_Model):
     prototypes: list[list[float]] | None = None
     kind: str = "momlp"
     hyper: dict[str, Any] | None = None  # kind hyper: condition_dim, theta_bytes, ...
+    gate: dict[str, Any] | None = None  # the store's default gate: score, temperature, ...
+    pmoe: dict[str, Any] | None = None  # kind pmoe: patch layout, routing, gating
+
+
+class GraphNode(_Model):
+    """One node of a graph store (`GET /v1/graph`)."""
+
+    name: str
+    inputs: list[str]  # "x:i" (input column i) or another node's name
+    output_dim: int
+    num_experts: int  # K_v
+    branching: int
+    experts: list[int]  # global expert ids, in the node's prototype order
+    bytes: int  # all K_v experts' files
+    max_expert_bytes: int
+    device_bytes: int  # all K_v experts once loaded
+    max_expert_device_bytes: int  # what one row needs of this node
+    wave: int
+
+
+class GraphInfo(_Model):
+    """`GET /v1/graph`: a graph store's nodes, edges and waves (404 NotFound on other kinds)."""
+
+    store_version: str
+    input_dim: int
+    output_dim: int
+    outputs: list[str]
+    waves: list[list[str]]
+    nodes: list[GraphNode]
+    edges: list[tuple[str, str]]  # (source, node)
+    total_expert_bytes: int
+    total_expert_device_bytes: int
+    one_expert_per_node_device_bytes: int
+    max_distance_evals: int
+
+
+class GeneratedExpert(_Model):
+    """`POST /v1/generate` (kind hyper): θ for one condition as a store expert file."""
+
+    data: bytes  # the safetensors file, as `experts_store.load_expert` reads it
+    key: str  # the condition's cache key (X-Momlp-Key)
+    store_version: str  # the version that generated it (X-Momlp-Store-Version)
 
 
 class ExpertInfo(_Model):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import math
 from typing import Any
 
@@ -441,3 +442,89 @@ async def test_real_transport_connection_refused_is_a_connect_error(kind):
                 await async_client.predict([[0.0, 0.0]])
             assert await async_client.health() is False
     assert len(sleeps) == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"gate": {"beam": [1.5]}, "binary": True},
+        {"gate": {"beam": [1.5]}},
+        {"gate": {"beam": True}},
+        {"gate": {"beam": [0]}},
+        {"gate": {"temperature": "0.5"}, "binary": True},
+        {"gate": {"temperature": float("nan")}},
+        {"gate": {"top_p": float("inf")}, "binary": True},
+        {"gate": {"score": 2}},
+        {"conditions": {"condition": float("nan")}},
+        {"conditions": {"condition": [0.1, float("nan")]}},
+        {"conditions": {"condition": 1.0}},
+        {"conditions": {"conditions": [[0.1, 0.2], [0.3]]}},
+        {"conditions": {"conditions": np.array([[np.inf, 0.0]])}},
+        {"conditions": {"condition_ids": [1, 2]}},
+        {"conditions": {"condition_ids": []}},
+    ],
+    ids=[
+        "beam-1.5-npy", "beam-1.5-json", "beam-bool", "beam-0", "temperature-str-npy",
+        "temperature-nan", "top_p-inf-npy", "score-int", "condition-nan-scalar",
+        "condition-nan", "condition-scalar", "conditions-ragged", "conditions-np-inf",
+        "condition_ids-ints", "condition_ids-empty",
+    ],
+)
+async def test_bad_gates_and_conditions_are_refused_before_sending(under, fake_server, kwargs):
+    # Each was sent (a beam of 1.5 in a query string served as 1; a NaN condition refused by
+    # the server under another name) or raised a bare TypeError.
+    one = under()
+    with pytest.raises(client.InputError) as caught:
+        await one.call("predict", [[0.1, 0.2]], **kwargs)
+    assert caught.value.fields.get("field") in {*kwargs.get("gate", {}), *kwargs.get(
+        "conditions", {})}
+    if "binary" not in kwargs:
+        with pytest.raises(client.InputError):
+            await one.call("route", [[0.1, 0.2]], **kwargs)
+    assert fake_server.calls["/v1/predict"] == fake_server.calls["/v1/route"] == 0
+
+
+def _bodies_sent(fake_server: Any, sent: list[dict[str, Any]]) -> Any:
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        return fake_server.handler(request)
+
+    return handler
+
+
+async def test_one_beam_width_is_sent_as_that_width_for_every_level(under, fake_server):
+    sent: list[dict[str, Any]] = []
+    await under(_bodies_sent(fake_server, sent)).call(
+        "predict", [[0.1, 0.2]], gate={"beam": np.int64(2)}
+    )
+    assert sent[0]["gate"] == {"beam": [2]}
+
+
+async def test_one_condition_name_is_every_rows_not_one_letter_a_row(under, fake_server):
+    # "north" went as ["n", "o", "r", "t", "h"]: on a 5-row batch, a letter per row.
+    sent: list[dict[str, Any]] = []
+    one = under(_bodies_sent(fake_server, sent))
+    await one.call("predict", [[0.1, 0.2]] * 5, conditions={"condition_ids": "north"})
+    assert sent[-1]["condition_ids"] == ["north"]
+    await one.call("route", [[0.1, 0.2]], conditions={"condition_ids": np.array(["north"])})
+    assert sent[-1]["condition_ids"] == ["north"]
+
+
+async def test_a_closed_client_says_so_in_the_packages_tree(under, fake_server):
+    one = under()
+    await one.close()
+    for method, args in (("predict", ([[0, 0]],)), ("health", ()), ("model", ())):
+        with pytest.raises(client.ClientClosed) as caught:
+            await one.call(method, *args)
+        # Also a RuntimeError, as httpx's own was, so callers written against it still work;
+        # health() raises it too: a closed client is the caller's mistake, not a down server.
+        assert isinstance(caught.value, RuntimeError) and "closed" in str(caught.value)
+    assert fake_server.calls["/v1/predict"] == 0
+
+
+@pytest.mark.parametrize("setting", [{"backoff": -0.1}, {"backoff": float("nan")},
+                                     {"max_backoff": -1.0}])
+def test_a_negative_backoff_is_refused_when_the_client_is_made(kind, setting):
+    # It used to fail at the first retry, as a bare ValueError from sleep().
+    with pytest.raises(ValueError, match="backoff"):
+        Client(**setting) if kind == "sync" else AsyncClient(**setting)
