@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -90,6 +89,8 @@ def _store(kind: str, root: Path) -> Path:
 
 @contextlib.contextmanager
 def _serve(store: Path, **settings_fields: Any) -> Iterator[str]:
+    from uvicorn_support import serving_in_thread
+
     from server import Settings, create_app
     from server.pool import FakeExpertPool
 
@@ -98,20 +99,8 @@ def _serve(store: Path, **settings_fields: Any) -> Iterator[str]:
                         max_batch_wait_ms=0.0, device="cpu", max_rows=MAX_ROWS,
                         **settings_fields)
     app = create_app(settings, pool_factory=FakeExpertPool)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, lifespan="on")
-    )
-    thread = threading.Thread(target=server.run, name="momlp-sdk-live", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not server.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started, "uvicorn did not start"
-    try:
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
+    with serving_in_thread(app, "momlp-sdk-live") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,8 @@ protocol's shape, never served as something else."""
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import json
-import threading
-import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,8 +17,8 @@ import httpx
 import numpy as np
 import pytest
 import torch
-import uvicorn
 from app_support import build_small_store, fake_app
+from uvicorn_support import serving_in_thread
 
 pytestmark = pytest.mark.unit
 
@@ -87,25 +84,6 @@ def _store(kind: str, root: Path) -> tuple[Path, int]:
     return root / "pstore", 0
 
 
-@contextlib.contextmanager
-def _serve(app: Any) -> Iterator[str]:
-    """uvicorn on 127.0.0.1 (a free port) in a thread; the base URL."""
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, lifespan="on")
-    )
-    thread = threading.Thread(target=server.run, name="momlp-v2-tritonclient", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not server.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started, "uvicorn did not start"
-    try:
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
-
-
 @pytest.fixture(scope="module", params=["momlp", "graph", "hyper", "pmoe"])
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     Served
@@ -113,7 +91,7 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     store, condition_dim = _store(request.param, tmp_path_factory.mktemp(request.param))
     # device named: a module fixture runs before the conftest's per-test MOMLP_DEVICE=cpu.
     app = fake_app(store, device="cpu", max_rows=64, max_body_bytes=MAX_BODY)
-    with _serve(app) as url:
+    with serving_in_thread(app, "momlp-v2-tritonclient") as url:
         client = triton.InferenceServerClient(url=url.removeprefix("http://"))
         dim = client.get_model_metadata(store.name)["inputs"][0]["shape"][1]
         client.close()
