@@ -42,14 +42,13 @@ def pool_snapshot(serving: ServingState) -> PoolSnapshot | None:
     if pool is None:
         return None
     actors = pool.actors()
-    queued = version.batcher.queued_rows if version is not None else 0
     return PoolSnapshot(
         resident_bytes={a.name: a.resident_bytes for a in actors},
         budget_bytes={a.name: a.budget_bytes for a in actors},
         # The actors count their own loads and evictions exactly (each since it last
         # started): a load that several requests waited for counts once.
         counts={a.name: a.counts for a in actors},
-        queue_rows=queued,
+        queue_rows=serving.queued_rows,
         alive={a.name: a.alive for a in actors},
         store_version=version.version if version is not None else None,
         store_kind=version.model.kind if version is not None else None,

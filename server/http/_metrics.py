@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.pool import CacheCounts
@@ -32,6 +34,11 @@ _LATENCY_BUCKETS = (
     5.0,
     10.0,
     30.0,
+    # A request may take body_timeout_s (30 s) to arrive and request_timeout_s (60 s) to be
+    # answered: with the buckets ending at 30 s, every such request, and a 504 at the
+    # timeout, fell into +Inf and histogram_quantile read it as 30 s.
+    60.0,
+    120.0,
 )
 _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -158,7 +165,8 @@ class Metrics:
         )
         self.batch_rows = Histogram(
             "momlp_batch_rows",
-            "rows per expert batch sent to an actor",
+            "(row, expert) pairs of each batch sent to the actor pool: a row routed to k experts"
+            " counts k times, and a batch holds the groups of every expert it needs",
             buckets=_ROW_BUCKETS,
             registry=r,
         )
@@ -166,7 +174,7 @@ class Metrics:
             "momlp_connections_closed",
             "HTTP connections the server closed unasked: 'header_timeout' (a request's headers"
             " not all in within header_timeout_s), 'over_limit' (opened while max_connections"
-            " were open)",
+            " were open), 'headers_too_large' (a request's headers past their bound, 431)",
             ["reason"],
             registry=r,
         )
@@ -224,25 +232,51 @@ class Metrics:
         return self.registry.get_sample_value(name, labels or {})
 
 
-def _endpoint(scope: Scope, known_paths: Collection[str]) -> str:
-    # The route template, not the raw path, so that label values stay few; a request refused
-    # before routing (401, 413) is still labelled by its path when that path is one of ours.
+class _RouteTemplates:
+    """The app's route templates, to label a request that no route has claimed (yet).
+
+    A request refused before routing (401, 413) has no route in its scope; it is labelled by
+    the template its path matches (a v2 path holds the model's name, which the client picks),
+    so that label values stay as few as the routes whatever paths clients send.
+    """
+
+    def __init__(self, templates: Collection[str]) -> None:
+        ordered = [t for t in dict.fromkeys(templates) if t]
+        self._literal = frozenset(t for t in ordered if "{" not in t)
+        self._patterns: list[tuple[re.Pattern[str], str]] = [
+            (compile_path(t)[0], t) for t in ordered if "{" in t
+        ]
+
+    def label(self, path: str) -> str:
+        if path in self._literal:
+            return path
+        for pattern, template in self._patterns:
+            if pattern.match(path):
+                return template
+        return "unmatched"
+
+
+def _endpoint(scope: Scope, templates: _RouteTemplates) -> str:
+    # The route template, not the raw path, so that label values stay few.
     route = scope.get("route")
     path = getattr(route, "path", None)
     if isinstance(path, str):
         return path
-    return scope["path"] if scope["path"] in known_paths else "unmatched"
+    return templates.label(scope["path"])
 
 
 class MetricsMiddleware:
-    """Counts every HTTP answer by endpoint and status and times it (outermost middleware)."""
+    """Counts every HTTP answer by endpoint and status and times it (outermost middleware).
+
+    `known_paths`: the app's route templates (`route.path`), in the router's order.
+    """
 
     def __init__(
         self, app: ASGIApp, *, metrics: Metrics, known_paths: Collection[str] = ()
     ) -> None:
         self.app = app
         self.metrics = metrics
-        self.known_paths = frozenset(known_paths)
+        self.templates = _RouteTemplates(known_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -261,5 +295,5 @@ class MetricsMiddleware:
             await self.app(scope, receive, send_recording)
         finally:
             self.metrics.observe_request(
-                _endpoint(scope, self.known_paths), status, time.perf_counter() - start
+                _endpoint(scope, self.templates), status, time.perf_counter() - start
             )

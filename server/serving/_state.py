@@ -311,6 +311,14 @@ class ServingState:
             raise NotReady(reason="the store and the pool are not up")
         return version
 
+    @property
+    def queued_rows(self) -> int:
+        """Rows admitted and not yet computed, in every version still open: a request keeps
+        the version it entered, so after a swap the replaced version's batcher still holds
+        rows until they are answered (the metrics' `momlp_queue_rows`)."""
+        versions = [*self._unclosed, *([self.version] if self.version is not None else [])]
+        return sum(version.batcher.queued_rows for version in versions)
+
     def check_ready(self) -> StoreVersion:
         """The version served when the readiness probes should say ready; NotReady (503)
         saying why not: not up yet, stopping or draining, or no live actor."""
