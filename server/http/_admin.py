@@ -93,8 +93,10 @@ def add_admin_routes(app: FastAPI) -> None:
             raise HttpError(
                 403,
                 "forbidden",
-                "without an API key, the store can be reloaded only from this machine, not through"
-                " a proxy",
+                # Loopback, not "this machine": a request to one of its other addresses comes
+                # from that address, though it was sent here.
+                "without an API key, the store can be reloaded only from loopback (127.0.0.1, "
+                "::1), not through a proxy",
             )
         previous = serving.current().version
         timeout_s = serving.settings.request_timeout_s
