@@ -49,8 +49,9 @@ class PoolSnapshot:
 
     resident_bytes: dict[str, int] = field(default_factory=dict)
     budget_bytes: dict[str, int] = field(default_factory=dict)
-    # Each actor's cache counters since it last started (exported per actor, so that
-    # Prometheus sees one actor's restart as that series' reset, not as the sum falling).
+    # Each actor's cache counters over the server's life (its processes' added up: a restarted
+    # process counted from 0, and a scrape after its first reply saw no reset when it had
+    # loaded as much again).
     counts: dict[str, CacheCounts] = field(default_factory=dict)
     queue_rows: int = 0
     alive: dict[str, bool] = field(default_factory=dict)

@@ -60,6 +60,16 @@ def _rows_array(rows: torch.Tensor) -> np.ndarray:
     return rows.detach().to(torch.float32).contiguous().numpy()
 
 
+_NONE = CacheCounts()
+
+
+def _added(a: CacheCounts, b: CacheCounts) -> CacheCounts:
+    return CacheCounts(
+        evictions=a.evictions + b.evictions, loads=a.loads + b.loads,
+        load_bytes=a.load_bytes + b.load_bytes,
+    )
+
+
 def _to_tensor(array: np.ndarray | None) -> torch.Tensor:
     if array is None:
         return _EMPTY
@@ -110,6 +120,10 @@ class DispatchingPool(ABC):
         # `_run_on`): its failure says nothing new about the actor, which may be back by now.
         self._deaths = dict.fromkeys(names, 0)
         self._counts: dict[str, CacheCounts] = {}
+        # Actor -> the counts of its processes that died: the current process's are added to
+        # them, so that an actor's counters only grow (a restarted process counts from 0, and
+        # a scrape after its first reply saw no reset when it had loaded as much again).
+        self._counts_before: dict[str, CacheCounts] = {}
         self._closed = False
 
     @property
@@ -343,6 +357,9 @@ class DispatchingPool(ABC):
     def _actor_died(self, actor: str) -> None:
         """A process of `actor` is known dead: no calls to it until its restart answers."""
         self._deaths[actor] += 1
+        self._counts_before[actor] = _added(
+            self._counts_before.get(actor, _NONE), self._counts.pop(actor, _NONE)
+        )
         self._dispatcher.mark_dead(actor)
         self._watch_revival(actor)
 
@@ -477,7 +494,9 @@ class DispatchingPool(ABC):
                     budget_bytes=self._budget_bytes,
                     resident=sorted(str(key) for key in resident),
                     alive=self._dispatcher.alive(name),
-                    counts=self._counts.get(name, CacheCounts()),
+                    counts=_added(
+                        self._counts_before.get(name, _NONE), self._counts.get(name, _NONE)
+                    ),
                 )
             )
         return infos

@@ -89,7 +89,8 @@ class GroupOutcome:
 
 @dataclass(frozen=True)
 class CacheCounts:
-    """An actor cache's counters since the actor (re)started.
+    """An actor cache's counters: in an actor's reply, since its process started; in the
+    pool's `ActorInfo`, over the pool's life (the processes that died added in).
 
     `loads` counts what the cache loaded (expert files; for kind hyper, each generated θ and
     the hypernetwork), once each however many requests waited for it (the HTTP layer's

@@ -429,6 +429,29 @@ async def test_a_late_failure_of_the_old_process_does_not_use_up_a_retry(
     await pool.close()
 
 
+async def test_an_actors_load_counts_only_grow_across_its_restart(make_store: MakeStore) -> None:
+    # The pool showed the dead process's counts until the new process replied, then the new
+    # one's: having loaded as much again, the series read 3 -> 3 and Prometheus saw no loads.
+    store = Store.open(make_store(K=8, n=3, width=6, out=2))
+    pool = IdPool(store, FakeExpertPool(Settings(actors=2, cache_bytes=10**6)))
+    homed = [e for e in range(8) if pool.dispatcher.home(e) == "actor-0"]
+    assert homed
+
+    def loads() -> int:
+        return next(a.counts.loads for a in pool.actors() if a.name == "actor-0")
+
+    await pool.run(groups_for(homed, 3))
+    first = loads()
+    assert first == len(homed)
+    pool.kill("actor-0")
+    await pool.run(groups_for(homed, 3, seed=1))  # dies mid-call: retried on actor-1
+    assert loads() == first  # what the dead process had told, not dropped
+    assert await pool.wait_until_alive("actor-0")
+    await pool.run(groups_for(homed, 3, seed=2))  # the new process loads them all again
+    assert loads() == 2 * first
+    await pool.close()
+
+
 class NeverBack(FakeExpertPool):
     """A fake pool whose runtime never restarts a dead actor, though it says it will."""
 
