@@ -14,7 +14,9 @@ neither the size nor the count of a request's headers (its h11 protocol refuses 
 one connection sent 8.9 million header lines in 4 s and grew the process by 1.1 GB, and
 200 connections holding 60,000 unfinished header lines each held 0.7 GB. Here a request line
 and headers beyond `MAX_HEADER_BYTES`, or more than `MAX_HEADER_FIELDS` header lines, are
-answered 431 and the connection is closed.
+answered 431 and the connection is closed; a chunked body's trailer lines count with its
+headers (one unfinished trailer line grew the process by 100 MB in 8 s); past the bound the
+connection is closed, with a 431 only where the request's own answer is complete.
 """
 
 from __future__ import annotations
@@ -93,7 +95,8 @@ class _Guard(_Base):
     _header_timer: asyncio.TimerHandle | None = None
     _waiting_since: object = None
     # Bytes received, header lines and the url and header bytes parsed, since the request
-    # whose headers are awaited began; None while a request's headers are complete.
+    # whose headers are awaited began; None while a request's body arrives (from its headers'
+    # end, and from each chunk's data: see `on_chunk_header`).
     _header_bytes: int | None = 0
     _header_fields = 0
     _header_parsed = 0
@@ -152,7 +155,15 @@ class _Guard(_Base):
         if not self._refused:
             super().on_headers_complete()
 
+    def on_chunk_header(self) -> None:
+        # After the last chunk's size line come trailer lines, which httptools holds as it
+        # holds header lines, unbounded until one ends: one that never ended grew the process
+        # for as long as the body was awaited. From each size line until its chunk's data,
+        # bytes received count again (the size lines themselves are never held).
+        self._header_bytes = 0
+
     def on_body(self, body: bytes) -> None:
+        self._header_bytes = None  # a chunk's data: body, not trailer
         if not self._refused:
             super().on_body(body)
 
@@ -239,8 +250,9 @@ class ClosedConnectionLog:
     _WHY = {
         "header_timeout": "their request headers did not all arrive within {timeout:g} s",
         "over_limit": "they were opened while {cap} connections were open",
-        "headers_too_large": "their request line and headers exceeded {max_bytes} bytes or"
-        " {max_fields} lines (answered 431)",
+        "headers_too_large": "their request line and headers (or a chunked body's trailer"
+        " lines) exceeded {max_bytes} bytes or {max_fields} lines (answered 431 where no"
+        " answer of theirs was pending)",
     }
 
     def __init__(

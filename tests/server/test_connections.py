@@ -4,6 +4,7 @@ connections are closed, requests that take their time are not."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -234,6 +235,79 @@ async def test_headers_within_the_bound_are_served_however_they_arrive(tmp_path:
                 answers.append(await asyncio.wait_for(_response(reader), timeout=10.0))
             writer.close()
     assert all(a.startswith(b"HTTP/1.1 200") for a in answers), answers
+
+
+async def _body_length(scope: Scope, receive: Receive, send: Send) -> None:
+    """Reads the whole body, however long it takes (no body deadline), and answers its length."""
+    if scope["type"] != "http":
+        return
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+        size += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    await PlainTextResponse(str(size))(scope, receive, send)
+
+
+_CHUNKED = b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+@pytest.mark.parametrize("base", PROTOCOLS)
+async def test_a_trailer_line_that_never_ends_is_cut_off_at_the_header_bound(
+    base: type[asyncio.Protocol],
+) -> None:
+    # httptools holds an unfinished trailer line as it holds a header line: the bytes after
+    # a chunked body's last chunk were not counted, and one line that never ended grew the
+    # process (100 MB in 8 s) for as long as the app awaited the body's end.
+    async with serving(_body_length, base, header_timeout_s=30.0) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(_CHUNKED + b"5\r\nhello\r\n0\r\nx-trailer: ")
+            # Past the bound, several times over; the server may close while it is sent.
+            with contextlib.suppress(ConnectionError):
+                for _ in range(4 * MAX_HEADER_BYTES // 4096):
+                    writer.write(b"a" * 4096)
+                    await writer.drain()
+            try:
+                answer = await asyncio.wait_for(reader.read(), timeout=10.0)
+                closed = True
+            except TimeoutError:
+                answer, closed = b"", False  # still held open, the line still growing
+            except ConnectionError:
+                answer, closed = b"", True
+        finally:
+            writer.close()
+    assert closed
+    assert b" 200 " not in answer
+
+
+@pytest.mark.parametrize("base", PROTOCOLS)
+async def test_a_chunked_body_with_trailers_within_the_bound_is_served(
+    base: type[asyncio.Protocol],
+) -> None:
+    # Chunk size lines end reads of their own: the byte count that restarts at each one must
+    # not add up a long body's data.
+    data = b"x" * 1000
+    chunks = [b"%x\r\n" % len(data), data + b"\r\n"] * 300
+    trailer = b"0\r\nx-checksum: " + b"c" * (MAX_HEADER_BYTES // 2) + b"\r\n\r\n"
+    async with serving(_body_length, base, header_timeout_s=30.0) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        answers = []
+        for _ in range(2):  # the count restarts for the next request on the connection
+            writer.write(_CHUNKED)
+            for piece in chunks:
+                writer.write(piece)
+                await writer.drain()
+            writer.write(trailer)
+            await writer.drain()
+            answers.append(await asyncio.wait_for(_response(reader), timeout=10.0))
+        writer.close()
+    for answer in answers:
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        assert answer.endswith(b"\r\n\r\n%d" % (300 * len(data)))
 
 
 async def _response(reader: asyncio.StreamReader) -> bytes:
