@@ -147,7 +147,10 @@ def build_store(config: BuildConfig, progress: bool = True) -> Manifest:
             mark = time.perf_counter()
             gate = _choose_gate(config, tree, writer, entries, dataset)
         except ExpertLoadError as exc:
-            raise BuildFailed(expert_id=exc.expert_id, reason=str(exc)) from exc
+            # Trained and written; what failed is reading it back as a server would.
+            raise BuildFailed(
+                expert_id=exc.expert_id, reason=str(exc), stage="evaluating"
+            ) from exc
         if gate.temperature != tree.temperature:
             tree.with_temperature(gate.temperature).save(writer.router_path)
         timings["calibrate_s"] = time.perf_counter() - mark

@@ -45,13 +45,19 @@ class ConfigError(TrainerError):
 
 
 class BuildFailed(TrainerError):
-    """A training task failed for good; no store was published."""
+    """A training task, or the evaluation of what it wrote (`stage`), failed for good; no
+    store was published."""
 
-    def __init__(self, *, expert_id: int | None, reason: str) -> None:
+    def __init__(
+        self, *, expert_id: int | None, reason: str, stage: str = "training"
+    ) -> None:
         what = "the baseline" if expert_id is None else f"expert {expert_id}"
-        super().__init__(f"training {what} failed: {reason}", expert_id=expert_id, reason=reason)
+        super().__init__(
+            f"{stage} {what} failed: {reason}", expert_id=expert_id, reason=reason, stage=stage
+        )
         self.expert_id = expert_id
         self.reason = reason
+        self.stage = stage
 
 
 def _rebuilt(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> Any:

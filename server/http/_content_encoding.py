@@ -16,7 +16,8 @@ from server._exceptions import HttpError
 __all__ = ["decode_body"]
 
 # zlib's window bits: 16 + 15 reads a gzip member, 15 a zlib stream (HTTP's "deflate").
-_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+_GZIP = 16 + zlib.MAX_WBITS
+_WBITS = {"gzip": _GZIP, "x-gzip": _GZIP, "deflate": zlib.MAX_WBITS}
 _RAW_DEFLATE = -zlib.MAX_WBITS
 
 
@@ -49,20 +50,34 @@ def decode_body(body: bytes, encoding: str | None, *, max_bytes: int) -> bytes:
 
 
 def _inflate(body: bytes, wbits: int, max_bytes: int) -> bytes | None:
-    """The whole stream decoded, or None when `body` is not one complete stream of that
-    format; never more than `max_bytes` + 1 bytes are produced."""
-    inflater = zlib.decompressobj(wbits)
-    try:
-        decoded = inflater.decompress(body, max_bytes + 1)
-    except zlib.error:
+    """The whole stream decoded, or None when `body` is not complete streams of that format;
+    never more than `max_bytes` + 1 bytes are produced.
+
+    gzip may hold several members one after another (`cat a.gz b.gz`), which decode to their
+    texts joined; each member is a stream of its own to zlib.
+    """
+    parts: list[bytes] = []
+    left, rest = max_bytes + 1, body
+    while True:
+        inflater = zlib.decompressobj(wbits)
+        try:
+            part = inflater.decompress(rest, left)
+        except zlib.error:
+            return None
+        parts.append(part)
+        left -= len(part)
+        if left <= 0:
+            raise HttpError(
+                413,
+                "payload_too_large",
+                f"the decoded body exceeds the limit of {max_bytes} bytes",
+                detail={"encoded_bytes": len(body), "max_bytes": max_bytes},
+            )
+        if not inflater.eof:
+            return None
+        rest = inflater.unused_data
+        if not rest or wbits != _GZIP:
+            break
+    if rest:
         return None
-    if len(decoded) > max_bytes:
-        raise HttpError(
-            413,
-            "payload_too_large",
-            f"the decoded body exceeds the limit of {max_bytes} bytes",
-            detail={"encoded_bytes": len(body), "max_bytes": max_bytes},
-        )
-    if not inflater.eof or inflater.unused_data:
-        return None
-    return decoded
+    return b"".join(parts)

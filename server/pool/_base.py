@@ -311,7 +311,10 @@ class DispatchingPool(ABC):
             )
             return
         self._dispatcher.update_residency(actor, reply.resident)
-        self._counts[actor] = reply.counts
+        if self._deaths[actor] == deaths:
+            # Else this reply is its dead process's, whose counts were added in at its death:
+            # taken as the new process's, they would count twice.
+            self._counts[actor] = reply.counts
         now = self._clock.now()
         for index, outcome in zip(indices, reply.results, strict=True):
             retry_after_s = None

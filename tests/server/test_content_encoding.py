@@ -4,8 +4,10 @@ labelled with a coding the server does not read was served as if it were plain."
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
+import threading
 import zlib
 from pathlib import Path
 
@@ -88,3 +90,61 @@ async def test_a_compressed_generate_body_is_served_as_the_plain_one(tmp_path: P
         br = await client.post("/v1/generate", content=body,
                                headers={**headers, "Content-Encoding": "br"})
         assert br.status_code == 415
+
+
+async def test_a_compressed_generate_body_is_decoded_while_other_requests_are_served(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # /v1/generate decoded on the event loop: 32 KB of gzip that decode to the 32 MiB limit
+    # held every request of the server for ~0.1 s, on any store kind (the kind is checked
+    # after the parse). Here the decode waits until /healthz has been answered meanwhile.
+    from server.http._content_encoding import decode_body
+
+    started, answered = threading.Event(), threading.Event()
+    waited: list[bool] = []
+
+    def decode_when_answered(body: bytes, encoding: str | None, *, max_bytes: int) -> bytes:
+        started.set()
+        waited.append(answered.wait(5.0))  # on the loop, nothing else runs meanwhile
+        return decode_body(body, encoding, max_bytes=max_bytes)
+
+    monkeypatch.setattr("server.http._hyper.decode_body", decode_when_answered)
+    store = build_small_store(tmp_path / "s", K=8, n=4, out=2)
+    body = gzip.compress(json.dumps({"condition_id": "a"}).encode())
+    # The default limit: a body that may decode to 32 MiB.
+    async with running(fake_app(store, max_body_bytes=32 * 1024 * 1024)) as client:
+        generate = asyncio.ensure_future(client.post(
+            "/v1/generate", content=body,
+            headers={"Content-Type": "application/json", "Content-Encoding": "gzip"},
+        ))
+        while not started.is_set() and not generate.done():
+            await asyncio.sleep(0.01)
+        health = await client.get("/healthz")
+        answered.set()
+        refused = await generate
+    assert health.status_code == 200
+    assert waited == [True]
+    assert refused.status_code == 404  # a momlp store generates nothing; decoded all the same
+
+
+async def test_a_gzip_body_of_several_members_is_their_texts_joined(tmp_path: Path) -> None:
+    # `cat a.gz b.gz` is one gzip body (RFC 1952): it was refused as "not valid gzip data".
+    store = build_small_store(tmp_path / "s", K=8, n=4, out=2)
+    body = json.dumps({"inputs": _rows(3, 4).tolist()}).encode()
+    half = len(body) // 2
+    members = gzip.compress(body[:half]) + gzip.compress(body[half:])
+    async with running(fake_app(store, max_body_bytes=MAX_BODY)) as client:
+        headers = {"Content-Type": "application/json"}
+        plain = await client.post("/v1/predict", content=body, headers=headers)
+        joined = await client.post("/v1/predict", content=members,
+                                   headers={**headers, "Content-Encoding": "gzip"})
+        assert joined.status_code == 200, joined.text
+        assert joined.json()["outputs"] == plain.json()["outputs"]
+        # Trailing bytes that are no member are still refused, and so is a deflate body with
+        # bytes after its stream (a zlib stream has no members).
+        junk = await client.post("/v1/predict", content=gzip.compress(body) + b"junk",
+                                 headers={**headers, "Content-Encoding": "gzip"})
+        assert junk.status_code == 422
+        extra = await client.post("/v1/predict", content=zlib.compress(body) * 2,
+                                  headers={**headers, "Content-Encoding": "deflate"})
+        assert extra.status_code == 422

@@ -452,6 +452,53 @@ async def test_an_actors_load_counts_only_grow_across_its_restart(make_store: Ma
     await pool.close()
 
 
+class SlowSecondCall(FakeExpertPool):
+    """actor-0's second call waits for the test before it runs (and then answers)."""
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self.gate: asyncio.Future[None] | None = None
+        self.seen = 0
+
+    async def _call_run(
+        self, actor: str, payload: list[tuple[ExpertRef, np.ndarray]]
+    ) -> ActorReply:
+        if actor == "actor-0":
+            self.seen += 1
+            if self.seen == 2:
+                self.gate = asyncio.get_running_loop().create_future()
+                await self.gate
+        return await super()._call_run(actor, payload)
+
+
+async def test_a_reply_of_a_process_already_dead_does_not_count_its_loads_twice(
+    make_store: MakeStore,
+) -> None:
+    # Its counts were added in when its death was noticed; taken again as the current
+    # process's, the actor's loads read twice what were done.
+    store = Store.open(make_store(K=8, n=3, width=6, out=2))
+    pool = IdPool(store, SlowSecondCall(Settings(actors=2, cache_bytes=10**6)))
+    homed = [e for e in range(8) if pool.dispatcher.home(e) == "actor-0"]
+    assert homed
+
+    def loads() -> int:
+        return next(a.counts.loads for a in pool.actors() if a.name == "actor-0")
+
+    await pool.run(groups_for(homed, 3))
+    first = loads()
+    assert first == len(homed)
+    call = asyncio.ensure_future(pool.run(groups_for(homed, 3, seed=1)))  # hits only
+    for _ in range(500):
+        if pool.inner.gate is not None:
+            break
+        await asyncio.sleep(0.01)
+    pool.inner._actor_lost("actor-0", "its socket closed")  # noticed before the reply
+    pool.inner.gate.set_result(None)
+    await call
+    assert loads() == first
+    await pool.close()
+
+
 class NeverBack(FakeExpertPool):
     """A fake pool whose runtime never restarts a dead actor, though it says it will."""
 

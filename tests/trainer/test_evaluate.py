@@ -47,7 +47,7 @@ def test_a_staged_expert_linked_out_of_the_store_fails_the_build_as_serving_woul
     out = tmp_path / "store"
     assert main([*_BUILD, "--out", str(out)]) == 1
     err = capsys.readouterr().err
-    assert "momlp build: training expert 0 failed" in err
+    assert "momlp build: evaluating expert 0 failed" in err
     assert "is a link that leads outside the store" in err
     assert not out.exists()  # nothing published, no staging left behind
     assert staged_link_out.is_file()  # the file the link led to is left as it was
