@@ -185,8 +185,30 @@ def publish_hypernetwork(
 
     With `router` (a `PrototypeTree` over the table's rows) the store is prototype-conditioned:
     a row is routed to its nearest prototype p_k (exact) and served by g(·; f(p_k)).
+    HyperConfigError, before anything is written, for a g whose activation is not ReLU
+    (option `primary.activation`: a store serves g with ReLU only) and for a table that is
+    not [C, m2] (option `conditions`).
     """
     primary = f.primary
+    if primary.activation != "relu":
+        # A store's g is served as an expert MLP whose activation is PReLU with γ = 0, i.e.
+        # ReLU (experts_store.PrimaryArch knows no other): any other g would be published as
+        # ReLU and served as a different function from the one trained.
+        raise HyperConfigError(
+            f"a hyper store serves g with ReLU; this f generates a g with "
+            f"{primary.activation!r}",
+            option="primary.activation",
+        )
+    if conditions is not None and conditions.numel() > 0 and (
+        conditions.dim() != 2 or conditions.shape[1] != f.condition_dim
+    ):
+        # A server refuses to open a store whose table is not [C, m2]: refuse it here, before
+        # a store that cannot be served goes live.
+        raise HyperConfigError(
+            f"a table of shape {list(conditions.shape)}; f takes conditions of "
+            f"{f.condition_dim} values ([C, {f.condition_dim}])",
+            option="conditions",
+        )
     with StoreWriter(out) as writer:
         if router is not None:
             router.save(writer.router_path)
