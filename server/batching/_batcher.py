@@ -94,8 +94,12 @@ class Batcher:
         max_inflight_batches: int = 2,
         cpu_clock: Clock | None = None,
         open_connections: Callable[[], int | None] | None = None,
+        queued_elsewhere: Callable[[], int] | None = None,
     ) -> None:
         self._model = model
+        # Rows other batchers of this server hold (a replaced store version's, until its last
+        # request is answered): they count against `max_queue_rows` too.
+        self._queued_elsewhere = queued_elsewhere
         self._pool = pool
         self._settings = settings
         self._clock: Clock = clock if clock is not None else MonotonicClock()
@@ -149,9 +153,12 @@ class Batcher:
         x = self._validate(x, options)
         rows = int(x.shape[0])
         limit = self._settings.max_queue_rows
-        if self._queued_rows > 0 and self._queued_rows + rows > limit:
+        queued = self._queued_rows
+        if self._queued_elsewhere is not None:
+            queued += self._queued_elsewhere()
+        if queued > 0 and queued + rows > limit:
             raise PoolSaturated(
-                queued_rows=self._queued_rows,
+                queued_rows=queued,
                 max_queue_rows=limit,
                 retry_after_s=self._retry_after_s(),
             )

@@ -206,7 +206,8 @@ class ServingState:
         self.clock = clock
         self.pool_factory: PoolFactory = pool_factory or ray_pool()
         self.batcher_factory: BatcherFactory = batcher_factory or functools.partial(
-            default_batcher, open_connections=open_connections
+            default_batcher, open_connections=open_connections,
+            queued_elsewhere=self._queued_in_replaced,
         )
         self._on_batch = on_batch or (lambda rows: None)
         self.pool: ExpertPool | None = None
@@ -310,6 +311,11 @@ class ServingState:
         if version is None or self.stopping:
             raise NotReady(reason="the store and the pool are not up")
         return version
+
+    def _queued_in_replaced(self) -> int:
+        """Rows the replaced versions still open hold (a new version's batcher counts them
+        against `max_queue_rows`: else a swap admitted up to twice the limit)."""
+        return sum(version.batcher.queued_rows for version in self._unclosed)
 
     @property
     def queued_rows(self) -> int:

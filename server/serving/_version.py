@@ -78,6 +78,7 @@ def default_batcher(
     clock: Clock,
     *,
     open_connections: OpenConnections | None = None,
+    queued_elsewhere: Callable[[], int] | None = None,
 ) -> BatcherLike:
     return Batcher(
         model,
@@ -86,6 +87,7 @@ def default_batcher(
         clock,
         max_inflight_batches=settings.max_inflight_batches,
         open_connections=open_connections,
+        queued_elsewhere=queued_elsewhere,
     )
 
 

@@ -101,6 +101,32 @@ async def test_the_queue_gauge_counts_rows_still_queued_in_a_version_replaced_by
     assert value(after, "momlp_queue_rows") == 0.0
 
 
+async def test_a_swap_does_not_admit_rows_past_the_queue_limit(store: Path) -> None:
+    # The limit was checked against the new version's batcher alone: while a replaced version
+    # still held its rows, a swap admitted up to twice `max_queue_rows`.
+    pools: list[BlockingPool] = []
+
+    def blocking(settings: Settings) -> ExpertPool:
+        pools.append(BlockingPool(FakeExpertPool(settings)))
+        return pools[-1]
+
+    app = create_app(app_settings(store, max_queue_rows=8), pool_factory=blocking)
+    async with served(app) as client:
+        pending = asyncio.create_task(client.post("/v1/predict", json={"inputs": _inputs(5)}))
+        await pools[0].entered.wait()
+        republish(store, seed=1)
+        assert (await client.post("/v1/admin/reload")).json()["reloaded"]
+        refused = await asyncio.wait_for(
+            client.post("/v1/predict", json={"inputs": _inputs(5, seed=1)}), 30
+        )
+        pools[0].gate.set()
+        assert (await pending).status_code == 200
+        admitted = await client.post("/v1/predict", json={"inputs": _inputs(5, seed=1)})
+    assert refused.status_code == 429, refused.text
+    assert "(5 of 8 rows)" in refused.json()["error"]["message"]  # the replaced version's
+    assert admitted.status_code == 200  # once the old version's rows are answered
+
+
 async def test_requests_refused_before_routing_are_labelled_by_their_route_template(
     store: Path,
 ) -> None:
