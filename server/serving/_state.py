@@ -315,6 +315,8 @@ class ServingState:
     def _queued_in_replaced(self) -> int:
         """Rows the replaced versions still open hold (a new version's batcher counts them
         against `max_queue_rows`: else a swap admitted up to twice the limit)."""
+        if not self._unclosed:  # between swaps, on every request
+            return 0
         return sum(version.batcher.queued_rows for version in self._unclosed)
 
     @property
