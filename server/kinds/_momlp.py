@@ -127,7 +127,12 @@ class MomlpModel:
     def resolve(self, request: GateRequest, settings: Settings) -> Gate:
         """The request's gate: its fields over the store's gate, within the server's caps."""
         spec = self.gate_spec
-        if request.top_k is None:
+        if request.top_k is None and request.beam is not None:
+            # A beam's last width is how many experts a row keeps, and beam excludes top_k > 1:
+            # the server's default top_k is for flat gates (a 422 would blame a top_k the
+            # client never sent).
+            k = 1
+        elif request.top_k is None:
             # The server's default is for every store it may serve; a store of fewer experts
             # has all of them as its top-k (a 422 would blame a value the client never sent).
             k = min(settings.default_top_k, self.num_experts)
