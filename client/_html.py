@@ -55,7 +55,18 @@ def summary_rows(report: LoadTestReport) -> list[SummaryRow]:
     add("duration_s", "duration", report.duration_s, fixed(2, "s"))
     rate = report.config.get("rate")
     if rate:
-        add("config/rate", "offered rate (open loop)", rate, fixed(2, "req/s"))
+        add("config/rate", "asked rate (open loop)", rate, fixed(2, "req/s"))
+    if report.open_loop is not None:
+        loop = report.open_loop
+        add("open_loop/arrivals_per_s", "arrivals scheduled", loop["arrivals_per_s"],
+            fixed(2, "req/s"))
+        add("open_loop/sent_per_s", "sent by the generator", loop["sent_per_s"],
+            fixed(2, "req/s"))
+        for key in ("p50", "p99", "max"):
+            add(f"open_loop/send_lag_ms/{key}", f"sent after the arrival {key}",
+                loop["send_lag_ms"][key], fixed(2, "ms"))
+        add("open_loop/late", f"sent over {loop['late_ms']:g} ms late", loop["late"], count)
+        add("open_loop/unsent", "never sent (no client free)", loop["unsent"], count)
     add("requests_per_s", "achieved throughput", report.requests_per_s, fixed(2, "req/s"))
     add("rows_per_s", "row throughput", report.rows_per_s, fixed(1, "rows/s"))
     for key in (*LATENCY_PERCENTILES, "max", "mean"):

@@ -27,6 +27,7 @@ from ._html import write_html
 from ._leases import ClientLeases
 from ._loadtest_config import LoadTestConfig
 from ._models import ModelInfo
+from ._open_loop import open_loop_figures, open_loop_notes
 from ._plots import matplotlib_available, write_plots
 from ._report import LoadTestReport, RequestRecord, build_report, write_records_csv
 from ._runner import Clock, MonotonicClock, Runner, Sleep
@@ -45,6 +46,9 @@ __all__ = [
 ]
 
 RECORDS_CSV_NAME = "requests.csv"
+
+# Clients (one request in flight each) an open loop may hold; more arrivals wait for one.
+MIN_OPEN_LOOP_CLIENTS = 100
 
 ClientFactory = Callable[[LoadTestConfig], AsyncClient]
 
@@ -128,8 +132,9 @@ async def arun_loadtest(
         # A closed loop never has more than `concurrency` requests in flight. In an open loop,
         # arrivals beyond the limit wait for a client (in their latency, which counts from
         # the scheduled arrival), as they waited for one of the shared pool's connections.
+        in_flight_limit = max(MIN_OPEN_LOOP_CLIENTS, config.concurrency)
         leases = ClientLeases(
-            lambda: factory(config), max(100, config.concurrency), wait_s=config.timeout_s,
+            lambda: factory(config), in_flight_limit, wait_s=config.timeout_s,
             url=f"{config.url.rstrip('/')}/v1/predict",
         )
         before = await read_counters(client)
@@ -163,6 +168,13 @@ async def arun_loadtest(
         accuracy=_accuracy(evaluation, records),
         server_counts=server_counts,
     )
+    if config.rate is not None:
+        figures = open_loop_figures(records, config.rate)
+        report = replace(
+            report,
+            open_loop=figures,
+            notes=[*report.notes, *open_loop_notes(figures, in_flight_limit=in_flight_limit)],
+        )
     if config.report_dir is not None:
         report = _write(report, config, records)
     return report

@@ -107,6 +107,9 @@ def write_plots(
     if rate:
         figure, axes = new_axes()
         axes.plot(seconds, [b.get("offered_per_s", 0.0) for b in series], label="offered/s")
+        # Below the offered line where the generator fell behind its own arrivals.
+        axes.plot(seconds, [b.get("sent_per_s", 0.0) for b in series], linestyle="--",
+                  label="sent by the generator/s")
         axes.plot(seconds, [b["requests_per_s"] for b in series], label="achieved (answered)/s")
         axes.axhline(float(rate), color="grey", linestyle=":", label=f"target {rate:g}/s")
         axes.set(
@@ -152,8 +155,14 @@ def write_plots(
     if report.errors_by_status:
         figure, axes = new_axes()
         statuses = list(report.errors_by_status)
-        bars = axes.bar(statuses, [report.errors_by_status[s] for s in statuses], color="tab:red")
+        # Positions, then the statuses as tick labels: statuses given as the x values ("429",
+        # "503") make matplotlib log, at INFO, that they read as numbers, on every run.
+        positions = list(range(len(statuses)))
+        bars = axes.bar(
+            positions, [report.errors_by_status[s] for s in statuses], color="tab:red"
+        )
         axes.bar_label(bars, padding=2)
+        axes.set_xticks(positions, statuses)
         axes.set(
             xlabel="status",
             ylabel="requests",

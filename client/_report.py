@@ -33,7 +33,9 @@ class RequestRecord:
     start_s: float
     end_s: float
     rows: int
-    status: str  # "200", another HTTP status, or connect / timeout / network / protocol / decoding
+    # "200", another HTTP status, connect / timeout / network / protocol / decoding, or
+    # client_busy (never sent: no client of the generator's came free within the timeout).
+    status: str
     hits: int = 0
     misses: int = 0
     vram_bytes: int | None = None
@@ -46,6 +48,9 @@ class RequestRecord:
     # how many values (output values, or rows); None without --eval.
     eval_sum: float | None = None
     eval_count: int = 0
+    # When the request left the generator (None: it never did); start_s is its scheduled
+    # arrival in an open loop, so sent_s - start_s is the generator's own delay.
+    sent_s: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -93,6 +98,9 @@ class LoadTestReport:
     # "evictions"}; each load once, however many requests waited for it; other clients'
     # traffic included). None where /metrics could not be read or an actor restarted.
     server_counts: dict[str, int] | None = None
+    # Open loop (`config["rate"]`): whether the generator sent at the asked rate
+    # (`client._open_loop.open_loop_figures`); None in a closed loop.
+    open_loop: dict[str, Any] | None = None
     plots: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -135,6 +143,9 @@ class LoadTestReport:
                 f"server (/metrics, all traffic): loaded {server['loads']} {loaded} "
                 f"({_human_bytes(server['load_bytes'])}), evicted {server['evictions']}",
             )
+        if self.open_loop is not None:
+            # Beside the throughput it explains: what the generator itself sent.
+            lines.insert(2, _open_loop_line(self.open_loop))
         if self.accuracy is not None:
             value = self.accuracy["value"]
             lines.append(
@@ -176,6 +187,15 @@ class LoadTestReport:
         if self.experts_per_row is None:
             return served
         return f"{served}, {self.experts_per_row:.3f} per row"
+
+
+def _open_loop_line(figures: dict[str, Any]) -> str:
+    lag = figures["send_lag_ms"]
+    return (
+        f"open loop: asked {figures['rate']:g} req/s, arrivals {figures['arrivals_per_s']:.1f}/s, "
+        f"sent {figures['sent_per_s']:.1f}/s; sent after the arrival p50 {lag['p50']:.1f} ms  "
+        f"p99 {lag['p99']:.1f} ms  max {lag['max']:.1f} ms"
+    )
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -257,18 +277,22 @@ def time_series(
     """Per-second buckets by completion time; resident bytes are the last seen per actor.
 
     `offered` counts the requests that started (in open loop: were scheduled to arrive) in
-    that second, so a second in which the server answered nothing still has its bucket.
+    that second, so a second in which the server answered nothing still has its bucket;
+    `sent` those that left the generator in it (fewer than `offered` when it fell behind).
     Rates divide by the part of the second the run covered, so a last, partial second does
     not read as a throughput drop.
     """
     records = list(records)
     buckets: dict[int, list[RequestRecord]] = defaultdict(list)
     offered: Counter[int] = Counter()
+    sent: Counter[int] = Counter()
     for record in records:
         buckets[int(math.floor(record.end_s))].append(record)
         offered[int(math.floor(max(record.start_s, 0.0)))] += 1
+        if record.sent_s is not None:
+            sent[int(math.floor(max(record.sent_s, 0.0)))] += 1
     series = []
-    for second in sorted(set(buckets) | set(offered)):
+    for second in sorted(set(buckets) | set(offered) | set(sent)):
         bucket = sorted(buckets[second], key=lambda record: record.end_s)
         ok = [record for record in bucket if record.ok]
         latencies = [record.latency_ms for record in ok]
@@ -287,9 +311,11 @@ def time_series(
                 "requests": len(ok),
                 "errors": len(bucket) - len(ok),
                 "offered": offered[second],
+                "sent": sent[second],
                 "rows": rows,
                 "requests_per_s": len(ok) / span,
                 "offered_per_s": offered[second] / span,
+                "sent_per_s": sent[second] / span,
                 "rows_per_s": rows / span,
                 "latency_ms": {
                     "p50": _finite(percentile(latencies, 50)),
@@ -323,6 +349,7 @@ CSV_COLUMNS = (
     "misses",
     "vram_bytes",
     "expert_rows",
+    "sent_s",  # last, so that the columns before it keep their places
 )
 
 
@@ -348,6 +375,7 @@ def write_records_csv(records: Iterable[RequestRecord], path: Path) -> Path:
                     record.misses,
                     "" if record.vram_bytes is None else record.vram_bytes,
                     " ".join(f"{key}:{value}" for key, value in sorted(record.expert_rows.items())),
+                    "" if record.sent_s is None else f"{record.sent_s:.6f}",
                 )
             )
     return path

@@ -30,7 +30,11 @@ from ._progress import Progress
 from ._report import RequestRecord
 from ._workload import Workload
 
-__all__ = ["Clock", "MonotonicClock", "Runner", "Sleep", "request_status"]
+__all__ = ["CLIENT_BUSY", "Clock", "MonotonicClock", "Runner", "Sleep", "request_status"]
+
+# The status of a request that never left the generator: every one of its clients stayed busy
+# for longer than the request's timeout. A "timeout" would blame the server for it.
+CLIENT_BUSY = "client_busy"
 
 logger = logging.getLogger(__name__)
 
@@ -138,15 +142,21 @@ class Runner:
         conditions: dict[str, Any] | None = None,
     ) -> None:
         config = self.config
+        sent_s: float | None = None
         try:
             async with self.leases.lease() as client:
+                # When the request leaves: in an open loop, its lag behind the scheduled
+                # arrival is the generator's own delay (a busy event loop, or no free client).
+                sent_s = self._elapsed()
                 prediction = await client.predict(
                     rows, top_k=config.top_k, mode=config.mode, return_stats=True,
                     binary=config.binary, gate=config.gate, conditions=conditions,
                 )
         except MomlpError as exc:
-            status = request_status(exc)
-            record = RequestRecord(index, start_s, self._elapsed(), len(rows), status)
+            status = CLIENT_BUSY if sent_s is None else request_status(exc)
+            record = RequestRecord(
+                index, start_s, self._elapsed(), len(rows), status, sent_s=sent_s
+            )
             logger.debug("request %d failed: %s", index, exc)
         else:
             stats = prediction.stats
@@ -174,6 +184,7 @@ class Runner:
                 )),
                 eval_sum=eval_sum,
                 eval_count=eval_count,
+                sent_s=sent_s,
             )
         self.records.append(record)
         if self._progress is not None:

@@ -123,6 +123,12 @@ def test_summary_table_shows_report_json_figures(open_loop_report):
         "experts_per_row",
         *(f"latency_ms/{key}" for key in ("p50", "p90", "p95", "p99", "p99.9", "max", "mean")),
         *(f"vram_bytes/{key}" for key in ("p50", "p99", "max")),
+        # Whether the generator sent at the asked rate (an open loop's own figures).
+        "open_loop/arrivals_per_s",
+        "open_loop/sent_per_s",
+        *(f"open_loop/send_lag_ms/{key}" for key in ("p50", "p99", "max")),
+        "open_loop/late",
+        "open_loop/unsent",
     }
     assert set(rows) == expected_keys
     for key, (_label, text, unit) in rows.items():

@@ -285,3 +285,52 @@ def test_progress_counts_every_error_and_shows_the_p50_of_the_latest_answers():
     assert last.startswith("3000/3000")
     assert "p50 2.0 ms (last 1000)" in last
     assert "errors 30" in last
+
+
+async def test_an_open_loop_the_generator_cannot_keep_up_with_says_so(make_server, fake_clock):
+    # Each answer holds the generator's event loop 20 ms (the fake server runs inside it), so
+    # it can send 50 requests a second of the 200 asked; latency still counts from arrival.
+    server = make_server(service_s=0.02, miss_s=0.0)
+    report = await run(server, fake_clock, requests=60, rate=200.0, seed=2, save_requests=True)
+    assert report.ok == 60
+    lags = [1000 * (r["sent_s"] - r["start_s"]) for r in report.records]
+    loop = report.open_loop
+    assert loop["send_lag_ms"]["max"] == pytest.approx(max(lags))
+    assert loop["send_lag_ms"]["p99"] == pytest.approx(np.percentile(lags, 99))
+    assert loop["late"] == sum(lag > 100 for lag in lags) > 0 and loop["unsent"] == 0
+    assert loop["sent_per_s"] == pytest.approx(50.0, rel=0.1)
+    summary = report.summary()
+    assert "asked 200 req/s" in summary and "sent 5" in summary
+    assert f"the generator fell behind its arrivals: {loop['late']} of 60 requests" in summary
+    assert "it sent 5" in summary and "of the 200 asked" in summary
+
+
+async def test_an_open_loop_the_generator_keeps_up_with_has_no_warning(make_server, fake_clock):
+    server = make_server(service_s=0.001, miss_s=0.0)
+    report = await run(server, fake_clock, requests=60, rate=200.0, seed=2)
+    assert report.open_loop["late"] == report.open_loop["unsent"] == 0
+    assert report.open_loop["send_lag_ms"]["max"] < 100
+    assert not any("fell behind" in note for note in report.notes)
+    assert "open loop: asked 200 req/s" in report.summary()
+
+
+async def test_a_request_no_client_came_free_for_is_client_busy_not_a_timeout(make_server):
+    # Real time: 130 requests arrive at once; the generator's 100 clients wait 0.5 s on the
+    # server, so the other 30 find none free within the 50 ms timeout and never leave.
+    server = make_server(clock=None)
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/predict":
+            await asyncio.sleep(0.5)  # MockTransport applies no timeout: all 100 answer
+        return server.handler(request)
+
+    def make(config: LoadTestConfig) -> AsyncClient:
+        return AsyncClient(transport=httpx.MockTransport(handler), max_retries=0)
+
+    report = await arun_loadtest(
+        LoadTestConfig(requests=130, rate=1e6, timeout_s=0.05), client_factory=make
+    )
+    assert report.ok == server.predict_requests == 100
+    assert report.errors_by_status == {"client_busy": 30}
+    assert report.open_loop["unsent"] == 30 and report.open_loop["sent"] == 100
+    assert "30 never left (status client_busy" in report.summary()

@@ -163,14 +163,17 @@ def test_a_second_with_arrivals_but_no_answers_keeps_its_bucket():
 
 def test_records_csv_has_one_line_per_request(tmp_path):
     records = [
-        record(1, 0.5, 0.75, hits=1, misses=0, vram_bytes=300, expert_rows={4: 1, 2: 1}),
-        record(0, 0.0, 0.125, status="timeout"),
+        record(1, 0.5, 0.75, hits=1, misses=0, vram_bytes=300, expert_rows={4: 1, 2: 1},
+               sent_s=0.625),
+        record(0, 0.0, 0.125, status="client_busy"),
     ]
     path = write_records_csv(records, tmp_path / "requests.csv")
     with path.open(newline="") as stream:
         lines = list(csv.DictReader(stream))
     assert list(lines[0]) == list(CSV_COLUMNS)
     assert [line["index"] for line in lines] == ["0", "1"]
-    assert lines[0]["status"] == "timeout" and lines[0]["vram_bytes"] == ""
+    assert lines[0]["status"] == "client_busy" and lines[0]["vram_bytes"] == ""
+    # When each left the generator (an open loop's own delay is sent_s - start_s); never.
+    assert float(lines[1]["sent_s"]) == 0.625 and lines[0]["sent_s"] == ""
     assert float(lines[0]["latency_ms"]) == pytest.approx(125.0)
     assert lines[1]["expert_rows"] == "2:1 4:1" and lines[1]["vram_bytes"] == "300"
