@@ -254,7 +254,11 @@ class ExpertCache(Generic[T]):
                     finally:
                         entry.waiters -= 1
                     if entry.error is not None:
-                        raise entry.error
+                        try:
+                            raise entry.error
+                        finally:
+                            if not entry.waiters:  # the last caller to take it (see _load)
+                                entry.error = None
                     continue
                 if nbytes is not None:
                     if nbytes > self._max_entry:
@@ -280,7 +284,11 @@ class ExpertCache(Generic[T]):
             value = self._loader.load(key)
         except BaseException as exc:
             with self._cond:
-                entry.error = exc
+                # Kept for the callers waiting on this load only, and dropped by the last of
+                # them: the error's traceback holds this frame, hence `entry`, so a kept error
+                # is a cycle that held what the failed load had allocated (on a GPU its device
+                # copy, outside the budget) until the next full garbage collection.
+                entry.error = exc if entry.waiters else None
                 entry.loading = False
                 self._reserved -= entry.nbytes
                 self._unlink(key, entry)

@@ -8,7 +8,9 @@ experts it loaded, already verified and already pinned; loading one of them agai
 copy alone. Keys are content hashes, as in the device cache, so a changed file is a new key.
 
 The tier is a plain LRU with its own byte budget, outside the device budget (like PyTorch's
-pinned-memory cache). A file larger than the whole budget is not kept.
+pinned-memory cache). A file larger than the whole budget is not kept. A pinned file counts
+what it occupies: torch's pinned-memory allocator rounds every block up to a power of two
+(`pinned_bytes`), so a file just over 16 MiB holds 32 MiB of page-locked memory.
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ from collections import OrderedDict
 
 from torch import Tensor
 
-__all__ = ["HostTier", "HostTierStats"]
+__all__ = ["HostTier", "HostTierStats", "pinned_bytes"]
+
+
+def pinned_bytes(nbytes: int) -> int:
+    """Host bytes a pinned tensor of `nbytes` occupies: torch's CachingHostAllocator rounds
+    each allocation up to the next power of two (and keeps the block when it is freed)."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
 
 
 class HostTierStats:
@@ -40,7 +48,8 @@ class HostTier:
             raise ValueError(f"host tier budget must be >= 0, got {budget_bytes}")
         self.budget_bytes = budget_bytes
         self.stats = HostTierStats()
-        self._entries: OrderedDict[str, Tensor] = OrderedDict()
+        # key -> (the file's bytes, the host bytes they occupy)
+        self._entries: OrderedDict[str, tuple[Tensor, int]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -57,28 +66,31 @@ class HostTier:
     def get(self, key: str) -> Tensor | None:
         """The file bytes kept under `key` (now the most recently used), or None."""
         with self._lock:
-            buf = self._entries.get(key)
-            if buf is None:
+            entry = self._entries.get(key)
+            if entry is None:
                 self.stats.misses += 1
                 return None
             self._entries.move_to_end(key)
             self.stats.hits += 1
-            return buf
+            return entry[0]
 
     def put(self, key: str, buf: Tensor) -> bool:
         """Keep `buf` (never written to again) under `key`, evicting the least recently used
-        files until it fits; False when it is larger than the whole budget."""
+        files until it fits; False when it is larger than the whole budget. A pinned `buf`
+        counts the block it occupies (`pinned_bytes`), any other its own bytes."""
         size = buf.numel() * buf.element_size()
+        if buf.is_pinned():
+            size = pinned_bytes(size)
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
-                self._bytes -= old.numel() * old.element_size()
+                self._bytes -= old[1]
             if size > self.budget_bytes:
                 return False
             while self._bytes + size > self.budget_bytes:
-                _, victim = self._entries.popitem(last=False)
-                self._bytes -= victim.numel() * victim.element_size()
+                _, (_, freed) = self._entries.popitem(last=False)
+                self._bytes -= freed
                 self.stats.evictions += 1
-            self._entries[key] = buf
+            self._entries[key] = (buf, size)
             self._bytes += size
             return True

@@ -4,7 +4,8 @@ hypernetworks verified and pinned, θ generated from a pinned f."""
 from __future__ import annotations
 
 import os
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Protocol
 
 import torch
 
@@ -20,12 +21,40 @@ from experts_store import (
     own_file_problem,
 )
 
-__all__ = ["Cached", "DeviceLoader", "load_error", "store_relative", "without_root"]
+__all__ = [
+    "Cached", "CopyStream", "CudaCopyStream", "DeviceLoader", "load_error", "store_relative",
+    "without_root",
+]
 
 
 # What an actor's cache holds: loaded experts, generated θ (also FrozenExperts) and pinned
 # hypernetworks.
 Cached = FrozenExpert | FrozenHyperNetwork
+
+
+class CopyStream(Protocol):
+    """The stream a CUDA actor's file loads copy on (`CudaCopyStream`; a fake in tests)."""
+
+    def using(self) -> AbstractContextManager[object]:
+        """Make it the calling thread's current stream for the `with` block."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait until everything enqueued on it has run."""
+        ...
+
+
+class CudaCopyStream:
+    """A side stream of one CUDA device."""
+
+    def __init__(self, device: str) -> None:
+        self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+
+    def using(self) -> AbstractContextManager[object]:
+        return torch.cuda.stream(self._stream)
+
+    def synchronize(self) -> None:
+        self._stream.synchronize()
 
 
 class DeviceLoader:
@@ -34,19 +63,21 @@ class DeviceLoader:
     Two more kinds of key, told apart by type (files keep the path below unchanged): a
     `GeneratorRef` loads a hypernetwork f (verified against its sha256), a `GeneratedRef`
     generates θ_I with the f its actor pinned beforehand (`generators`).
+    `copy_stream`: where file loads copy and pad (default: a side stream on CUDA, none on CPU).
     """
 
-    def __init__(self, device: str, host_cache_bytes: int = 0) -> None:
+    def __init__(
+        self, device: str, host_cache_bytes: int = 0, *, copy_stream: CopyStream | None = None
+    ) -> None:
         self._device = device
         self.generators: dict[str, FrozenHyperNetwork] = {}
-        self._cuda = device.startswith("cuda")
         tier = HostTier(host_cache_bytes) if host_cache_bytes > 0 else None
         self._files = ExpertRefLoader(device, host_tier=tier)
         # A side stream lets a host->device copy overlap another expert's forward on the
-        # default stream; only exists on CUDA (unmeasured on the CPU-only dev machine).
-        self._copy_stream: Any = (
-            torch.cuda.Stream(device=device) if self._cuda else None  # type: ignore[no-untyped-call]
-        )
+        # default stream (unmeasured on the CPU-only dev machine).
+        if copy_stream is None and device.startswith("cuda"):
+            copy_stream = CudaCopyStream(device)
+        self._copy_stream = copy_stream
 
     def nbytes(self, ref: ExpertRef) -> int:
         return ref.nbytes
@@ -60,7 +91,7 @@ class DeviceLoader:
         # experts_store._frozen.ROW_ALIGN). The cache counts the ref's unpadded bytes.
         if isinstance(ref, GeneratedRef):
             return self._generate(ref).aligned()
-        return self._load_file(ref).aligned()
+        return self._load_file(ref)
 
     def _generate(self, ref: GeneratedRef) -> FrozenExpert:
         generator = self.generators.get(ref.generator.sha256)
@@ -81,13 +112,24 @@ class DeviceLoader:
     def _load_file(self, ref: ExpertRef) -> FrozenExpert:
         # FrozenExpert, not ExpertMLP: serving never trains, and building the nn.Module
         # skeleton would cost as much as reading a small expert's file.
-        if not self._cuda:
-            return self._files.load(ref)
+        stream = self._copy_stream
+        if stream is None:
+            return self._files.load(ref).aligned()
         # The load reads the file into pinned memory and copies it non-blocking on the
         # current stream, then waits for that stream: here the side stream, so only this
         # loader thread waits while the default stream keeps computing.
-        with torch.cuda.stream(self._copy_stream):
-            return self._files.load(ref)
+        with stream.using():
+            loaded = self._files.load(ref)
+            # Padded here and waited for too. The loaded tensors' blocks belong to the side
+            # stream: once the unpadded expert is dropped the allocator hands them to that
+            # stream's next allocation at once, ordered after its own work only. Padded on
+            # the default stream, behind another expert's forward, the next load's copy could
+            # land in them before the padding read them: this expert would then serve the
+            # next one's weights.
+            expert = loaded.aligned()
+            if expert is not loaded:
+                stream.synchronize()
+        return expert
 
 
 def load_error(ref: ExpertRef, exc: ExpertLoadError) -> str:

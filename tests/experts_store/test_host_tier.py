@@ -17,6 +17,7 @@ from experts_store import (
     HostTier,
     save_expert,
 )
+from experts_store._host_tier import pinned_bytes
 
 pytestmark = pytest.mark.unit
 
@@ -69,6 +70,33 @@ def test_concurrent_puts_never_exceed_the_budget() -> None:
     assert 0 < tier.resident_bytes <= 1_000
 
 
+class _Pinned(torch.Tensor):
+    """A CPU tensor that says it is pinned, as a CUDA build's pinned read does."""
+
+    def is_pinned(self, device: object = None) -> bool:
+        return True
+
+
+def _pinned(nbytes: int) -> torch.Tensor:
+    return torch.Tensor._make_subclass(_Pinned, _buf(nbytes))
+
+
+def test_a_pinned_file_counts_the_power_of_two_block_torch_pins_for_it() -> None:
+    # torch's pinned-memory allocator rounds each block up to a power of two: counted by its
+    # own size, a tier of files a little over 16 MiB pinned twice its budget.
+    assert [pinned_bytes(n) for n in (0, 1, 3, 4096, 4097)] == [0, 1, 4, 4096, 8192]
+    size = 2**16 + 64  # pinned in a block of 2**17
+    tier = HostTier(4 * size)
+    for key in "abcd":
+        assert tier.put(key, _pinned(size))
+    assert tier.resident_bytes == 2 * 2**17 <= tier.budget_bytes and len(tier) == 2
+    assert "c" in tier and "d" in tier and tier.stats.evictions == 2
+    # Under the budget by its own size, twice over it by the block it holds.
+    assert not tier.put("e", _pinned(2**18 + 1))
+    # Unpinned bytes count as they are.
+    assert tier.put("f", _buf(4 * size)) and tier.resident_bytes == 4 * size
+
+
 def test_a_negative_budget_is_refused() -> None:
     with pytest.raises(ValueError, match="budget"):
         HostTier(-1)
@@ -109,6 +137,18 @@ def test_a_cuda_load_kept_in_the_tier_needs_no_file_and_gives_the_same_expert(
         assert loaded.device.type == "cuda"
         assert torch.equal(loaded(x.cuda()).cpu(), first(x.cuda()).cpu())
         torch.testing.assert_close(loaded(x.cuda()).cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_kept_cuda_load_counts_the_pinned_block_it_occupies(tmp_path: Path) -> None:
+    ref, _ = _ref(tmp_path, 2)
+    file_bytes = Path(ref.path).stat().st_size
+    tier = HostTier(10**7)
+    ExpertRefLoader("cuda", host_tier=tier).load(ref)
+    kept = tier.get(ref.sha256)
+    assert kept is not None and kept.is_pinned() and kept.numel() == file_bytes
+    assert tier.resident_bytes == pinned_bytes(file_bytes) > file_bytes
 
 
 @pytest.mark.gpu
