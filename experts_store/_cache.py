@@ -249,7 +249,9 @@ class ExpertCache(Generic[T]):
                     entry.waiters += 1
                     try:
                         while entry.loading:
-                            if not self._wait(deadline):
+                            # A deadline that passes as the load ends takes its outcome: its
+                            # error is this waiter's to clear (see `_load`).
+                            if not self._wait(deadline) and entry.loading:
                                 raise CacheBusy(expert_id=key_label(key), timeout=timeout)
                     finally:
                         entry.waiters -= 1

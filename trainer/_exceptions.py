@@ -3,7 +3,8 @@
     TrainerError
      ├── DataError            a dataset or data file that cannot be trained on (NaN, shapes, ...)
      ├── ConfigError          build options that contradict each other or are out of range
-     └── BuildFailed          an expert's task (or the baseline's) failed after its retries
+     └── BuildFailed          an expert's task (or the baseline's) failed after its retries,
+                              or reading back what it wrote did (stage "evaluating")
 """
 
 from __future__ import annotations

@@ -94,11 +94,12 @@ class Batcher:
         max_inflight_batches: int = 2,
         cpu_clock: Clock | None = None,
         open_connections: Callable[[], int | None] | None = None,
-        queued_elsewhere: Callable[[], int] | None = None,
+        queued_elsewhere: Callable[[Batcher], int] | None = None,
     ) -> None:
         self._model = model
-        # Rows other batchers of this server hold (a replaced store version's, until its last
-        # request is answered): they count against `max_queue_rows` too.
+        # Rows the server's other batchers hold, given the asking one (after a swap the
+        # replaced version's and the new one's each hold rows until their requests are
+        # answered): they count against `max_queue_rows` too.
         self._queued_elsewhere = queued_elsewhere
         self._pool = pool
         self._settings = settings
@@ -155,7 +156,7 @@ class Batcher:
         limit = self._settings.max_queue_rows
         queued = self._queued_rows
         if self._queued_elsewhere is not None:
-            queued += self._queued_elsewhere()
+            queued += self._queued_elsewhere(self)
         if queued > 0 and queued + rows > limit:
             raise PoolSaturated(
                 queued_rows=queued,

@@ -207,7 +207,7 @@ class ServingState:
         self.pool_factory: PoolFactory = pool_factory or ray_pool()
         self.batcher_factory: BatcherFactory = batcher_factory or functools.partial(
             default_batcher, open_connections=open_connections,
-            queued_elsewhere=self._queued_in_replaced,
+            queued_elsewhere=self._queued_beside,
         )
         self._on_batch = on_batch or (lambda rows: None)
         self.pool: ExpertPool | None = None
@@ -312,12 +312,19 @@ class ServingState:
             raise NotReady(reason="the store and the pool are not up")
         return version
 
-    def _queued_in_replaced(self) -> int:
-        """Rows the replaced versions still open hold (a new version's batcher counts them
-        against `max_queue_rows`: else a swap admitted up to twice the limit)."""
-        if not self._unclosed:  # between swaps, on every request
+    def _queued_beside(self, batcher: object) -> int:
+        """Rows the open versions other than `batcher`'s hold, which its admission counts
+        against `max_queue_rows`: else a swap admitted up to twice the limit. Not `batcher`'s
+        own: a request that entered a replaced version (its body arrived after the swap) read
+        that version's rows twice and was refused with the server's queue half empty."""
+        if not self._unclosed:  # between swaps, on every request: one version, the asker's
             return 0
-        return sum(version.batcher.queued_rows for version in self._unclosed)
+        current = self.version
+        return sum(
+            version.batcher.queued_rows
+            for version in (*self._unclosed, *(() if current is None else (current,)))
+            if version.batcher is not batcher
+        )
 
     @property
     def queued_rows(self) -> int:

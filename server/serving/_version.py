@@ -78,7 +78,7 @@ def default_batcher(
     clock: Clock,
     *,
     open_connections: OpenConnections | None = None,
-    queued_elsewhere: Callable[[], int] | None = None,
+    queued_elsewhere: Callable[[Batcher], int] | None = None,
 ) -> BatcherLike:
     return Batcher(
         model,

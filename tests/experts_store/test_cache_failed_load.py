@@ -94,3 +94,36 @@ def test_a_failed_load_with_waiters_frees_its_copy_once_every_waiter_has_its_err
     # The next lease loads afresh (and fails afresh), freeing that copy too.
     _lease(cache, errors)
     assert len(loader.copies) == 2 and all(copy() is None for copy in loader.copies)
+
+
+class DeadlineAsTheLoadFails(ExpertCache[str]):
+    """A waiter's deadline passes in the same moment as the load it waits on fails."""
+
+    def __init__(self, loader: CopyThenFail) -> None:
+        super().__init__(100, loader)
+        self.loader = loader
+
+    def _wait(self, deadline: float | None) -> bool:
+        self.loader.release.set()
+        self._cond.wait(10)  # until the failed load is recorded (it notifies)
+        return False
+
+
+@pytest.mark.usefixtures("no_collector")
+def test_a_waiter_whose_deadline_passes_as_the_load_fails_takes_the_error() -> None:
+    # It raised CacheBusy and left the error on the entry, still counted as a waiter's: the
+    # cycle kept the failed load's copy until a full collection.
+    loader = CopyThenFail()
+    cache = DeadlineAsTheLoadFails(loader)
+    errors: list[str] = []
+    first = threading.Thread(target=_lease, args=(cache, errors))
+    first.start()
+    assert loader.started.wait(10)
+    try:
+        with cache.lease(0, timeout=5.0):
+            pass
+    except ValueError as exc:
+        errors.append(str(exc))
+    first.join()
+    assert errors == ["expert 0: its weights hold NaN or infinite values"] * 2
+    assert len(loader.copies) == 1 and loader.copies[0]() is None
