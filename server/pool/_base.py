@@ -21,7 +21,8 @@ from experts_store import Clock, ExpertRef, ExpertTooLarge, MonotonicClock
 from server._exceptions import ActorFailed, PoolClosed
 from server.pool._actor import ERROR_LOAD
 from server.pool._dispatch import Dispatcher
-from server.pool._errors import ActorDied, ActorGone
+from server.pool._errors import ActorDied
+from server.pool._revival import Revivals
 from server.pool._types import ActorInfo, ActorReply, CacheCounts, Group, GroupResult
 
 __all__ = ["DispatchingPool", "check_budget"]
@@ -34,10 +35,6 @@ MAX_RETRIES = 2
 
 _EMPTY = torch.empty(0, 0)
 
-
-# A revival gives up after this many ActorGone answers in a row: one could be a call that
-# raced the death's bookkeeping; three, with the poll's back-off between them, are not.
-_GONE_ANSWERS = 3
 
 
 def check_budget(experts: Iterable[ExpertRef], budget_bytes: int) -> None:
@@ -104,17 +101,21 @@ class DispatchingPool(ABC):
         self._clock: Clock = clock if clock is not None else MonotonicClock()
         self._sleep = sleep if sleep is not None else asyncio.sleep
         self._failure_ttl_s = failure_ttl_s
-        self._revive_timeout_s = revive_timeout_s
-        self._info_timeout_s = info_timeout_s
-        # Why the actors' runtime does not answer (set while it does not): requests stop
-        # waiting for revivals that cannot come and get 503 at once.
-        self._unreachable: str | None = None
-        self._lost_runtime = asyncio.Event()
         # Content hash -> (reason, until when): a bad file is not read again for a while. A
         # republished fix has another hash, so it is tried at once.
         self._failures: dict[str, tuple[str, float]] = {}
         self._background: set[asyncio.Task[Any]] = set()
-        self._reviving: dict[str, asyncio.Task[Any]] = {}
+        self._revivals = Revivals(
+            self._dispatcher,
+            call_info=self._call_info,
+            runtime_problem=self._runtime_problem,
+            spawn=self._spawn,
+            closed=lambda: self._closed,
+            clock=self._clock,
+            sleep=self._sleep,
+            timeout_s=revive_timeout_s,
+            info_timeout_s=info_timeout_s,
+        )
         # Actor -> deaths of its processes noticed so far. A call that fails after a death
         # noticed since it started went to that process (or one that dies too; see
         # `_run_on`): its failure says nothing new about the actor, which may be back by now.
@@ -201,7 +202,7 @@ class DispatchingPool(ABC):
         if not [a for a in self._dispatcher.live_actors() if a not in exclude]:
             # Every actor is dead or the one that just failed: wait for Ray to restart one
             # (a restarted actor is a fresh process, so the one that failed is fine again).
-            await self._await_revival()
+            await self._revivals.wait_for_any()
             if self._closed:
                 # The close ended the revival it waited for: an answer of the close's, not
                 # "no live actor" (503 actor_failed) as if the actors had failed.
@@ -229,8 +230,8 @@ class DispatchingPool(ABC):
             for actor, rows in placed.items():
                 self._dispatcher.complete(actor, rows)
             reason = "no live actor in the pool"
-            if self._unreachable is not None:
-                reason += f": {self._unreachable}"
+            if self._revivals.unreachable is not None:
+                reason += f": {self._revivals.unreachable}"
             raise ActorFailed(actor="*", reason=reason)
         calls = [
             self._run_on(actor, groups, idx, results, placed, retries_left=retries_left,
@@ -245,16 +246,6 @@ class DispatchingPool(ABC):
         finally:
             for actor, rows in placed.items():
                 self._dispatcher.complete(actor, rows)
-
-    async def _await_revival(self) -> None:
-        reviving = [task for task in self._reviving.values() if not task.done()]
-        if not reviving or self._unreachable is not None:
-            return
-        lost = asyncio.ensure_future(self._lost_runtime.wait())
-        try:
-            await asyncio.wait([*reviving, lost], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            lost.cancel()
 
     async def _run_on(
         self,
@@ -364,54 +355,7 @@ class DispatchingPool(ABC):
             self._counts_before.get(actor, _NONE), self._counts.pop(actor, _NONE)
         )
         self._dispatcher.mark_dead(actor)
-        self._watch_revival(actor)
-
-    def _watch_revival(self, actor: str) -> None:
-        task = self._reviving.get(actor)
-        if task is None or task.done():
-            self._reviving[actor] = self._spawn(self._revive(actor))
-
-    async def _revive(self, actor: str) -> None:
-        """Poll a dead actor until Ray has restarted it (or give up after the timeout).
-
-        Calls to a restarting Ray actor fail at once (ActorUnavailableError) rather than
-        queue, so this polls with a growing delay instead of waiting on one call.
-        """
-        # By the clock: a call that fails slowly (hanging up to its timeout, or the runtime
-        # check after it) takes its time out of the wait as a back-off's sleep does.
-        deadline = self._clock.now() + self._revive_timeout_s
-        delay, gone = 0.05, 0
-        while self._clock.now() < deadline:
-            try:
-                await asyncio.wait_for(self._call_info(actor), self._info_timeout_s)
-            except (ActorDied, TimeoutError) as exc:
-                # A call that hangs, or keeps failing, may mean that the runtime itself is
-                # gone (Ray's GCS stopped), which no wait will mend: ask it.
-                problem = await self._runtime_problem()
-                if problem is not None:
-                    self._runtime_lost(problem)
-                gone = gone + 1 if isinstance(exc, ActorGone) else 0
-                if gone >= _GONE_ANSWERS:
-                    # Waiting out the timeout would hold every request for it (60 s), to end
-                    # in the same "no live actor".
-                    logger.error(
-                        "actor %s is dead for good: its runtime will not restart it again "
-                        "(MOMLP_ACTOR_MAX_RESTARTS); requests that need it fail with 503 "
-                        "actor_failed, and /readyz says not ready once no actor is left",
-                        actor,
-                    )
-                    return
-                await self._sleep(delay)
-                delay = min(1.0, delay * 2)
-                continue
-            if self._unreachable is not None:
-                self._unreachable = None
-                self._lost_runtime.clear()
-                logger.warning("the actors' runtime answers again")
-            self._dispatcher.mark_alive(actor)
-            logger.info("actor %s is back", actor)
-            return
-        logger.error("actor %s did not come back within %s s", actor, self._revive_timeout_s)
+        self._revivals.watch(actor)
 
     async def _runtime_problem(self) -> str | None:
         """Why the runtime the actors live in does not answer now, or None when it does (or
@@ -419,29 +363,12 @@ class DispatchingPool(ABC):
         return None
 
     def _runtime_lost(self, problem: str) -> None:
-        """The runtime does not answer: every actor counts as dead until it answers again
-        (so /readyz says not ready), and requests waiting for a revival get 503 now."""
-        if self._unreachable is not None or self._closed:
-            return
-        self._unreachable = problem
-        self._lost_runtime.set()
-        logger.error(
-            "%s: every actor counts as dead, and requests get 503 actor_failed until it answers",
-            problem,
-        )
-        for name in self._dispatcher.names:
-            if self._dispatcher.alive(name):
-                # Not `_actor_died`: the processes may live on, and a call's later failure
-                # is then news about its process.
-                self._dispatcher.mark_dead(name)
-                self._watch_revival(name)
+        """The runtime does not answer (a subclass found out): see `Revivals.runtime_lost`."""
+        self._revivals.runtime_lost(problem)
 
     async def wait_until_alive(self, actor: str) -> bool:
         """Wait for a pending revival of `actor` to finish; True if it is alive."""
-        task = self._reviving.get(actor)
-        if task is not None:
-            await asyncio.shield(task)
-        return self._dispatcher.alive(actor)
+        return await self._revivals.wait_until_alive(actor)
 
     async def prefetch(self, experts: Sequence[ExpertRef]) -> None:
         """Ask the actor each expert's rows will go to to start loading it, where that actor
