@@ -32,10 +32,18 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _store_path(text: str) -> Path:
+    # Path("") is Path("."): a blank --store (a template's unset variable) served the
+    # working directory.
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is blank (give . for this directory)")
+    return Path(text)
+
+
 def _add_server_options(parser: argparse.ArgumentParser, *, store_help: str) -> None:
     # Defaults are None so that an option not given leaves the MOMLP_* environment (or the
     # Settings default) in charge.
-    parser.add_argument("--store", type=Path, help=store_help)
+    parser.add_argument("--store", type=_store_path, help=store_help)
     parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port to bind (default 8000; 0 picks one)")
     parser.add_argument("--actors", type=int, help="expert actors on CPU (one per GPU on CUDA)")
@@ -45,12 +53,15 @@ def _add_server_options(parser: argparse.ArgumentParser, *, store_help: str) -> 
         help="default auto: CUDA when the Ray cluster has a GPU, else CPU",
     )
     parser.add_argument(
-        "--cache-bytes", type=parse_bytes, help="expert cache budget per actor (e.g. 256MiB)"
+        "--cache-bytes",
+        type=parse_bytes,
+        help="expert cache budget per actor, bytes (e.g. 512MiB, 2GB; default 256MiB)",
     )
     parser.add_argument(
         "--host-cache-bytes",
         type=parse_bytes,
-        help="CUDA actors: pinned host memory each keeps loaded experts' files in (default 0: off)",
+        help="CUDA actors: pinned host memory, bytes, each keeps loaded experts' files in"
+        " (e.g. 4GiB; default 0: off)",
     )
     parser.add_argument(
         "--cache-policy",
@@ -64,9 +75,15 @@ def _add_server_options(parser: argparse.ArgumentParser, *, store_help: str) -> 
         metavar="VAR",
         help="environment variable holding the bearer key (MOMLP_API_KEY is read anyway)",
     )
-    parser.add_argument("--max-batch-wait-ms", type=float, help="batch window (default 2)")
-    parser.add_argument("--max-rows", type=int, help="rows per request (413 above)")
-    parser.add_argument("--max-body-bytes", type=parse_bytes, help="request body limit")
+    parser.add_argument(
+        "--max-batch-wait-ms", type=float, metavar="MS", help="batch window, ms (default 2)"
+    )
+    parser.add_argument("--max-rows", type=int, help="rows per request (default 8192; 413 above)")
+    parser.add_argument(
+        "--max-body-bytes",
+        type=parse_bytes,
+        help="request body limit, bytes (e.g. 64MiB; default 32MiB; 413 above)",
+    )
     parser.add_argument(
         "--watch-store",
         action=argparse.BooleanOptionalAction,
@@ -133,7 +150,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     except ValidationError as exc:
         problems = "; ".join(
             # A check across settings names them itself (its loc is empty).
-            f"{_setting_name(err['loc'], set(overrides))}: {err['msg']}" if err["loc"]
+            f"{_setting_name(err['loc'], set(overrides))}: "
+            f"{str(err['msg']).removeprefix('Value error, ')}" if err["loc"]
             else str(err["msg"]).removeprefix("Value error, ")
             for err in exc.errors()
         )
@@ -210,6 +228,18 @@ def _run(settings: Any) -> int:
         if code:
             logger.error("%s", why)
             return code
+
+    try:
+        socket.getaddrinfo(settings.host, None, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        # Found now: with --port 0 the bind check is skipped and uvicorn found it only after
+        # Ray, the actors and the store were up, in a line that named neither the host nor
+        # the option.
+        logger.error(
+            "--host / MOMLP_HOST %r is no address of this machine's resolver (%s)",
+            settings.host, exc.strerror or exc,
+        )
+        return 2
 
     store = Path(settings.store)
     if store.is_file():

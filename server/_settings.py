@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, SecretStr, model_validator
+from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from experts_store import CachePolicy
@@ -22,12 +23,24 @@ _UNITS = {
 }  # fmt: skip
 
 
+# No machine has 8 EiB of memory; past it a size is a typo, and torch's int64 sizes overflow.
+_MAX_BYTES = 2**63 - 1
+
+
 def byte_size(text: str) -> int:
     """`268435456`, `256MiB`, `1.5GB` -> bytes (ValueError naming the text otherwise)."""
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     if match is None or match.group(2).lower() not in _UNITS:
         raise ValueError(f"not a byte size: {text!r} (e.g. 268435456, 256MiB)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if len(match.group(1)) > 40:
+        # Fraction of a longer digit string is slow, and its size is over the cap anyway.
+        raise ValueError(f"byte size {text.strip()!r} is above 8 EiB")
+    # Exact: float() turned 400 digits into inf (OverflowError, a traceback) and rounded
+    # sizes above 2**53 to another number of bytes.
+    size = int(Fraction(match.group(1)) * _UNITS[match.group(2).lower()])
+    if size > _MAX_BYTES:
+        raise ValueError(f"byte size {text.strip()!r} is above 8 EiB")
+    return size
 
 
 def _bytes_or_text(value: Any) -> Any:
@@ -222,6 +235,25 @@ class Settings(BaseSettings):
     )
     watch_store: bool = Field(default=True, description="reload when manifest.json changes")
     watch_interval_s: float = Field(default=2.0, gt=0.0)
+
+    @field_validator("store", "host", "model_name", "actor_resource", mode="before")
+    @classmethod
+    def _not_blank(cls, value: Any) -> Any:
+        # An empty MOMLP_HOST (a template's unset variable) bound every interface, an empty
+        # MOMLP_STORE served the working directory, and an empty MOMLP_ACTOR_RESOURCE asked
+        # Ray for a resource no node has. A deliberate choice is spelled out: 0.0.0.0, ".".
+        if isinstance(value, str) and not value.strip():
+            raise ValueError(f"{value!r} is blank")
+        return value
+
+    @field_validator("model_name")
+    @classmethod
+    def _one_path_segment(cls, value: str | None) -> str | None:
+        # The name is one segment of /v2/models/{name}/...: with a "/" no URL reaches it, and
+        # every /v2 request got 404.
+        if value is not None and "/" in value:
+            raise ValueError(f"{value!r} contains '/' (it is one segment of /v2/models/NAME)")
+        return value
 
     @model_validator(mode="after")
     def _default_within_cap(self) -> Settings:
