@@ -32,6 +32,7 @@ class FakeExpertPool(DispatchingPool):
         clock: Clock | None = None,
         sleep: Callable[[float], Awaitable[None]] | None = None,
         failure_ttl_s: float = 30.0,
+        info_timeout_s: float = 2.0,
     ) -> None:
         device = resolve_device(settings.device)
         names = [f"actor-{index}" for index in range(settings.actors)]
@@ -43,6 +44,7 @@ class FakeExpertPool(DispatchingPool):
             clock=clock,
             sleep=sleep,
             failure_ttl_s=failure_ttl_s,
+            info_timeout_s=info_timeout_s,
         )
         self._settings = settings
         self._clock_arg = clock
