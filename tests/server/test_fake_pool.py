@@ -29,6 +29,15 @@ class StepClock:
         return self.t
 
 
+async def until(predicate: Callable[[], object]) -> None:
+    """Wait for the pool's tasks to reach a state (bounded; not a timing assumption)."""
+    for _ in range(500):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the state was never reached")
+
+
 def groups_for(experts: list[int], n: int, rows: int = 2, seed: int = 0) -> list[IdGroup]:
     generator = torch.Generator().manual_seed(seed)
     return [IdGroup(e, torch.randn(rows, n, generator=generator)) for e in experts]
@@ -137,8 +146,7 @@ class LosableRuntime(FakeExpertPool):
     with its GCS gone) and the runtime probe names the problem, until it comes back."""
 
     def __init__(self, settings: Settings) -> None:
-        super().__init__(settings)
-        self._info_timeout_s = 0.02
+        super().__init__(settings, info_timeout_s=0.02)
         self.down: str | None = None
 
     async def _call_info(self, actor: str) -> Any:
@@ -341,10 +349,8 @@ async def test_a_pool_closed_while_a_batch_waits_for_a_revival_answers_pool_clos
     pool = IdPool(store, SlowRestart(Settings(actors=1, cache_bytes=10**6)))
     pool.kill("actor-0")
     batch = asyncio.ensure_future(pool.run(groups_for([0, 1], 3)))
-    for _ in range(500):  # the call dies; the batch then waits for the restart
-        if not pool.dispatcher.alive("actor-0"):
-            break
-        await asyncio.sleep(0.01)
+    # The call dies; the batch then waits for the restart.
+    await until(lambda: not pool.dispatcher.alive("actor-0"))
     assert not pool.dispatcher.alive("actor-0") and not batch.done()
     await pool.close()
     with pytest.raises(PoolClosed):
@@ -380,10 +386,7 @@ async def test_a_late_failure_of_a_restarted_actors_old_process_leaves_it_alive(
     assert homed
     with caplog.at_level("WARNING", logger="server.pool._dispatch"):
         first = asyncio.ensure_future(pool.run(groups_for(homed, 3)))
-        for _ in range(500):
-            if pool.inner.in_flight is not None:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: pool.inner.in_flight is not None)
         pool.kill("actor-0")  # the process dies: the next call notices
         second = await pool.run(groups_for(homed, 3, seed=1))
         assert pool.calls[0][0] == "actor-0"  # where the second batch found it dead
@@ -411,10 +414,7 @@ async def test_a_late_failure_of_the_old_process_does_not_use_up_a_retry(
     homed = [e for e in range(8) if pool.dispatcher.home(e) == "actor-0"]
     assert homed
     first = asyncio.ensure_future(pool.run(groups_for(homed, 3)))
-    for _ in range(500):
-        if pool.inner.in_flight is not None:
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: pool.inner.in_flight is not None)
     pool.kill("actor-0")
     await pool.run(groups_for(homed, 3, seed=1))  # finds actor-0 dead: restarted
     assert await pool.wait_until_alive("actor-0")
@@ -488,10 +488,7 @@ async def test_a_reply_of_a_process_already_dead_does_not_count_its_loads_twice(
     first = loads()
     assert first == len(homed)
     call = asyncio.ensure_future(pool.run(groups_for(homed, 3, seed=1)))  # hits only
-    for _ in range(500):
-        if pool.inner.gate is not None:
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: pool.inner.gate is not None)
     pool.inner._actor_lost("actor-0", "its socket closed")  # noticed before the reply
     pool.inner.gate.set_result(None)
     await call
