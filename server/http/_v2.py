@@ -25,8 +25,7 @@ from fastapi.responses import Response
 
 from server._exceptions import HttpError
 from server._settings import Settings
-from server.http._body import parse_sized, read_body_limited
-from server.http._content_encoding import decode_body
+from server.http._body import parse_encoded, read_body_limited
 from server.http._deadline import Deadlines
 from server.http._hot import HotRoute
 from server.http._openapi import inline_defs
@@ -35,7 +34,6 @@ from server.http._v2_codec import (
     HEADER_LENGTH,
     InferRequest,
     OutputTensor,
-    ParsedInfer,
     encode_response,
     parse_infer,
     wanted_outputs,
@@ -191,17 +189,6 @@ def _metadata(current: StoreVersion, name: str) -> ModelMetadata:
     )
 
 
-def _parse_encoded(
-    body: bytes, encoding: str | None, header_length: str | None, *, max_bytes: int,
-    input_name: str, input_dim: int, max_rows: int,
-) -> ParsedInfer:
-    """The request in `body`, decoded first when it came compressed (Content-Encoding)."""
-    decoded = decode_body(body, encoding, max_bytes=max_bytes)
-    return parse_infer(
-        decoded, header_length, input_name=input_name, input_dim=input_dim, max_rows=max_rows
-    )
-
-
 async def infer(request: Request, name: str, version: str | None) -> Response:
     """POST /v2/models/{name}[/versions/{version}]/infer (also called by `HotRoutes`)."""
     serving = _serving(request)
@@ -210,20 +197,17 @@ async def infer(request: Request, name: str, version: str | None) -> Response:
         _version_for(serving, name, version)
         deadlines: Deadlines = request.app.state.deadlines
         body = await read_body_limited(request, settings.max_body_bytes, deadlines.body)
-        encoding = request.headers.get("content-encoding")
         parse = functools.partial(
-            _parse_encoded,
-            body,
-            encoding,
-            request.headers.get(HEADER_LENGTH),
-            max_bytes=settings.max_body_bytes,
+            parse_infer,
+            header_length=request.headers.get(HEADER_LENGTH),
             input_name=INPUT_NAME,
             input_dim=current.model.input_dim,
             max_rows=settings.max_rows,
         )
-        # A compressed body's size says nothing of its decoded size: decode it off the loop.
-        parsed = await parse_sized(len(body) if encoding is None else settings.max_body_bytes,
-                                   parse)
+        parsed = await parse_encoded(
+            body, request.headers.get("content-encoding"), parse,
+            max_bytes=settings.max_body_bytes,
+        )
         wanted_outputs(parsed.request, list(_OUTPUT_NAMES))  # 422 before any work
         options = current.model.resolve(_gate(parsed.request.parameters), settings)
         x = check_attached_conditions(current.model, parsed.x, settings)

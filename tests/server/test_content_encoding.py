@@ -108,7 +108,7 @@ async def test_a_compressed_generate_body_is_decoded_while_other_requests_are_se
         waited.append(answered.wait(5.0))  # on the loop, nothing else runs meanwhile
         return decode_body(body, encoding, max_bytes=max_bytes)
 
-    monkeypatch.setattr("server.http._hyper.decode_body", decode_when_answered)
+    monkeypatch.setattr("server.http._body.decode_body", decode_when_answered)
     store = build_small_store(tmp_path / "s", K=8, n=4, out=2)
     body = gzip.compress(json.dumps({"condition_id": "a"}).encode())
     # The default limit: a body that may decode to 32 MiB.
