@@ -1,7 +1,7 @@
 """What the sync and async clients share: building requests, decoding answers, retry policy.
 
 The two subclasses only do I/O (send, sleep); every decision is made here so that they behave
-the same by construction.
+the same by construction. What an error answer or an httpx exception becomes is `_translate`'s.
 """
 
 from __future__ import annotations
@@ -21,22 +21,14 @@ from ._encoding import NPY_CONTENT_TYPE, encode_inputs
 from ._exceptions import (
     ClientClosed,
     ConnectError,
-    ConnectTimeout,
     DecodingError,
-    ExpertUnavailable,
     HTTPStatusError,
-    InvalidInput,
     MomlpError,
-    NetworkError,
-    NotFound,
-    PayloadTooLarge,
     ProtocolError,
     RateLimited,
     ServerError,
     ServiceUnavailable,
-    TimeoutError,
     TransportError,
-    Unauthorized,
 )
 from ._models import ExpertsInfo, GeneratedExpert, GraphInfo, ModelInfo, Prediction, Routing
 from ._options import (
@@ -46,6 +38,7 @@ from ._options import (
     check_options,
     gate_query,
 )
+from ._translate import TimeoutTypes, has_request, status_error, transport_error
 
 __all__ = ["DEFAULT_BASE_URL", "BaseClient", "RequestSpec", "TimeoutTypes"]
 
@@ -55,17 +48,7 @@ GENERATED_KEY_HEADER = "X-Momlp-Key"
 GENERATED_VERSION_HEADER = "X-Momlp-Store-Version"
 
 Mode = Literal["tree", "exact"]
-TimeoutTypes = float | httpx.Timeout | None
 M = TypeVar("M", bound=pydantic.BaseModel)
-
-_STATUS_ERRORS: dict[int, type[HTTPStatusError]] = {
-    401: Unauthorized,
-    404: NotFound,
-    413: PayloadTooLarge,
-    422: InvalidInput,
-    429: RateLimited,
-    503: ServiceUnavailable,
-}
 
 
 @dataclass(frozen=True)
@@ -218,9 +201,9 @@ class BaseClient:
         try:
             yield
         except httpx.HTTPStatusError as exc:
-            raise self._status_error(exc.response) from exc
+            raise status_error(exc.response) from exc
         except (httpx.HTTPError, httpx.InvalidURL, httpx.CookieConflict, httpx.StreamError) as exc:
-            raise _transport_error(exc, f"{spec.method} {spec.path}", self._timeout) from exc
+            raise transport_error(exc, f"{spec.method} {spec.path}", self._timeout) from exc
 
     @staticmethod
     def _closed_error(spec: RequestSpec) -> ClientClosed:
@@ -233,38 +216,7 @@ class BaseClient:
     def _check_status(self, response: httpx.Response) -> httpx.Response:
         if response.is_success:
             return response
-        raise self._status_error(response)
-
-    @staticmethod
-    def _status_error(response: httpx.Response) -> HTTPStatusError:
-        status = response.status_code
-        code, message, detail = f"http_{status}", response.reason_phrase or "error", None
-        try:
-            error = response.json()["error"]
-            code = str(error.get("code", code))
-            message = str(error.get("message", message))
-            detail = error.get("detail")
-        except (ValueError, KeyError, TypeError, AttributeError, httpx.HTTPError):
-            text = _safe_text(response)
-            if text:
-                message = text[:200]
-        fields: dict[str, Any] = {
-            "status_code": status,
-            "code": code,
-            "detail": detail,
-            "url": str(response.request.url) if _has_request(response) else "",
-            "retry_after": _retry_after(response.headers.get("Retry-After")),
-            "request_id": response.headers.get("X-Request-ID"),
-        }
-        if status == 503 and (code == "expert_unavailable" or _detail_expert(detail) is not None):
-            reason = str(detail.get("reason", "")) if isinstance(detail, Mapping) else ""
-            return ExpertUnavailable(
-                message, expert_id=_detail_expert(detail), reason=reason, **fields
-            )
-        cls = _STATUS_ERRORS.get(status)
-        if cls is None:
-            cls = ServerError if status >= 500 else HTTPStatusError
-        return cls(message, **fields)
+        raise status_error(response)
 
     def _retry_delay(self, spec: RequestSpec, attempt: int, error: MomlpError) -> float | None:
         """Seconds to wait before attempt `attempt + 1`, or None to give up and raise `error`."""
@@ -293,7 +245,7 @@ class BaseClient:
             raise DecodingError(
                 f"{model.__name__} answer does not match the v1 contract: {exc.error_count()} "
                 "problem(s)",
-                url=str(response.request.url) if _has_request(response) else "",
+                url=str(response.request.url) if has_request(response) else "",
                 detail=exc.errors(include_url=False, include_context=False),
             ) from exc
 
@@ -320,7 +272,7 @@ class BaseClient:
             raise DecodingError(
                 f"a /v1/generate answer needs a body and the {GENERATED_KEY_HEADER} and "
                 f"{GENERATED_VERSION_HEADER} headers",
-                url=str(response.request.url) if _has_request(response) else "",
+                url=str(response.request.url) if has_request(response) else "",
             )
         return GeneratedExpert(data=response.content, key=key, store_version=version)
 
@@ -354,65 +306,3 @@ def _check_base_url(base_url: str) -> None:
         )
     if url.port is not None and not 0 < url.port < 65536:
         raise ProtocolError(f"{base_url!r}: port {url.port} is not 1-65535", url=base_url)
-
-
-def _transport_error(exc: Exception, url: str, timeout: TimeoutTypes = None) -> MomlpError:
-    # httpx's async timeouts carry no text: say what ran out.
-    text = str(exc) or (
-        f"no answer within the timeout ({_timeout_text(timeout)})"
-        if isinstance(exc, httpx.TimeoutException) else "(no detail)"
-    )
-    message = f"{url}: {type(exc).__name__}: {text}"
-    if isinstance(exc, httpx.ConnectTimeout):
-        return ConnectTimeout(message, url=url)
-    if isinstance(exc, httpx.ConnectError):
-        return ConnectError(message, url=url)
-    if isinstance(exc, httpx.TimeoutException):
-        return TimeoutError(message, url=url)
-    if isinstance(exc, httpx.NetworkError | httpx.RemoteProtocolError):
-        # RemoteProtocolError is how httpx reports a server that closed the connection before
-        # or while answering: a broken connection, not malformed HTTP from this side.
-        return NetworkError(message, url=url)
-    if isinstance(exc, httpx.DecodingError):
-        return DecodingError(message, url=url)
-    return ProtocolError(message, url=url)
-
-
-def _timeout_text(timeout: TimeoutTypes) -> str:
-    if isinstance(timeout, httpx.Timeout):
-        parts = {"connect": timeout.connect, "read": timeout.read, "write": timeout.write,
-                 "pool": timeout.pool}
-        return ", ".join(f"{name} {value:g} s" for name, value in parts.items() if value)
-    return "none" if timeout is None else f"{timeout:g} s"
-
-
-def _retry_after(value: str | None) -> float | None:
-    if value is None:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        # An HTTP-date is legal too; without a wall clock to compare with, fall back to back-off.
-        return None
-    return seconds if seconds >= 0 else None
-
-
-def _detail_expert(detail: Any) -> int | None:
-    if isinstance(detail, Mapping) and isinstance(detail.get("expert_id"), int):
-        return int(detail["expert_id"])
-    return None
-
-
-def _has_request(response: httpx.Response) -> bool:
-    try:
-        _ = response.request
-    except RuntimeError:
-        return False
-    return True
-
-
-def _safe_text(response: httpx.Response) -> str:
-    try:
-        return response.text.strip()
-    except (httpx.HTTPError, httpx.StreamError, UnicodeDecodeError):
-        return ""

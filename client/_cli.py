@@ -18,7 +18,12 @@ if TYPE_CHECKING:
     from ._loadtest_config import LoadTestConfig
     from ._report import LoadTestReport
 
-__all__ = ["register"]
+__all__ = ["EXIT_TOO_MANY_FAILED", "register"]
+
+# The exit status of a run in which more than --max-failed-fraction of the requests failed:
+# apart from 1 (nothing answered, server unreachable, report unwritable) and 2 (bad flags), so
+# that CI can tell "the server failed too often" from "the load test could not run".
+EXIT_TOO_MANY_FAILED = 3
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -28,6 +33,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description=(
             "Send POST /v1/predict with return_stats=true at a controlled expert law and report "
             "latency, throughput, cache hits and device memory per request."
+        ),
+        epilog=(
+            "exit status: 0 done (also when some requests failed, unless "
+            "--max-failed-fraction says otherwise), 1 no request answered (or the server "
+            "unreachable, or the report unwritable), 2 bad flags, "
+            f"{EXIT_TOO_MANY_FAILED} more than --max-failed-fraction of a run's requests failed"
         ),
     )
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
@@ -87,6 +98,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=None,
         help="bearer key (default: the MOMLP_API_KEY environment variable)",
     )
+    parser.add_argument(
+        "--max-failed-fraction",
+        type=float,
+        metavar="F",
+        default=None,
+        help=f"exit {EXIT_TOO_MANY_FAILED} when more than F (0 to 1) of a run's requests failed, "
+        "each --gate's run judged alone; 0 fails on the first failure (default: no limit)",
+    )
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
     parser.add_argument(
         "--retries", type=int, default=0, help="retries of 429/503/connect errors (default 0)"
@@ -137,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
             eval_data=args.eval,
             conditions=args.conditions,
             condition_distribution=args.condition_distribution,
+            max_failed_fraction=args.max_failed_fraction,
         )
         if args.report is not None:
             _writable_directory(args.report)
@@ -180,7 +200,29 @@ def run(args: argparse.Namespace) -> int:
         if args.report is not None:
             for path in write_comparison(gates, reports, args.report, plot=not args.no_plots):
                 print(f"comparison: {path}")
-    return 0 if all(report.ok > 0 for report in reports) else 1
+    too_many_failed = False
+    if args.max_failed_fraction is not None:
+        for number, (gate, report) in enumerate(zip(gates, reports, strict=True), start=1):
+            if report.failure_check is not None and not report.failure_check["passed"]:
+                too_many_failed = True
+                run_name = f"gate-{number} {json.dumps(gate)}: " if len(reports) > 1 else ""
+                print(f"momlp loadtest: {run_name}{_failed_text(report)}", file=sys.stderr)
+    if not all(report.ok > 0 for report in reports):
+        return 1
+    return EXIT_TOO_MANY_FAILED if too_many_failed else 0
+
+
+def _failed_text(report: LoadTestReport) -> str:
+    """One line: which fraction of the run's requests failed, against which limit."""
+    assert report.failure_check is not None
+    fraction = report.failure_check["failed_fraction"]
+    limit = report.failure_check["max_failed_fraction"]
+    if fraction is None:
+        return f"no request was sent, which fails --max-failed-fraction {limit:g}"
+    return (
+        f"{fraction:.4g} of the requests failed ({report.errors} of {report.requests}), more "
+        f"than --max-failed-fraction {limit:g} allows"
+    )
 
 
 def _number(value: float | None, spec: str) -> str:

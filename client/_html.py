@@ -10,8 +10,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ._figures import LATENCY_PERCENTILES
 from ._plots import PLOT_TITLES
-from ._report import LATENCY_PERCENTILES
 
 if TYPE_CHECKING:
     from ._report import LoadTestReport
@@ -51,6 +51,12 @@ def summary_rows(report: LoadTestReport) -> list[SummaryRow]:
     add("requests", "requests sent", report.requests, count)
     add("ok", "answered (200)", report.ok, count)
     add("errors", "failed", report.errors, count)
+    if report.failure_check is not None:
+        check = report.failure_check
+        add("failure_check/failed_fraction", "failed fraction", check["failed_fraction"],
+            fixed(4, ""))
+        add("failure_check/max_failed_fraction", "failed fraction allowed (--max-failed-fraction)",
+            check["max_failed_fraction"], fixed(4, ""))
     add("rows", "rows answered", report.rows, count)
     add("duration_s", "duration", report.duration_s, fixed(2, "s"))
     rate = report.config.get("rate")
@@ -137,6 +143,11 @@ def render_html(
         ),
         ("generated", generated.strftime("%Y-%m-%d %H:%M:%S UTC")),
     ]
+    if report.failure_check is not None:
+        passed = report.failure_check["passed"]
+        facts.insert(-1, ("verdict", f"{'passed' if passed else 'failed'} (at most "
+                          f"{report.failure_check['max_failed_fraction']:g} of the requests "
+                          "may fail)"))
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en">',

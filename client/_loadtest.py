@@ -29,7 +29,8 @@ from ._loadtest_config import LoadTestConfig
 from ._models import ModelInfo
 from ._open_loop import open_loop_figures, open_loop_notes
 from ._plots import matplotlib_available, write_plots
-from ._report import LoadTestReport, RequestRecord, build_report, write_records_csv
+from ._records import RequestRecord, write_records_csv
+from ._report import LoadTestReport, build_report
 from ._runner import Clock, MonotonicClock, Runner, Sleep
 from ._server_counts import counter_delta, read_counters
 from ._workload import Distribution, Workload, build_workload
@@ -167,6 +168,7 @@ async def arun_loadtest(
         save_requests=config.save_requests,
         accuracy=_accuracy(evaluation, records),
         server_counts=server_counts,
+        max_failed_fraction=config.max_failed_fraction,
     )
     if config.rate is not None:
         figures = open_loop_figures(records, config.rate)

@@ -50,6 +50,10 @@ class LoadTestConfig:
     # `condition_distribution` (uniform or zipf:S); replaces the expert workload.
     conditions: int | None = None
     condition_distribution: str = "uniform"
+    # The verdict of the run (`LoadTestReport.failure_check`): it fails when more than this
+    # fraction of its requests failed. None: no verdict (some failures are the point of a run
+    # pushed past the server's capacity, whose 429s are its designed answer).
+    max_failed_fraction: float | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -89,6 +93,14 @@ class LoadTestConfig:
             raise _out_of_range("timeout_s", self.timeout_s, "> 0")
         if self.max_retries < 0:
             raise _out_of_range("max_retries", self.max_retries, ">= 0")
+        limit = self.max_failed_fraction
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, int | float) or not 0 <= limit <= 1
+        ):  # NaN fails the range test too
+            raise LoadTestConfigError(
+                f"max_failed_fraction must be a number in [0, 1], got {limit!r}",
+                setting="max_failed_fraction", value=limit,
+            )
         # Unknown gate fields fail here (exit 2), not on every request of the run.
         try:
             check_gate(self.gate)

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ._report import RequestRecord, percentile
+from ._figures import percentile
+from ._records import RequestRecord
 
 __all__ = ["LATE_MS", "open_loop_figures", "open_loop_notes"]
 

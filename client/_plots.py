@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._report import LATENCY_PERCENTILES
+from ._figures import LATENCY_PERCENTILES
 
 if TYPE_CHECKING:
     from ._report import LoadTestReport

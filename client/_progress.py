@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections import deque
 from typing import TextIO
 
+from ._figures import percentile
 from ._loadtest_config import LoadTestConfig
-from ._report import RequestRecord, percentile
+from ._records import RequestRecord
 
 __all__ = ["Progress"]
 

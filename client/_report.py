@@ -1,15 +1,29 @@
-"""Load-test records, the figures computed from them, report.json and the terminal summary."""
+"""The load-test report: `LoadTestReport` (report.json's content) built from the records, and
+the terminal summary.
+
+The records and requests.csv live in `_records`, the figures computed from them in `_figures`;
+their names are re-exported here, where callers have always imported them.
+"""
 
 from __future__ import annotations
 
-import csv
 import json
-import math
-from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ._figures import (
+    LATENCY_PERCENTILES,
+    finite,
+    latency_summary,
+    percentile,
+    rate,
+    ratio,
+    time_series,
+)
+from ._records import CSV_COLUMNS, RequestRecord, record_dict, write_records_csv
 
 __all__ = [
     "CSV_COLUMNS",
@@ -20,45 +34,6 @@ __all__ = [
     "percentile",
     "write_records_csv",
 ]
-
-# Keys of `latency_ms` beside max and mean, with the percentile each names.
-LATENCY_PERCENTILES = {"p50": 50.0, "p90": 90.0, "p95": 95.0, "p99": 99.0, "p99.9": 99.9}
-
-
-@dataclass(frozen=True)
-class RequestRecord:
-    """One request of the load test; times are seconds since the test started."""
-
-    index: int
-    start_s: float
-    end_s: float
-    rows: int
-    # "200", another HTTP status, connect / timeout / network / protocol / decoding, or
-    # client_busy (never sent: no client of the generator's came free within the timeout).
-    status: str
-    hits: int = 0
-    misses: int = 0
-    vram_bytes: int | None = None
-    device_bytes: dict[str, int] = field(default_factory=dict)
-    expert_rows: dict[int, int] = field(default_factory=dict)
-    kept: int = 0  # experts used, summed over the request's rows (the gate may vary it)
-    # Kind hyper: the cache keys of the θ the request's rows used (one per distinct condition).
-    condition_keys: tuple[str, ...] = ()
-    # --eval: sum of squared errors (regression) or correct rows (classification), and over
-    # how many values (output values, or rows); None without --eval.
-    eval_sum: float | None = None
-    eval_count: int = 0
-    # When the request left the generator (None: it never did); start_s is its scheduled
-    # arrival in an open loop, so sent_s - start_s is the generator's own delay.
-    sent_s: float | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "200"
-
-    @property
-    def latency_ms(self) -> float:
-        return (self.end_s - self.start_s) * 1000.0
 
 
 @dataclass(frozen=True)
@@ -101,6 +76,9 @@ class LoadTestReport:
     # Open loop (`config["rate"]`): whether the generator sent at the asked rate
     # (`client._open_loop.open_loop_figures`); None in a closed loop.
     open_loop: dict[str, Any] | None = None
+    # --max-failed-fraction F: {"failed_fraction", "max_failed_fraction", "passed"}; the run
+    # passes when no more than F of its requests failed (`_failure_check`). None without F.
+    failure_check: dict[str, Any] | None = None
     plots: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -198,17 +176,6 @@ def _open_loop_line(figures: dict[str, Any]) -> str:
     )
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) with linear interpolation (numpy's default); nan if empty."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100.0
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
 def build_report(
     records: Sequence[RequestRecord],
     *,
@@ -221,6 +188,7 @@ def build_report(
     save_requests: bool = False,
     accuracy: dict[str, Any] | None = None,
     server_counts: dict[str, int] | None = None,
+    max_failed_fraction: float | None = None,
 ) -> LoadTestReport:
     ok = [record for record in records if record.ok]
     latencies = [record.latency_ms for record in ok]
@@ -240,17 +208,17 @@ def build_report(
         errors=len(records) - len(ok),
         rows=rows,
         duration_s=duration_s,
-        requests_per_s=_rate(len(ok), duration_s),
-        rows_per_s=_rate(rows, duration_s),
-        latency_ms=_latency_summary(latencies),
+        requests_per_s=rate(len(ok), duration_s),
+        rows_per_s=rate(rows, duration_s),
+        latency_ms=latency_summary(latencies),
         errors_by_status=dict(sorted(errors.items())),
         hits=hits,
         misses=misses,
-        hit_rate=_ratio(hits, hits + misses),
+        hit_rate=ratio(hits, hits + misses),
         loads=misses,
         vram_bytes={
-            "p50": _finite(percentile(vram, 50)),
-            "p99": _finite(p99_vram),
+            "p50": finite(percentile(vram, 50)),
+            "p99": finite(p99_vram),
             "max": max(vram, default=0.0),
         },
         dense_equivalent_bytes=dense_equivalent_bytes,
@@ -263,143 +231,29 @@ def build_report(
         config=config,
         model=model,
         workload=workload,
-        records=[_record_dict(record) for record in records] if save_requests else None,
+        records=[record_dict(record) for record in records] if save_requests else None,
         experts_per_row=sum(record.kept for record in ok) / rows if rows else None,
         conditions_served=len(conditions) if conditions else None,
         accuracy=accuracy,
         server_counts=server_counts,
+        failure_check=_failure_check(len(records), len(records) - len(ok), max_failed_fraction),
     )
 
 
-def time_series(
-    records: Iterable[RequestRecord], *, duration_s: float | None = None
-) -> list[dict[str, Any]]:
-    """Per-second buckets by completion time; resident bytes are the last seen per actor.
-
-    `offered` counts the requests that started (in open loop: were scheduled to arrive) in
-    that second, so a second in which the server answered nothing still has its bucket;
-    `sent` those that left the generator in it (fewer than `offered` when it fell behind).
-    Rates divide by the part of the second the run covered, so a last, partial second does
-    not read as a throughput drop.
-    """
-    records = list(records)
-    buckets: dict[int, list[RequestRecord]] = defaultdict(list)
-    offered: Counter[int] = Counter()
-    sent: Counter[int] = Counter()
-    for record in records:
-        buckets[int(math.floor(record.end_s))].append(record)
-        offered[int(math.floor(max(record.start_s, 0.0)))] += 1
-        if record.sent_s is not None:
-            sent[int(math.floor(max(record.sent_s, 0.0)))] += 1
-    series = []
-    for second in sorted(set(buckets) | set(offered) | set(sent)):
-        bucket = sorted(buckets[second], key=lambda record: record.end_s)
-        ok = [record for record in bucket if record.ok]
-        latencies = [record.latency_ms for record in ok]
-        hits = sum(record.hits for record in ok)
-        misses = sum(record.misses for record in ok)
-        device: dict[str, int] = {}
-        for record in ok:
-            device.update(record.device_bytes)
-        rows = sum(record.rows for record in ok)
-        span = 1.0
-        if duration_s is not None and second + 1 > duration_s > second:
-            span = duration_s - second
-        series.append(
-            {
-                "t": second,
-                "requests": len(ok),
-                "errors": len(bucket) - len(ok),
-                "offered": offered[second],
-                "sent": sent[second],
-                "rows": rows,
-                "requests_per_s": len(ok) / span,
-                "offered_per_s": offered[second] / span,
-                "sent_per_s": sent[second] / span,
-                "rows_per_s": rows / span,
-                "latency_ms": {
-                    "p50": _finite(percentile(latencies, 50)),
-                    "p90": _finite(percentile(latencies, 90)),
-                    "p99": _finite(percentile(latencies, 99)),
-                },
-                "hits": hits,
-                "misses": misses,
-                "hit_rate": _ratio(hits, hits + misses),
-                "device_bytes": device,
-            }
-        )
-    return series
-
-
-def _latency_summary(latencies: Sequence[float]) -> dict[str, float]:
-    summary = {key: _finite(percentile(latencies, q)) for key, q in LATENCY_PERCENTILES.items()}
-    summary["max"] = max(latencies, default=0.0)
-    summary["mean"] = sum(latencies) / len(latencies) if latencies else 0.0
-    return summary
-
-
-CSV_COLUMNS = (
-    "index",
-    "start_s",
-    "end_s",
-    "latency_ms",
-    "rows",
-    "status",
-    "hits",
-    "misses",
-    "vram_bytes",
-    "expert_rows",
-    "sent_s",  # last, so that the columns before it keep their places
-)
-
-
-def write_records_csv(records: Iterable[RequestRecord], path: Path) -> Path:
-    """One line per request (columns `CSV_COLUMNS`); `expert_rows` reads `id:rows id:rows`.
-
-    Failed requests are kept, with their status, so that a spreadsheet sees the whole run.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as stream:
-        writer = csv.writer(stream)
-        writer.writerow(CSV_COLUMNS)
-        for record in sorted(records, key=lambda record: record.index):
-            writer.writerow(
-                (
-                    record.index,
-                    f"{record.start_s:.6f}",
-                    f"{record.end_s:.6f}",
-                    f"{record.latency_ms:.3f}",
-                    record.rows,
-                    record.status,
-                    record.hits,
-                    record.misses,
-                    "" if record.vram_bytes is None else record.vram_bytes,
-                    " ".join(f"{key}:{value}" for key, value in sorted(record.expert_rows.items())),
-                    "" if record.sent_s is None else f"{record.sent_s:.6f}",
-                )
-            )
-    return path
-
-
-def _record_dict(record: RequestRecord) -> dict[str, Any]:
-    data = asdict(record)
-    data["latency_ms"] = record.latency_ms
-    data["expert_rows"] = {str(key): value for key, value in record.expert_rows.items()}
-    data["condition_keys"] = list(record.condition_keys)
-    return data
-
-
-def _finite(value: float) -> float:
-    # JSON has no NaN: an empty set of samples reads as 0 (with ok = 0 beside it).
-    return value if math.isfinite(value) else 0.0
-
-
-def _rate(count: int, seconds: float) -> float:
-    return count / seconds if seconds > 0 else 0.0
-
-
-def _ratio(part: int, whole: int) -> float | None:
-    return part / whole if whole else None
+def _failure_check(
+    requests: int, failed: int, max_failed_fraction: float | None
+) -> dict[str, Any] | None:
+    """The run's verdict against `max_failed_fraction` (None without one): it passes when the
+    failed fraction is at most the limit, so 0 fails on the first failure and 1 never. A run
+    that sent nothing has no fraction, and does not pass."""
+    if max_failed_fraction is None:
+        return None
+    fraction = failed / requests if requests else None
+    return {
+        "failed_fraction": fraction,
+        "max_failed_fraction": max_failed_fraction,
+        "passed": fraction is not None and fraction <= max_failed_fraction,
+    }
 
 
 def _human_bytes(nbytes: float) -> str:

@@ -27,7 +27,7 @@ from ._exceptions import (
 from ._leases import ClientLeases
 from ._loadtest_config import LoadTestConfig
 from ._progress import Progress
-from ._report import RequestRecord
+from ._records import RequestRecord
 from ._workload import Workload
 
 __all__ = ["CLIENT_BUSY", "Clock", "MonotonicClock", "Runner", "Sleep", "request_status"]

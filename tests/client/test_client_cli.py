@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from client import AsyncClient, _cli, _loadtest
+from client import AsyncClient, LoadTestConfig, _cli, _loadtest
 
 pytestmark = pytest.mark.unit
 
@@ -154,3 +157,106 @@ def test_a_bad_setting_is_one_line_naming_it_and_exit_2_before_any_request(
     err = captured.err.strip()
     assert err.startswith(f"momlp loadtest: {line}") and "\n" not in err, err
     assert "Traceback" not in err and captured.out == ""
+
+
+def _answer_with(server: Any) -> Callable[[LoadTestConfig], AsyncClient]:
+    """The CLI's load test sent to the fake `server` (through httpx.MockTransport)."""
+    return lambda config: AsyncClient(transport=httpx.MockTransport(server.handler))
+
+
+@pytest.mark.parametrize(
+    ("limit", "status"), [(None, 0), ("1", 0), ("0.25", 0), ("0.2", 3), ("0", 3)]
+)
+@pytest.mark.parametrize("loop", [["--concurrency", "3"], ["--rate", "500"]])
+def test_max_failed_fraction_fails_the_run_with_exit_3_and_says_why(
+    make_server: Callable[..., Any], make_error: Callable[..., httpx.Response], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], limit: str | None,
+    status: int, loop: list[str],
+) -> None:
+    server = make_server(clock=None)
+    # Every fourth request refused (as rows of the wrong width are): 3 of 12 fail.
+    server.fail_every = (4, make_error(422, "invalid_input", "wrong dimension"))
+    monkeypatch.setattr(_loadtest, "default_client_factory", _answer_with(server))
+    argv = ["loadtest", "--requests", "12", *loop, "--report", str(tmp_path), "--no-plots",
+            "--quiet"]
+    if limit is not None:
+        argv += ["--max-failed-fraction", limit]
+    args = parser().parse_args(argv)
+    assert args.handler(args) == status
+    err = capsys.readouterr().err
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert (data["requests"], data["errors"], data["errors_by_status"]) == (12, 3, {"422": 3})
+    if limit is None:
+        assert data["failure_check"] is None and err == ""
+        return
+    assert data["failure_check"] == {
+        "failed_fraction": 0.25, "max_failed_fraction": float(limit), "passed": status == 0,
+    }
+    if status == 0:
+        assert err == ""
+    else:
+        assert err == (
+            "momlp loadtest: 0.25 of the requests failed (3 of 12), more than "
+            f"--max-failed-fraction {limit} allows\n"
+        )
+    html = (tmp_path / "report.html").read_text()
+    assert 'data-key="failure_check/failed_fraction"' in html
+    assert ("passed" if status == 0 else "failed") + " (at most" in html
+
+
+def test_max_failed_fraction_judges_each_gate_run_alone(
+    make_server: Callable[..., Any], make_error: Callable[..., httpx.Response], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    server = make_server(clock=None)
+    refused = {"count": 0}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        # The second gate's run: every other request refused; the first gate's: none.
+        if request.url.path == "/v1/predict" and json.loads(request.content).get("gate") == {
+            "top_p": 0.5
+        }:
+            refused["count"] += 1
+            if refused["count"] % 2 == 0:
+                return make_error(422, "invalid_input", "gate refused")
+        answer: httpx.Response = server.handler(request)
+        return answer
+
+    monkeypatch.setattr(
+        _loadtest, "default_client_factory",
+        lambda config: AsyncClient(transport=httpx.MockTransport(handler)),
+    )
+    args = parser().parse_args(
+        ["loadtest", "--requests", "8", "--concurrency", "2", "--gate", '{"temperature": 1.0}',
+         "--gate", '{"top_p": 0.5}', "--max-failed-fraction", "0.1", "--report", str(tmp_path),
+         "--no-plots", "--quiet"]
+    )
+    assert args.handler(args) == 3
+    err = capsys.readouterr().err
+    assert err == (
+        'momlp loadtest: gate-2 {"top_p": 0.5}: 0.5 of the requests failed (4 of 8), more than '
+        "--max-failed-fraction 0.1 allows\n"
+    )
+    first = json.loads((tmp_path / "gate-1" / "report.json").read_text())
+    second = json.loads((tmp_path / "gate-2" / "report.json").read_text())
+    assert first["failure_check"] == {
+        "failed_fraction": 0.0, "max_failed_fraction": 0.1, "passed": True,
+    }
+    assert second["failure_check"]["passed"] is False and second["errors"] == 4
+
+
+@pytest.mark.parametrize("value", ["1.5", "-0.1", "nan", "inf"])
+def test_a_max_failed_fraction_outside_0_1_exits_2_before_any_request(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], value: str
+) -> None:
+    from server._cli import main
+
+    def no_client(config: LoadTestConfig) -> AsyncClient:
+        pytest.fail("a client was made for a load test whose settings were refused")
+
+    monkeypatch.setattr(_loadtest, "default_client_factory", no_client)
+    assert main(["loadtest", "--max-failed-fraction", value, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"momlp loadtest: --max-failed-fraction must be a number in [0, 1], got {float(value)!r}\n"
+    )
