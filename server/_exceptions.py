@@ -2,8 +2,9 @@
 
     ServerError
      ├── PoolSaturated          queue full: 429 + Retry-After
-     ├── ExpertUnavailable      an expert cannot be loaded (checksum, missing file): 503
-                                (+ Retry-After while the bad file is remembered)
+     ├── ExpertUnavailable      an expert cannot be loaded (checksum, missing file), or a
+                                hyper store's hypernetwork (named): 503 (+ Retry-After
+                                while the bad file is remembered)
      ├── NotReady               store or pool not up yet (or shutting down): 503
      ├── PoolClosed             the pool was closed while work was pending: 503
      ├── ActorFailed            an actor died and the retry failed too: 503
@@ -75,18 +76,49 @@ class ExpertUnavailable(ServerError):
         reason: str,
         node: str | None = None,
         retry_after_s: float | None = None,
+        hypernetwork: str | None = None,
     ) -> None:
         # `node`: the graph node the expert serves (graph stores), named in the message.
         # `retry_after_s`: when the pool will read a remembered bad file again (Retry-After).
-        where = "" if node is None else f"node {node!r} "
+        # `hypernetwork`: the file of a hyper store's f when f itself cannot be read: then no
+        # θ can be generated, whichever condition's (`expert_id`) the request needed, and the
+        # message names f, not "expert 0" or the loader's stand-in "expert -1".
+        if hypernetwork is None:
+            hypernetwork = _hypernetwork_named(reason)
+        if hypernetwork is not None:
+            message = f"no expert can be generated: {reason}"
+        else:
+            where = "" if node is None else f"node {node!r} "
+            message = f"{where}expert {expert_id} cannot be served: {reason}"
         super().__init__(
-            f"{where}expert {expert_id} cannot be served: {reason}",
-            expert_id=expert_id, reason=reason, node=node, retry_after_s=retry_after_s,
+            message, expert_id=expert_id, reason=reason, node=node,
+            retry_after_s=retry_after_s, hypernetwork=hypernetwork,
         )
         self.expert_id = expert_id
         self.reason = reason
         self.node = node
         self.retry_after_s = retry_after_s
+        self.hypernetwork = hypernetwork
+
+
+# How a hyper store's f failure is told (experts_store's `own_file_problem` with the label
+# `hypernetwork <file>`, as server.pool's `load_error` and kind hyper's generator give it).
+_HYPERNETWORK_LABEL = "hypernetwork "
+
+
+def _hypernetwork_named(reason: str) -> str | None:
+    """The file of the hypernetwork a load failure's `reason` is about, or None when it is
+    about something else (an expert's file).
+
+    Read from the text because a failed load crosses the actors' boundary as text only: the
+    group's error is a string by the time a request's `ExpertUnavailable` is built."""
+    if not reason.startswith(_HYPERNETWORK_LABEL):
+        return None
+    name, sep, _ = reason[len(_HYPERNETWORK_LABEL):].partition(": ")
+    # A store names its files without blanks or colons (`hyper-<sha256[:16]>.safetensors`).
+    if not sep or not name or any(c in name for c in " :/"):
+        return None
+    return name
 
 
 class NotReady(ServerError):

@@ -9,7 +9,8 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Iterable, Iterator, Mapping
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ logger = logging.getLogger(__name__)
 DEMO_STORE = Path("demo-store")
 # How long a --ray-address head may take to accept a TCP connection before serve gives up.
 _CONNECT_TIMEOUT_S = 10.0
+# Between two tries of a head that did not answer.
+_RETRY_S = 0.5
 
 
 def parse_bytes(text: str) -> int:
@@ -69,6 +72,13 @@ def _add_server_options(parser: argparse.ArgumentParser, *, store_help: str) -> 
         help="which experts stay cached (default tinylfu: popular ones; lru: recent ones)",
     )
     parser.add_argument("--ray-address", help="Ray cluster to join (default: embedded Ray)")
+    parser.add_argument(
+        "--ray-connect-wait-s",
+        type=float,
+        metavar="S",
+        help="wait up to S seconds for a --ray-address HOST:PORT head to accept a connection"
+        " (default 30; 0: give up at once)",
+    )
     parser.add_argument("--ray-num-cpus", type=int, help="CPUs of an embedded Ray")
     parser.add_argument(
         "--api-key-env",
@@ -114,6 +124,7 @@ _FIELDS = (
     "host_cache_bytes",
     "cache_policy",
     "ray_address",
+    "ray_connect_wait_s",
     "ray_num_cpus",
     "max_batch_wait_ms",
     "max_rows",
@@ -199,32 +210,60 @@ def _has_manifest(store: Path) -> bool:
         return True
 
 
-def ray_address_problem(address: str, timeout_s: float = _CONNECT_TIMEOUT_S) -> tuple[int, str]:
+def ray_address_problem(
+    address: str,
+    timeout_s: float = _CONNECT_TIMEOUT_S,
+    *,
+    wait_s: float = 0.0,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> tuple[int, str]:
     """(exit code, why) when `address` is no Ray cluster this process can join; (0, "") else.
 
     ray.init itself waits for an unreachable head for ~14 minutes, printing only its own
-    retries, and answers a malformed address with a traceback.
+    retries, and answers a malformed address with a traceback. A HOST:PORT nobody answers at
+    is tried again until `wait_s` seconds have passed (a head that starts after the server,
+    as under a supervisor or in a pod; one try may take `timeout_s` more); a malformed one is
+    refused at once. `clock`, `sleep`: the time the wait is measured and spent in.
     """
     if address in ("auto", "local") or address.startswith("ray://"):
         return 0, ""  # Ray's own forms: Ray resolves and checks them
     host, _, port = address.rpartition(":")
     if not host or "/" in host or not port.isdecimal() or not 0 < int(port) < 65536:
         return 2, f"--ray-address {address!r} is not HOST:PORT (e.g. 127.0.0.1:6379), auto or ray://"
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            return 0, ""
-    except OSError as exc:
-        return 1, (
-            f"no Ray cluster answers at {address} ({exc.strerror or exc}); start it first "
-            "(deploy/local-cluster.sh start, or `ray start --head`)"
-        )
+    deadline = clock() + wait_s
+    waiting = False
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+                if waiting:
+                    logger.info("the Ray head at %s answers", address)
+                return 0, ""
+        except OSError as exc:
+            # Every OSError: refused (the head is not listening yet), unreachable or a name that
+            # does not resolve yet (a Kubernetes service before its pod is ready).
+            problem = exc.strerror or str(exc)
+        left = deadline - clock()
+        if left <= 0:
+            return 1, (
+                f"no Ray cluster answers at {address} ({problem})"
+                + (f" after {wait_s:g} s" if wait_s > 0 else "")
+                + "; start it first (deploy/local-cluster.sh start, or `ray start --head`)"
+            )
+        if not waiting:
+            logger.warning(
+                "no Ray cluster answers at %s yet (%s); waiting up to %g s for it to start",
+                address, problem, wait_s,
+            )
+            waiting = True
+        sleep(min(_RETRY_S, left))
 
 
 def _run(settings: Any) -> int:
     from server._runner import run_server
 
     if settings.ray_address:
-        code, why = ray_address_problem(settings.ray_address)
+        code, why = ray_address_problem(settings.ray_address, wait_s=settings.ray_connect_wait_s)
         if code:
             logger.error("%s", why)
             return code

@@ -25,6 +25,11 @@ _UNITS = {
 
 # No machine has 8 EiB of memory; past it a size is a typo, and torch's int64 sizes overflow.
 _MAX_BYTES = 2**63 - 1
+# The least body limit a server starts with. Below 1 KiB a /v2 request of one row of a few
+# dozen values (its JSON tensor header alone is ~80 bytes) or a /v1 JSON row of ~40 values
+# does not fit: such a limit is a unit left off (`--max-body-bytes 64` for 64MiB), and
+# `MOMLP_MAX_BODY_BYTES=1` started a server that refused every body.
+_MIN_BODY_BYTES = 1024
 
 
 def byte_size(text: str) -> int:
@@ -75,6 +80,14 @@ class Settings(BaseSettings):
 
     ray_address: str | None = Field(
         default=None, description="Ray cluster address; None starts an embedded local Ray"
+    )
+    # A supervisor or a Kubernetes pod often starts the server before the head it joins
+    # accepts connections: serve refused at once with "connection refused".
+    ray_connect_wait_s: float = Field(
+        default=30.0,
+        ge=0.0,
+        description="with ray_address HOST:PORT, wait up to this long for the head to accept a"
+        " connection before giving up (0: give up at once)",
     )
     ray_num_cpus: int | None = Field(
         default=None, ge=1, description="CPUs for an embedded Ray (None lets Ray decide)"
@@ -172,7 +185,8 @@ class Settings(BaseSettings):
 
     max_rows: int = Field(default=8192, ge=1, description="rows per request (413 above)")
     max_body_bytes: ByteSize = Field(
-        default=32 * 1024 * 1024, ge=1, description="request body size (413 above)"
+        default=32 * 1024 * 1024,
+        description=f"request body size (413 above; at least {_MIN_BODY_BYTES}, 1 KiB)",
     )
     body_timeout_s: float = Field(
         default=30.0, gt=0.0, description="a request body must arrive within this (408 after)"
@@ -244,6 +258,16 @@ class Settings(BaseSettings):
         # Ray for a resource no node has. A deliberate choice is spelled out: 0.0.0.0, ".".
         if isinstance(value, str) and not value.strip():
             raise ValueError(f"{value!r} is blank")
+        return value
+
+    @field_validator("max_body_bytes")
+    @classmethod
+    def _body_fits_a_request(cls, value: int) -> int:
+        if value < _MIN_BODY_BYTES:
+            raise ValueError(
+                f"{value} bytes is below the least body limit, {_MIN_BODY_BYTES} (1 KiB): no"
+                " request of a row of a few dozen values fits (a unit left off? e.g. 64MiB)"
+            )
         return value
 
     @field_validator("model_name")

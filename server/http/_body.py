@@ -268,10 +268,24 @@ def parse_npy(
     return _finite_float32(array)
 
 
-def _row_count(decimal: str, max_rows: int) -> int:
-    """A decimal `X-Momlp-Rows` as a number; 413 for one of more digits than `max_rows` has,
-    unconverted: int() refuses over 4,300 digits (a ValueError, which was a 500)."""
-    digits = decimal.strip().lstrip("0")
+def _row_count(header: str | None, max_rows: int) -> int:
+    """`X-Momlp-Rows` as a number of rows, read before the body.
+
+    ASCII digits, as HTTP writes Content-Length (RFC 9110 8.6), leading zeros and the blanks
+    around them allowed: 422 for anything else at every length (a sign, `_`, `.`, `²`, which
+    int() took or refused by the number's length: `+` and 5,000 digits was a 422, the same
+    digits unsigned a 413); 413 for more digits than `max_rows` has, counted unconverted:
+    int() refuses over 4,300 digits.
+    """
+    if header is None:
+        raise _invalid("a raw float32 body needs the X-Momlp-Rows header")
+    text = header.strip(" \t")
+    if not (text.isascii() and text.isdigit()):
+        raise _invalid(
+            f"X-Momlp-Rows must be a row count in decimal digits, got {header[:32]!r}",
+            {"header": "X-Momlp-Rows"},
+        )
+    digits = text.lstrip("0")
     if len(digits) > len(str(max_rows)):
         raise _too_large(
             f"X-Momlp-Rows holds a number of {len(digits)} digits, beyond the limit of "
@@ -282,15 +296,10 @@ def _row_count(decimal: str, max_rows: int) -> int:
 
 
 def parse_raw_float32(
-    body: bytes, rows_header: str | None, *, max_rows: int, input_dim: int
+    body: bytes, rows: int, *, max_rows: int, input_dim: int
 ) -> np.ndarray[Any, np.dtype[np.float32]]:
-    """Raw little-endian float32, row-major, `X-Momlp-Rows` rows of `input_dim` values."""
-    if rows_header is None:
-        raise _invalid("a raw float32 body needs the X-Momlp-Rows header")
-    try:
-        rows = int(rows_header)
-    except ValueError:
-        raise _invalid("X-Momlp-Rows is not an integer") from None
+    """Raw little-endian float32, row-major, `rows` rows (its `X-Momlp-Rows`) of `input_dim`
+    values."""
     check_rows(rows, input_dim, max_rows=max_rows, input_dim=input_dim)
     expected = rows * input_dim * 4
     if len(body) != expected:
@@ -382,15 +391,13 @@ async def parse_inputs(
             "unsupported_media_type",
             f"Content-Type {media!r} is not one of application/json, {NPY_TYPE}, {RAW_TYPE}",
         )
+    raw_rows = 0
     if media == RAW_TYPE:
-        # The row count is known from the header, so a too-large batch is refused unread.
-        rows_header = headers.rows
-        # isdecimal, not isdigit: "²" is a digit that int() refuses.
-        if rows_header is not None and rows_header.strip().isdecimal():
-            check_rows(_row_count(rows_header, max_rows), input_dim, max_rows=max_rows,
-                       input_dim=input_dim)
+        # The row count is known from the header, so a too-large batch, or a header that is
+        # no count, is refused unread.
+        raw_rows = _row_count(headers.rows, max_rows)
+        check_rows(raw_rows, input_dim, max_rows=max_rows, input_dim=input_dim)
     body = await read_body_limited(request, max_bytes, body_deadline, declared=headers.length)
-    rows_header = headers.rows
 
     def parse(body: bytes) -> ParsedInputs:
         if media in JSON_TYPES:
@@ -398,7 +405,7 @@ async def parse_inputs(
         if media == NPY_TYPE:
             x = parse_npy(body, max_rows=max_rows, input_dim=input_dim, image=image)
         else:
-            x = parse_raw_float32(body, rows_header, max_rows=max_rows, input_dim=input_dim)
+            x = parse_raw_float32(body, raw_rows, max_rows=max_rows, input_dim=input_dim)
         return ParsedInputs(x, gate, return_stats, return_routing)
 
     return await parse_encoded(body, headers.encoding, parse, max_bytes=max_bytes)

@@ -27,7 +27,8 @@ _MAX_FEED = 1 << 20
 def decode_body(body: bytes, encoding: str | None, *, max_bytes: int) -> bytes:
     """`body` decoded as its Content-Encoding says: gzip, deflate or none (identity).
 
-    413 when the decoded body exceeds `max_bytes`, 415 for another coding, 422 (answered as
+    413 when the decoded body exceeds `max_bytes` (detail `bytes`, `max_bytes` as every
+    body-size 413, and `encoded_bytes`), 415 for another coding, 422 (answered as
     400 under /v2) for bytes that are not what the coding says.
     """
     if encoding is None:
@@ -84,11 +85,17 @@ def _inflate(body: bytes, wbits: int, max_bytes: int) -> bytes | None:
                 parts.append(part)
                 left -= len(part)
             if left <= 0:
+                # The keys of every other body-size 413 (`bytes`: as many as were read before
+                # the limit stopped it), and the bytes the client sent beside them.
                 raise HttpError(
                     413,
                     "payload_too_large",
                     f"the decoded body exceeds the limit of {max_bytes} bytes",
-                    detail={"encoded_bytes": len(body), "max_bytes": max_bytes},
+                    detail={
+                        "bytes": max_bytes + 1 - left,
+                        "max_bytes": max_bytes,
+                        "encoded_bytes": len(body),
+                    },
                 )
         pos -= len(inflater.unused_data)
         if pos == len(view) or wbits != _GZIP:

@@ -20,7 +20,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from experts_store import ExpertLoadError
+from experts_store import ExpertLoadError, own_file_problem
 from router import RouterInputError
 from server._exceptions import (
     ActorFailed,
@@ -39,6 +39,9 @@ from server.http._startup import StartupFailure, reporting_send
 __all__ = ["V2_PREFIX", "CatchAllMiddleware", "error_response", "install_error_handlers"]
 
 V2_PREFIX = "/v2"
+# The expert id experts_store's reader stands in for a hyper store's hypernetwork f, which is
+# no expert: an error of f is told as f's (experts_store._hypernet.GENERATOR_ID).
+_GENERATOR_ID = -1
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +112,8 @@ def _server_error(exc: ServerError, error_id: str | None) -> JSONResponse:
         detail: dict[str, Any] = {"expert_id": exc.expert_id, "reason": exc.reason}
         if exc.node is not None:
             detail["node"] = exc.node
+        if exc.hypernetwork is not None:
+            detail["hypernetwork"] = exc.hypernetwork
         headers = None
         if exc.retry_after_s is not None:
             # The pool does not read a bad file again before this: a retry sooner gets the
@@ -158,6 +163,14 @@ def _v1_error_response(exc: BaseException, path: str, error_id: str | None) -> J
         return _json(422, "invalid_input", str(exc))
     if isinstance(exc, ExpertLoadError):
         expert_id = getattr(exc, "expert_id", None)
+        if expert_id == _GENERATOR_ID:
+            reason = own_file_problem("hypernetwork", exc)
+            return _json(
+                503,
+                "expert_unavailable",
+                f"no expert can be generated: {reason}",
+                {"expert_id": expert_id, "reason": reason},
+            )
         return _json(
             503,
             "expert_unavailable",

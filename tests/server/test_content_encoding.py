@@ -71,6 +71,33 @@ async def test_a_body_in_another_coding_or_past_the_limit_once_decoded_is_refuse
         assert broken.status_code == 422 and "not valid gzip" in error_of(broken)["message"]
 
 
+async def test_a_body_past_the_limit_once_decoded_has_the_detail_of_a_plain_one(
+    tmp_path: Path,
+) -> None:
+    # Its 413 said {"encoded_bytes", "max_bytes"}, where every other body-size 413 says
+    # {"bytes", "max_bytes"}: a client reading `bytes` found none.
+    store = build_small_store(tmp_path / "s", K=8, n=4, out=2)
+    big = b" " * MAX_BODY + json.dumps({"inputs": _rows(2, 4).tolist()}).encode()
+    json_type = {"Content-Type": "application/json"}
+    async with running(fake_app(store, max_body_bytes=MAX_BODY)) as client:
+        plain = await client.post("/v1/predict", content=big, headers=json_type)
+        packed = {
+            coding: (data, await client.post(
+                "/v1/predict", content=data, headers={**json_type, "Content-Encoding": coding}
+            ))
+            for coding, data in (("gzip", gzip.compress(big)), ("deflate", zlib.compress(big)))
+        }
+    assert plain.status_code == 413, plain.text
+    assert error_of(plain)["detail"] == {"bytes": len(big), "max_bytes": MAX_BODY}
+    for coding, (data, answer) in packed.items():
+        assert answer.status_code == 413, (coding, answer.text)
+        assert error_of(answer)["code"] == "payload_too_large"
+        # The bytes decoded when the limit stopped the decoding, as a streamed body's count.
+        assert error_of(answer)["detail"] == {
+            "bytes": MAX_BODY + 1, "max_bytes": MAX_BODY, "encoded_bytes": len(data)
+        }, coding
+
+
 async def test_a_compressed_generate_body_is_served_as_the_plain_one(tmp_path: Path) -> None:
     from trainer.hyper import HyperNetwork, PrimarySpec, publish_hypernetwork
 

@@ -210,6 +210,36 @@ async def test_a_row_count_header_of_any_length_is_413_not_a_server_error(
     assert not caplog.records
 
 
+async def test_a_row_count_header_is_digits_and_a_signed_one_is_422_at_every_length(
+    store: Path,
+) -> None:
+    # int() read "+1" as 1 (served) and "+" with 20 digits as a number (413), but refused "+"
+    # with 5,000 digits (422), where the same digits unsigned were a 413. A row count is
+    # written as Content-Length is: digits, leading zeros and the blanks around them allowed.
+    x = np.zeros((1, 4), dtype=np.float32)
+    served = ["1", "0001", " 1", "1\t", "0" * 5_000 + "1"]
+    too_many = ["9" * 20, "9" * 5_000, "0" * 10 + "9" * 5_000]
+    refused = [sign + digits for sign in "+-" for digits in ("1", "9" * 20, "9" * 5_000)]
+    refused += ["1_0", "1.0", "1e3", "0x1", "", " ", "1 1"]
+    async with running(fake_app(store, max_rows=4)) as client:
+        async def post(rows: str) -> httpx.Response:
+            return await client.post(
+                "/v1/predict", content=x.tobytes(), headers={**RAW, "X-Momlp-Rows": rows}
+            )
+
+        answers = {rows: await post(rows) for rows in served + too_many + refused}
+    for rows in served:
+        assert answers[rows].status_code == 200, (rows[:20], answers[rows].text)
+    for rows in too_many:
+        assert answers[rows].status_code == 413, (rows[:20], answers[rows].text)
+        assert error_of(answers[rows])["detail"] == {"max_rows": 4}
+    for rows in refused:
+        assert answers[rows].status_code == 422, (rows[:20], answers[rows].text)
+        assert "X-Momlp-Rows must be a row count in decimal digits" in (
+            error_of(answers[rows])["message"]
+        ), rows[:20]
+
+
 async def test_rows_far_over_the_limit_are_refused_before_the_json_parse(store: Path) -> None:
     # A body under the byte limit with many short rows was parsed whole (holding the GIL:
     # 1.9 s of the whole server for 33 MB) before its row count was refused.
@@ -230,10 +260,12 @@ async def test_rows_far_over_the_limit_are_refused_before_the_json_parse(store: 
 
 
 async def test_body_over_the_byte_limit_is_413_by_content_length(store: Path) -> None:
-    async with running(fake_app(store, max_body_bytes=64)) as client:
-        response = await client.post("/v1/predict", content=b"x" * 65, headers=RAW)
+    async with running(fake_app(store, max_body_bytes=1024)) as client:
+        response = await client.post(
+            "/v1/predict", content=b"x" * 1025, headers={**RAW, "X-Momlp-Rows": "1"}
+        )
     assert response.status_code == 413
-    assert error_of(response)["detail"] == {"bytes": 65, "max_bytes": 64}
+    assert error_of(response)["detail"] == {"bytes": 1025, "max_bytes": 1024}
 
 
 async def test_streamed_body_is_cut_off_at_the_limit(store: Path) -> None:

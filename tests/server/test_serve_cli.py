@@ -15,10 +15,11 @@ import pytest
 from app_support import build_small_store
 
 import server._runner
+import server._serve_cli
 import server.pool
 import trainer
 from server._cli import build_parser, main
-from server._serve_cli import CliError, parse_bytes, settings_from_args
+from server._serve_cli import CliError, parse_bytes, ray_address_problem, settings_from_args
 
 pytestmark = pytest.mark.unit
 
@@ -248,9 +249,11 @@ def test_a_ray_address_nobody_answers_at_or_that_is_no_address_fails_before_ray(
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         free = closed.getsockname()[1]
-    assert main(["serve", "--store", str(store), "--ray-address", f"127.0.0.1:{free}"]) == 1
+    assert main(["serve", "--store", str(store), "--ray-address", f"127.0.0.1:{free}",
+                 "--ray-connect-wait-s", "0"]) == 1
     assert f"no Ray cluster answers at 127.0.0.1:{free}" in caplog.text
     for bad in ("nonsense", "127.0.0.2", "127.0.0.2:notaport", "http://127.0.0.2:6390"):
+        # Refused at once, whatever the wait (the default 30 s would show as a slow test).
         assert main(["serve", "--store", str(store), "--ray-address", bad]) == 2, bad
     with socket.socket() as head:  # something listening: serve goes on to Ray
         head.bind(("127.0.0.1", 0))
@@ -258,6 +261,107 @@ def test_a_ray_address_nobody_answers_at_or_that_is_no_address_fails_before_ray(
         port = head.getsockname()[1]
         assert main(["serve", "--store", str(store), "--ray-address", f"127.0.0.1:{port}"]) == 0
     assert [s.ray_address for s in runs] == [f"127.0.0.1:{port}"]
+
+
+class _FakeTime:
+    """A clock that only `sleep` moves; `on_sleep(n)` runs after the n-th sleep."""
+
+    def __init__(self, on_sleep: Any = None) -> None:
+        self.now = 0.0
+        self.slept: list[float] = []
+        self._on_sleep = on_sleep
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+        if self._on_sleep is not None:
+            self._on_sleep(len(self.slept))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
+def test_a_ray_head_that_starts_after_the_server_is_waited_for(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Under a supervisor or on Kubernetes the head often listens seconds after the server
+    # starts: "connection refused" at once was exit 1.
+    import socket
+
+    port = _free_port()
+    head = socket.socket()
+
+    def start_head(sleeps: int) -> None:
+        if sleeps == 3:  # the head listens after the third try failed
+            head.bind(("127.0.0.1", port))
+            head.listen()
+
+    time = _FakeTime(start_head)
+    with head:
+        answer = ray_address_problem(
+            f"127.0.0.1:{port}", wait_s=30.0, clock=time.clock, sleep=time.sleep
+        )
+    assert answer == (0, "")
+    assert len(time.slept) == 3 and time.now < 30.0
+    waits = [r.getMessage() for r in caplog.records if "waiting up to 30 s" in r.getMessage()]
+    assert len(waits) == 1 and f"no Ray cluster answers at 127.0.0.1:{port} yet" in waits[0]
+
+
+def test_a_ray_head_that_never_starts_is_given_up_on_after_the_wait(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    port = _free_port()
+    time = _FakeTime()
+    code, why = ray_address_problem(
+        f"127.0.0.1:{port}", wait_s=3.0, clock=time.clock, sleep=time.sleep
+    )
+    assert code == 1
+    assert why.startswith(f"no Ray cluster answers at 127.0.0.1:{port} (") and "after 3 s" in why
+    assert time.now == pytest.approx(3.0) and len(time.slept) > 1
+    assert sum("waiting up to" in r.getMessage() for r in caplog.records) == 1  # logged once
+
+
+@pytest.mark.parametrize("address", ["nonsense", "127.0.0.2", "127.0.0.2:0", "http://h:6379"])
+def test_a_malformed_ray_address_fails_at_once_whatever_the_wait(address: str) -> None:
+    def no_sleep(seconds: float) -> None:
+        raise AssertionError("a malformed address was waited for")
+
+    code, _ = ray_address_problem(address, wait_s=30.0, clock=lambda: 0.0, sleep=no_sleep)
+    assert code == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "variable", "expected"),
+    [([], None, 30.0), (["--ray-connect-wait-s", "5"], None, 5.0), ([], "7.5", 7.5)],
+)
+def test_serve_waits_for_the_ray_head_as_long_as_it_is_told(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    argv: list[str],
+    variable: str | None,
+    expected: float,
+) -> None:
+    asked: list[tuple[str, float]] = []
+
+    def problem(address: str, *, wait_s: float) -> tuple[int, str]:
+        asked.append((address, wait_s))
+        return 1, "no head"
+
+    monkeypatch.setattr(server._serve_cli, "ray_address_problem", problem)
+    if variable is not None:
+        monkeypatch.setenv("MOMLP_RAY_CONNECT_WAIT_S", variable)
+    argv = ["serve", "--store", str(tmp_path), "--ray-address", "127.0.0.1:6379", *argv]
+    assert main(argv) == 1
+    assert asked == [("127.0.0.1:6379", expected)]
 
 
 def test_registering_the_commands_imports_neither_torch_nor_ray() -> None:

@@ -109,3 +109,48 @@ def test_a_host_that_does_not_resolve_is_refused_before_ray_starts(
     code = main(["serve", "--store", str(tmp_path), "--port", "0", "--host", "no-such.invalid"])
     assert code == 2 and started == []
     assert "--host / MOMLP_HOST 'no-such.invalid'" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("argv", "variable", "named"),
+    [
+        (["--max-body-bytes", "1"], None, "--max-body-bytes"),
+        (["--max-body-bytes", "64"], None, "--max-body-bytes"),  # 64MiB, its unit left off
+        ([], "1023", "MOMLP_MAX_BODY_BYTES"),
+        ([], "0", "MOMLP_MAX_BODY_BYTES"),
+    ],
+)
+def test_a_body_limit_no_request_fits_under_is_refused_at_start_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    argv: list[str],
+    variable: str | None,
+    named: str,
+) -> None:
+    # MOMLP_MAX_BODY_BYTES=1 started a server that answered every request with 413.
+    started: list[object] = []
+    monkeypatch.setattr(server._runner, "run_server", lambda settings: started.append(settings))
+    if variable is not None:
+        monkeypatch.setenv("MOMLP_MAX_BODY_BYTES", variable)
+    (tmp_path / "manifest.json").write_text("{}")
+    assert main(["serve", "--store", str(tmp_path), *argv]) == 2
+    assert started == []
+    assert f"{named}: " in caplog.text and "below the least body limit, 1024 (1 KiB)" in caplog.text
+
+
+def test_the_least_body_limit_is_accepted() -> None:
+    args = build_parser().parse_args(["serve", "--max-body-bytes", "1KiB"])
+    assert settings_from_args(args).max_body_bytes == 1024
+
+
+@pytest.mark.parametrize(
+    "variable", ["MOMLP_MAX_ROWS", "MOMLP_MAX_BATCH_ROWS", "MOMLP_MAX_QUEUE_ROWS",
+                 "MOMLP_CACHE_BYTES", "MOMLP_MAX_CONNECTIONS", "MOMLP_ACTORS"],
+)
+def test_a_count_or_size_of_zero_is_refused_naming_it(
+    monkeypatch: pytest.MonkeyPatch, variable: str
+) -> None:
+    monkeypatch.setenv(variable, "0")
+    with pytest.raises(CliError, match=f"{variable}: Input should be greater than or equal to 1"):
+        settings_from_args(build_parser().parse_args(["serve"]))
