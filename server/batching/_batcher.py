@@ -37,7 +37,7 @@ from server.batching._assemble import BatchAnswers, Round
 from server.batching._route import RouteRunner
 from server.batching._types import BatchAnswer
 from server.kinds import GateRequest, ServedModel
-from server.pool import ExpertPool
+from server.pool import ExpertPool, calls_settled
 
 __all__ = ["Batcher"]
 
@@ -405,6 +405,10 @@ class Batcher:
             for item in batch:
                 if not item.future.done():
                     item.future.set_exception(exc)
+            # Answered at once, but the slot stays taken (this task is the slot) until the
+            # batch's other actor calls have ended: else the next batch would start while
+            # they compute, past max_inflight_batches.
+            await calls_settled(exc)
             return
         self._release(batch)
         for r, item in enumerate(batch):

@@ -23,6 +23,7 @@ from server.pool._fake import FakeExpertPool
 from server.pool._loader import without_root
 from server.pool._ray import RayExpertPool, actor_count, actor_device
 from server.pool._session import ray_session, start_ray, stop_ray
+from server.pool._settle import calls_settled
 from server.pool._threads import in_daemon_thread
 from server.pool._types import (
     ActorInfo,
@@ -60,6 +61,7 @@ __all__ = [
     "activation_peak_bytes",
     "actor_count",
     "actor_device",
+    "calls_settled",
     "check_budget",
     "in_daemon_thread",
     "ray_session",

@@ -15,15 +15,18 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
 from experts_store import Clock, ExpertRef, ExpertTooLarge, MonotonicClock
 from server._exceptions import ActorFailed, PoolClosed
 from server.pool._actor import ERROR_LOAD
+from server.pool._counts import ActorCounts
 from server.pool._dispatch import Dispatcher
 from server.pool._errors import ActorDied
+from server.pool._failures import LoadFailures
+from server.pool._results import failed_result, group_result, rows_array
 from server.pool._revival import Revivals
-from server.pool._types import ActorInfo, ActorReply, CacheCounts, Group, GroupResult
+from server.pool._settle import carry_calls
+from server.pool._types import ActorInfo, ActorReply, Group, GroupResult
 
 __all__ = ["DispatchingPool", "check_budget"]
 
@@ -33,9 +36,6 @@ logger = logging.getLogger(__name__)
 # together (the retry's actor dying too). Each attempt that died produced no answer.
 MAX_RETRIES = 2
 
-_EMPTY = torch.empty(0, 0)
-
-
 
 def check_budget(experts: Iterable[ExpertRef], budget_bytes: int) -> None:
     """Refuse a store version in which some expert can never fit in one actor's cache."""
@@ -44,34 +44,6 @@ def check_budget(experts: Iterable[ExpertRef], budget_bytes: int) -> None:
             raise ExpertTooLarge(
                 expert_id=ref.expert_id, nbytes=ref.nbytes, budget_bytes=budget_bytes
             )
-
-
-def _rows_array(rows: torch.Tensor) -> np.ndarray:
-    """A group's rows as a float32 C-contiguous array, sharing the tensor's memory.
-
-    The kinds' groups are already that (views of one gathered batch); detach, to and
-    contiguous are then no-ops that still cost a dispatch each, per group, on the event loop.
-    """
-    if rows.dtype is torch.float32 and not rows.requires_grad and rows.is_contiguous():
-        return rows.numpy()
-    return rows.detach().to(torch.float32).contiguous().numpy()
-
-
-_NONE = CacheCounts()
-
-
-def _added(a: CacheCounts, b: CacheCounts) -> CacheCounts:
-    return CacheCounts(
-        evictions=a.evictions + b.evictions, loads=a.loads + b.loads,
-        load_bytes=a.load_bytes + b.load_bytes,
-    )
-
-
-def _to_tensor(array: np.ndarray | None) -> torch.Tensor:
-    if array is None:
-        return _EMPTY
-    # Arrays from Ray's object store are read-only; torch needs writable memory.
-    return torch.from_numpy(array if array.flags.writeable else array.copy())
 
 
 class DispatchingPool(ABC):
@@ -100,10 +72,7 @@ class DispatchingPool(ABC):
         self._budget_bytes = budget_bytes
         self._clock: Clock = clock if clock is not None else MonotonicClock()
         self._sleep = sleep if sleep is not None else asyncio.sleep
-        self._failure_ttl_s = failure_ttl_s
-        # Content hash -> (reason, until when): a bad file is not read again for a while. A
-        # republished fix has another hash, so it is tried at once.
-        self._failures: dict[str, tuple[str, float]] = {}
+        self._failures = LoadFailures(failure_ttl_s)
         self._background: set[asyncio.Task[Any]] = set()
         self._revivals = Revivals(
             self._dispatcher,
@@ -120,11 +89,7 @@ class DispatchingPool(ABC):
         # noticed since it started went to that process (or one that dies too; see
         # `_run_on`): its failure says nothing new about the actor, which may be back by now.
         self._deaths = dict.fromkeys(names, 0)
-        self._counts: dict[str, CacheCounts] = {}
-        # Actor -> the counts of its processes that died: the current process's are added to
-        # them, so that an actor's counters only grow (a restarted process counts from 0, and
-        # a scrape after its first reply saw no reset when it had loaded as much again).
-        self._counts_before: dict[str, CacheCounts] = {}
+        self._counts = ActorCounts()
         self._closed = False
 
     @property
@@ -166,7 +131,8 @@ class DispatchingPool(ABC):
         past that, `ActorFailed`. A dead call produced no answer, so nothing is answered twice.
         A stale failure (a call to an actor's previous process, whose death was already
         noticed) is retried on a budget of its own, so that it does not use up one of those
-        retries. A failure is raised as it comes; the batch's other calls go on to their end.
+        retries. A failure is raised as it comes, while the batch's other calls go on to
+        their end: `calls_settled(error)` returns once they have.
         """
         if self._closed:
             raise PoolClosed()
@@ -174,19 +140,24 @@ class DispatchingPool(ABC):
         todo: list[int] = []
         now = self._clock.now()
         for index, group in enumerate(groups):
-            remembered = self._failures.get(group.expert.sha256)
-            if remembered is not None and remembered[1] > now:
-                results[index] = _failed(
+            remembered = self._failures.remembered(group.expert.sha256, now)
+            if remembered is not None:
+                results[index] = failed_result(
                     group.expert_id, remembered[0], ERROR_LOAD, actor="",
-                    retry_after_s=remembered[1] - now,
+                    retry_after_s=remembered[1],
                 )
             else:
                 todo.append(index)
         if todo:
-            await self._dispatch(
-                groups, todo, results, retries_left=MAX_RETRIES, stale_left=MAX_RETRIES,
-                exclude=frozenset(),
-            )
+            calls: list[asyncio.Task[None]] = []  # every actor call of this run, retries too
+            try:
+                await self._dispatch(
+                    groups, todo, results, calls, retries_left=MAX_RETRIES,
+                    stale_left=MAX_RETRIES, exclude=frozenset(),
+                )
+            except Exception as exc:
+                carry_calls(exc, calls)
+                raise
         return [result for result in results if result is not None]
 
     async def _dispatch(
@@ -194,6 +165,7 @@ class DispatchingPool(ABC):
         groups: list[Group],
         indices: list[int],
         results: list[GroupResult | None],
+        calls: list[asyncio.Task[None]],
         *,
         retries_left: int,
         stale_left: int,
@@ -233,16 +205,22 @@ class DispatchingPool(ABC):
             if self._revivals.unreachable is not None:
                 reason += f": {self._revivals.unreachable}"
             raise ActorFailed(actor="*", reason=reason)
-        calls = [
-            self._run_on(actor, groups, idx, results, placed, retries_left=retries_left,
-                         stale_left=stale_left, exclude=exclude)
+        # Tasks made here rather than by gather (which makes one per call all the same), so
+        # that `calls` holds them for `calls_settled`.
+        loop = asyncio.get_running_loop()
+        started = [
+            loop.create_task(self._run_on(
+                actor, groups, idx, results, placed, calls, retries_left=retries_left,
+                stale_left=stale_left, exclude=exclude,
+            ))
             for actor, idx in by_actor.items()
         ]
+        calls.extend(started)
         try:
             # The first failure is raised at once, the other calls left to end on their own
             # (each completes its own rows): waiting for them turned a 503 into a 504 behind
-            # a slow sibling. So a failed batch's slot is free while they still compute.
-            await asyncio.gather(*calls)
+            # a slow sibling. The caller waits for them with `calls_settled`.
+            await asyncio.gather(*started)
         finally:
             for actor, rows in placed.items():
                 self._dispatcher.complete(actor, rows)
@@ -254,13 +232,14 @@ class DispatchingPool(ABC):
         indices: list[int],
         results: list[GroupResult | None],
         placed: dict[str, int],
+        calls: list[asyncio.Task[None]],
         *,
         retries_left: int,
         stale_left: int,
         exclude: frozenset[str],
     ) -> None:
         rows = placed.pop(actor)
-        payload = [(groups[i].expert, _rows_array(groups[i].rows)) for i in indices]
+        payload = [(groups[i].expert, rows_array(groups[i].rows)) for i in indices]
         deaths = self._deaths[actor]
         try:
             reply = await self._call_run(actor, payload)
@@ -297,48 +276,23 @@ class DispatchingPool(ABC):
                 logger.warning("actor %s died mid-call; retrying %s groups", actor, len(indices))
                 retries_left -= 1
             await self._dispatch(
-                groups, indices, results, retries_left=retries_left, stale_left=stale_left,
-                exclude=exclude,
+                groups, indices, results, calls, retries_left=retries_left,
+                stale_left=stale_left, exclude=exclude,
             )
             return
         self._dispatcher.update_residency(actor, reply.resident)
         if self._deaths[actor] == deaths:
             # Else this reply is its dead process's, whose counts were added in at its death:
             # taken as the new process's, they would count twice.
-            self._counts[actor] = reply.counts
+            self._counts.replied(actor, reply.counts)
         now = self._clock.now()
         for index, outcome in zip(indices, reply.results, strict=True):
             retry_after_s = None
             if outcome.error_kind == ERROR_LOAD and outcome.error is not None:
-                expert = groups[index].expert
-                key = expert.sha256
-                remembered = self._failures.get(key)
-                if remembered is None or remembered[1] <= now:
-                    # Once per file and memory: the actor logs it too, but on its own node
-                    # (log_to_driver is off), and the clients' 503s name only the expert.
-                    logger.warning(
-                        "expert %s (%s) could not be loaded on %s: %s; its requests get 503 "
-                        "expert_unavailable for %g s, then the file is read again",
-                        expert.expert_id, expert.path, actor, outcome.error, self._failure_ttl_s,
-                    )
-                self._failures[key] = (outcome.error, now + self._failure_ttl_s)
-                retry_after_s = self._failure_ttl_s
-            results[index] = GroupResult(
-                expert_id=outcome.expert_id,
-                outputs=_to_tensor(outcome.outputs),
-                hit=outcome.hit,
-                load_ms=outcome.load_ms,
-                compute_ms=outcome.compute_ms,
-                expert_bytes=outcome.expert_bytes,
-                activation_bytes=outcome.activation_bytes,
-                actor=reply.actor,
-                device_bytes=reply.device_bytes,
-                error=outcome.error,
-                error_kind=outcome.error_kind,
-                key=outcome.key,
-                generator_bytes=outcome.generator_bytes,
-                retry_after_s=retry_after_s,
-            )
+                retry_after_s = self._failures.note(
+                    groups[index].expert, actor, outcome.error, now
+                )
+            results[index] = group_result(outcome, reply, retry_after_s)
 
     def _actor_lost(self, actor: str, reason: str) -> None:
         """`actor`'s process is gone (its socket dropped): dead from now, not from the next
@@ -351,9 +305,7 @@ class DispatchingPool(ABC):
     def _actor_died(self, actor: str) -> None:
         """A process of `actor` is known dead: no calls to it until its restart answers."""
         self._deaths[actor] += 1
-        self._counts_before[actor] = _added(
-            self._counts_before.get(actor, _NONE), self._counts.pop(actor, _NONE)
-        )
+        self._counts.died(actor)
         self._dispatcher.mark_dead(actor)
         self._revivals.watch(actor)
 
@@ -378,8 +330,7 @@ class DispatchingPool(ABC):
         now = self._clock.now()
         by_actor: dict[str, list[ExpertRef]] = {}
         for ref in dict.fromkeys(experts):
-            failed = self._failures.get(ref.sha256)
-            if failed is not None and failed[1] > now:
+            if self._failures.remembered(ref.sha256, now) is not None:
                 continue
             # Held by the actor its rows go to: nothing to do. Held only by one whose copy
             # rows no longer use (a restarted home reclaims its experts): load it at home.
@@ -424,9 +375,7 @@ class DispatchingPool(ABC):
                     budget_bytes=self._budget_bytes,
                     resident=sorted(str(key) for key in resident),
                     alive=self._dispatcher.alive(name),
-                    counts=_added(
-                        self._counts_before.get(name, _NONE), self._counts.get(name, _NONE)
-                    ),
+                    counts=self._counts.total(name),
                 )
             )
         return infos
@@ -448,21 +397,3 @@ class DispatchingPool(ABC):
     @abstractmethod
     async def _shutdown(self) -> None:
         """Release the actors."""
-
-
-def _failed(
-    expert_id: int, reason: str, kind: str, *, actor: str, retry_after_s: float | None = None
-) -> GroupResult:
-    return GroupResult(
-        expert_id=expert_id,
-        outputs=_EMPTY,
-        hit=False,
-        load_ms=0.0,
-        compute_ms=0.0,
-        expert_bytes=0,
-        activation_bytes=0,
-        actor=actor,
-        error=reason,
-        error_kind=kind,
-        retry_after_s=retry_after_s,
-    )

@@ -261,7 +261,7 @@ async def test_a_failed_load_is_logged_by_the_server_once_per_memory(
         return sum("expert 2 (" in r.getMessage() and "could not be loaded" in r.getMessage()
                    for r in caplog.records if r.levelname == "WARNING")
 
-    with caplog.at_level("WARNING", logger="server.pool._base"):
+    with caplog.at_level("WARNING", logger="server.pool._failures"):
         for _ in range(20):
             [failed] = await pool.run(groups_for([2], 3))
             assert failed.error_kind == "load"
@@ -521,7 +521,7 @@ async def test_a_revival_backs_off_on_the_pools_sleep_and_gives_up_after_its_tim
         store, NeverBack(Settings(actors=2, cache_bytes=10**6), clock=clock, sleep=sleep)
     )
     pool.inner._actor_lost("actor-0", "its socket closed")
-    with caplog.at_level("ERROR", logger="server.pool._base"):
+    with caplog.at_level("ERROR", logger="server.pool._revival"):
         assert not await asyncio.wait_for(pool.wait_until_alive("actor-0"), 10)
     assert slept[:7] == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
     assert sum(slept) >= 60.0 and sum(slept[:-1]) < 60.0

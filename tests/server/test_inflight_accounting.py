@@ -1,13 +1,14 @@
 """Work in flight after its caller left or a call of its batch failed: the queue limit counts
-rows until they are computed, a batch's slot is held until its last call ends, and a late
-failure of an old actor process keeps the channel a restart opened and leaves the restarted
-actor alive (reviews of the sixty-seventh session). The tests of those four failed before
-their fixes; the two of a caller leaving while queued and of the batch window guard what was
-right already."""
+rows until they are computed, a failed batch is answered at once but holds its slot until its
+last call ends, and a late failure of an old actor process keeps the channel a restart opened
+and leaves the restarted actor alive (reviews of the sixty-seventh session; the slot, of the
+sixty-ninth). The tests of those failed before their fixes; the two of a caller leaving while
+queued and of the batch window guard what was right already."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,14 @@ from server import ActorFailed, PoolSaturated
 from server._settings import Settings
 from server.batching import Batcher, OpenConnections
 from server.kinds import MomlpModel
-from server.pool import ActorDied, ChannelServer, FakeExpertPool, Group, RayExpertPool
+from server.pool import (
+    ActorDied,
+    ChannelServer,
+    FakeExpertPool,
+    Group,
+    RayExpertPool,
+    calls_settled,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -127,13 +135,19 @@ async def test_a_caller_that_left_frees_its_connection_for_the_batch_window(
 
 class _OneActorFails(FakeExpertPool):
     """actor-0's first call fails at once (its `run` raised); every other call waits for
-    `release`. `log` records each call's start and end."""
+    `release`, or, where `gated`, the n-th of them for `gates[n]`. `log` records each call's
+    start and end."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, gated: bool = False) -> None:
         super().__init__(settings)
         self.release = asyncio.Event()
+        self.gates: collections.defaultdict[int, asyncio.Event] = collections.defaultdict(
+            asyncio.Event
+        )
         self.log: list[tuple[str, str, list[int]]] = []
         self._failed = False
+        self._gated = gated
+        self._waiting = itertools.count()
 
     async def _call_run(self, actor: str, payload: list[tuple[ExpertRef, np.ndarray]]) -> Any:
         ids = [ref.expert_id for ref, _ in payload]
@@ -142,10 +156,17 @@ class _OneActorFails(FakeExpertPool):
             if actor == "actor-0" and not self._failed:
                 self._failed = True
                 raise ActorFailed(actor=actor, reason="RuntimeError: out of memory")
-            await self.release.wait()
+            await (self.gates[next(self._waiting)] if self._gated else self.release).wait()
             return await super()._call_run(actor, payload)
         finally:
             self.log.append(("end", actor, ids))
+
+
+def _one_expert_on_each(store: Store, pool: FakeExpertPool) -> tuple[int, int]:
+    """An expert whose home is actor-0, and one whose home is actor-1."""
+    homes = {e: pool.dispatcher.home(ref.sha256) for e, ref in enumerate(refs(store))}
+    return (next(e for e, home in homes.items() if home == "actor-0"),
+            next(e for e, home in homes.items() if home == "actor-1"))
 
 
 async def test_a_failed_call_is_answered_at_once_though_its_siblings_still_compute(
@@ -156,9 +177,7 @@ async def test_a_failed_call_is_answered_at_once_though_its_siblings_still_compu
     store = Store.open(make_store(K=6, n=3, width=8, out=2))
     settings = Settings(max_batch_wait_ms=0.0, actors=2, cache_bytes=10**7)
     pool = _OneActorFails(settings)
-    homes = {e: pool.dispatcher.home(ref.sha256) for e, ref in enumerate(refs(store))}
-    on_0 = next(e for e, home in homes.items() if home == "actor-0")
-    on_1 = next(e for e, home in homes.items() if home == "actor-1")
+    on_0, on_1 = _one_expert_on_each(store, pool)
     batcher = _batcher(store, pool, settings)
     failing = asyncio.ensure_future(batcher.submit(inputs([on_0, on_1], 3)))
     await _until(failing.done)
@@ -173,6 +192,62 @@ async def test_a_failed_call_is_answered_at_once_though_its_siblings_still_compu
         "actor-0": 0, "actor-1": 0
     }
     await batcher.close()
+    await pool.close()
+
+
+async def test_a_failed_batch_is_answered_at_once_and_keeps_its_slot_until_its_calls_end(
+    make_store: Any,
+) -> None:
+    # Its slot was freed with the failure while its other call still computed: with one batch
+    # in flight allowed, the next batch started computing beside it.
+    store = Store.open(make_store(K=6, n=3, width=8, out=2))
+    settings = Settings(max_batch_wait_ms=0.0, actors=2, cache_bytes=10**7)
+    pool = _OneActorFails(settings)
+    on_0, on_1 = _one_expert_on_each(store, pool)
+    batcher = _batcher(store, pool, settings, max_inflight_batches=1)
+    failing = asyncio.ensure_future(batcher.submit(inputs([on_0, on_1], 3)))
+    await _until(failing.done)  # answered while its actor-1 call is held at `release`
+    with pytest.raises(ActorFailed, match="out of memory"):
+        await failing
+    following = asyncio.ensure_future(batcher.submit(inputs([on_1], 3, seed=1)))
+    await settle()
+    assert batcher.batches == 1  # the next batch waits for the slot
+    assert sorted(pool.log) == [("end", "actor-0", [on_0]), ("start", "actor-0", [on_0]),
+                                ("start", "actor-1", [on_1])]
+    pool.release.set()
+    assert (await following).outputs.shape == (1, 2)
+    # The next batch's call started once the failed batch's last call had ended.
+    assert pool.log[3:] == [("end", "actor-1", [on_1]), ("start", "actor-1", [on_1]),
+                            ("end", "actor-1", [on_1])]
+    await batcher.close()
+    await pool.close()
+
+
+async def test_a_failed_runs_calls_settle_once_its_other_calls_and_their_retries_end(
+    make_store: Any,
+) -> None:
+    store = Store.open(make_store(K=6, n=3, width=8, out=2))
+    settings = Settings(actors=2, cache_bytes=10**7)
+    pool = _OneActorFails(settings, gated=True)
+    on_0, on_1 = _one_expert_on_each(store, pool)
+    pool.kill("actor-1")  # its call dies once let through, and is retried on actor-0
+    groups = [Group(refs(store)[e], inputs([e], 3)) for e in (on_0, on_1)]
+    with pytest.raises(ActorFailed) as info:
+        await pool.run(groups)
+    settled = asyncio.ensure_future(calls_settled(info.value))
+    await settle()
+    assert not settled.done()  # actor-1's call is held at gates[0]
+    pool.gates[0].set()
+    await _until(lambda: ("start", "actor-0", [on_1]) in pool.log)  # the retry
+    await settle()
+    assert not settled.done()  # the retry is held at gates[1]
+    pool.gates[1].set()
+    await settled
+    assert pool.log[-1] == ("end", "actor-0", [on_1])
+    assert {a: pool.dispatcher.queued_rows(a) for a in pool.dispatcher.names} == {
+        "actor-0": 0, "actor-1": 0
+    }
+    await calls_settled(ActorFailed(actor="*", reason="not a run's"))  # carries no calls
     await pool.close()
 
 

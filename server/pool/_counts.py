@@ -1,0 +1,43 @@
+"""Each actor's cache counters over the pool's life, across restarts of its process.
+
+An actor's reply carries its process's counters since that process started; a restarted
+process counts from 0. The counts of the processes that died are kept and the current
+process's added to them, so that an actor's counters only grow: a scrape after a restarted
+process's first reply would otherwise see no reset once it had loaded as much again.
+"""
+
+from __future__ import annotations
+
+from server.pool._types import CacheCounts
+
+__all__ = ["ActorCounts"]
+
+_NONE = CacheCounts()
+
+
+def _added(a: CacheCounts, b: CacheCounts) -> CacheCounts:
+    return CacheCounts(
+        evictions=a.evictions + b.evictions, loads=a.loads + b.loads,
+        load_bytes=a.load_bytes + b.load_bytes,
+    )
+
+
+class ActorCounts:
+    """Actor -> its counters: its current process's latest, plus its dead processes'."""
+
+    def __init__(self) -> None:
+        self._current: dict[str, CacheCounts] = {}
+        self._before: dict[str, CacheCounts] = {}
+
+    def replied(self, actor: str, counts: CacheCounts) -> None:
+        """`counts` came in a reply of `actor`'s current process."""
+        self._current[actor] = counts
+
+    def died(self, actor: str) -> None:
+        """`actor`'s current process is dead: its counts are kept, the next one's added."""
+        self._before[actor] = _added(
+            self._before.get(actor, _NONE), self._current.pop(actor, _NONE)
+        )
+
+    def total(self, actor: str) -> CacheCounts:
+        return _added(self._before.get(actor, _NONE), self._current.get(actor, _NONE))
