@@ -259,14 +259,23 @@ def ray_address_problem(
         sleep(min(_RETRY_S, left))
 
 
+def _ray_head_problem(settings: Any) -> int:
+    """The exit code (logged why) when `settings.ray_address` is no Ray head to join, after
+    waiting up to `ray_connect_wait_s` for one that starts late; 0 when it is (or none)."""
+    if not settings.ray_address:
+        return 0
+    code, why = ray_address_problem(settings.ray_address, wait_s=settings.ray_connect_wait_s)
+    if code:
+        logger.error("%s", why)
+    return code
+
+
 def _run(settings: Any) -> int:
     from server._runner import run_server
 
-    if settings.ray_address:
-        code, why = ray_address_problem(settings.ray_address, wait_s=settings.ray_connect_wait_s)
-        if code:
-            logger.error("%s", why)
-            return code
+    code = _ray_head_problem(settings)
+    if code:
+        return code
 
     try:
         socket.getaddrinfo(settings.host, None, type=socket.SOCK_STREAM)
@@ -316,6 +325,11 @@ def _demo(args: argparse.Namespace) -> int:
         return _run(settings)
     from trainer import build_store, quick_demo_config
 
+    # The head is checked (and waited for) before Ray, as serve's is: ray.init waits ~14
+    # minutes for a head that is not there and answers a malformed address with a traceback.
+    code = _ray_head_problem(settings)
+    if code:
+        return code
     # One Ray for the build and the server: starting a second one costs tens of seconds here.
     with ray_session(address=settings.ray_address, num_cpus=settings.ray_num_cpus):
         logger.info("building the demo store (2-D Ackley, 16 experts) into %s", store)

@@ -249,8 +249,9 @@ def head_port() -> Iterator[socket.socket]:
 def test_the_server_is_started_only_once_the_ray_head_accepts_connections(
     tmp_path: Path, head_port: socket.socket
 ) -> None:
-    # The two containers start together; `momlp serve` refuses a Ray address where nothing
-    # answers yet (exit 1, "Connection refused"), which cost a restart and its back-off.
+    # The two containers start together; `momlp serve` gives up on a Ray address where
+    # nothing answers within --ray-connect-wait-s (exit 1), which costs a restart and its
+    # back-off when the head takes longer (pulling its image).
     container = _ServingContainer(tmp_path, head_port.getsockname()[1])
     try:
         assert container.next_event() == "sleep"  # the head refused: it waits, momlp not run
