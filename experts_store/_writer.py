@@ -5,19 +5,19 @@ the live manifest references), then replaces manifest.json with one ``os.replace
 crash at any point leaves either the previous store or the new one readable. Writers into
 one store may run at once (`experts_store._locks`): each publish holds the store's lock, and
 no publish removes the staging folder of a writer still at work.
+
+The switch itself is `experts_store._switch`; the staging folder's name and locks, and how an
+abandoned one is told, `experts_store._staging`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
-import math
 import os
-import secrets
 import shutil
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
@@ -37,7 +37,7 @@ from experts_store._format import (
 from experts_store._graph import GraphBlock
 from experts_store._hyper import HyperSpec
 from experts_store._live import MANIFEST_NAME, live_manifest, live_version
-from experts_store._locks import FileLock, held_elsewhere
+from experts_store._locks import FileLock
 from experts_store._manifest import (
     MANIFEST_FORMAT_VERSION,
     ExpertEntry,
@@ -48,44 +48,22 @@ from experts_store._manifest import (
 )
 from experts_store._model import ExpertMLP
 from experts_store._pmoe import PMoESpec
+from experts_store._report import REPORT_NAME, finite, report_text
 from experts_store._retired import DEFAULT_RETIRE_AFTER_S, retire_unreferenced
+from experts_store._staging import (
+    STAGING_PREFIX,
+    WRITER_LOCK_NAME,
+    abandoned,
+    new_version,
+    publish_lock,
+)
+from experts_store._switch import fsync_dir, switch_in
 
 # The file names and the default are offered here too: `_store` and the tests take them from
 # this module.
 __all__ = ["DEFAULT_RETIRE_AFTER_S", "MANIFEST_NAME", "REPORT_NAME", "StoreWriter"]
 
 logger = logging.getLogger(__name__)
-
-REPORT_NAME = "report.json"
-STAGING_PREFIX = ".staging-"
-# Held by each writer in its staging folder for its whole life, and by a publish in the root.
-WRITER_LOCK_NAME = ".writer.lock"
-PUBLISH_LOCK_NAME = ".publish.lock"
-# A writer locks its lock file right after creating it: one unlocked for longer than this
-# belongs to a writer that is gone (killed, or its machine rebooted).
-_UNLOCKED_GRACE_S = 10.0
-# A publish takes well under a second; one holding the lock this long is stuck.
-_PUBLISH_WAIT_S = 120.0
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_durably(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _new_version(now: datetime) -> str:
-    # Sortable by time; the random suffix keeps two publishes in one microsecond apart.
-    return now.strftime("%Y%m%dT%H%M%S%fZ") + "-" + secrets.token_hex(3)
 
 
 class StoreWriter:
@@ -124,7 +102,7 @@ class StoreWriter:
         self.root.mkdir(parents=True, exist_ok=True)
         self._started_on = live_version(self.root)
         # Named anew at publish, so that versions sort in the order they went live.
-        self.version = _new_version(self._now())
+        self.version = new_version(self._now())
         self.staging = self.root / f"{STAGING_PREFIX}{self.version}"
         try:
             (self.staging / "experts").mkdir(parents=True)
@@ -238,16 +216,9 @@ class StoreWriter:
         self._check_open()
         # A diverged run's NaN or infinity is written as null: JSON has neither, and other
         # readers (browsers, jq, most JSON libraries) refuse Python's NaN token.
-        finite: dict[str, Any] = _finite(dict(report))
-        _report_text(finite)  # refused here, not at publish, if it cannot be written
-        self._report = finite
-
-    def _stage_report(self) -> Path | None:
-        if self._report is None:
-            return None
-        path = self.staging / REPORT_NAME
-        _write_durably(path, _report_text({**self._report, "store_version": self.version}) + "\n")
-        return path
+        checked: dict[str, Any] = finite(dict(report))
+        report_text(checked)  # refused here, not at publish, if it cannot be written
+        self._report = checked
 
     def publish(
         self,
@@ -275,7 +246,7 @@ class StoreWriter:
         why.
         """
         self._check_open()
-        with self._publish_lock():
+        with publish_lock(self.root):
             live, previous = live_manifest(self.root)
             if self._based_on is not None and live != self._based_on:
                 raise StoreChanged(root=self.root, based_on=self._based_on, live=live)
@@ -284,7 +255,7 @@ class StoreWriter:
                     "version %s went live in %s while this writer was at work; this publish "
                     "replaces it", live, self.root,
                 )
-            self.version = _new_version(self._now())
+            self.version = new_version(self._now())
             router_file: str | None
             if self.router_path.is_file():
                 router_file = router_file_name(sha256_hex(self.router_path.read_bytes()))
@@ -335,40 +306,29 @@ class StoreWriter:
         live: str | None,
         previous: set[str] | None,
     ) -> None:
-        """Move the staged files in and replace the manifest. The report and the manifest
-        are written first, so a full disk stops the publish before anything is in the store;
-        past that only renames are left, and a failed one takes back what was moved in."""
-        staged_manifest = self.staging / MANIFEST_NAME
+        """Move the staged files in and replace the manifest (`switch_in`), then tidy up."""
         moves = [(self.expert_path(entry.id), self.root / entry.file) for entry in entries]
         if self.router_path.is_file():
             moves.append((self.router_path, self.root / str(manifest.router_file)))
         moves += [(staged, self.root / name) for name, staged in self._kind_files.items()]
         moves += [(self.staging / name, self.root / name) for name in sorted(self._routers)]
-        added: list[Path] = []  # files this publish put where none was (content addressed)
-        target = self.staging / REPORT_NAME  # the file being written, for the error
-        try:
-            report = self._stage_report()
-            target = staged_manifest
-            _write_durably(staged_manifest, manifest.model_dump_json(indent=2) + "\n")
-            target = self.root / "experts"
-            target.mkdir(exist_ok=True)
-            for source, target in moves:
-                new = not target.exists()
-                os.replace(source, target)
-                if new:
-                    added.append(target)
-            _fsync_dir(self.root / "experts")  # the files, before the manifest that names them
-            target = self.root / MANIFEST_NAME
-            os.replace(staged_manifest, target)
-        except OSError as exc:
-            for path in added:
-                path.unlink(missing_ok=True)
-            raise StoreWriteError.of(exc, target, live) from exc
+        report = None
+        if self._report is not None:
+            # Naming the version it describes.
+            report = report_text({**self._report, "store_version": self.version}) + "\n"
+        staged_report = switch_in(
+            self.root,
+            self.staging,
+            manifest=manifest.model_dump_json(indent=2) + "\n",
+            report=report,
+            moves=moves,
+            live=live,
+        )
         try:
             # Live from here: a failure is the tidying's, not the publish's.
-            _fsync_dir(self.root)
-            if report is not None:
-                os.replace(report, self.root / REPORT_NAME)
+            fsync_dir(self.root)
+            if staged_report is not None:
+                os.replace(staged_report, self.root / REPORT_NAME)
             else:
                 # A report left from the previous publish would describe other experts.
                 (self.root / REPORT_NAME).unlink(missing_ok=True)
@@ -386,20 +346,6 @@ class StoreWriter:
             )
         self.abort()
 
-    @contextlib.contextmanager
-    def _publish_lock(self) -> Iterator[None]:
-        """The store's publish lock, waited for while another publish holds it."""
-        lock = FileLock.take(self.root / PUBLISH_LOCK_NAME, wait_s=_PUBLISH_WAIT_S)
-        if lock is None:
-            raise StoreError(
-                f"another publish into {self.root} has held {PUBLISH_LOCK_NAME} for "
-                f"{_PUBLISH_WAIT_S:g} s; nothing was published"
-            )
-        try:
-            yield
-        finally:
-            lock.release()
-
     def _collect_garbage(self, manifest: Manifest, previous: set[str] | None) -> None:
         """Retire files neither the new nor the previous manifest references, and delete
         those retired at least `retire_after_s` ago (a server may still serve an older
@@ -409,24 +355,13 @@ class StoreWriter:
             keep = previous | manifest.referenced_files
             retire_unreferenced(self.root, keep, now, self._retire_after_s)
         for staging in self.root.glob(f"{STAGING_PREFIX}*"):
-            if staging != self.staging and staging.is_dir() and self._abandoned(staging, now):
+            if (
+                staging != self.staging
+                and staging.is_dir()
+                and abandoned(staging, now, self._stale_staging_seconds)
+            ):
                 logger.info("removing %s, left by a writer no longer running", staging)
                 shutil.rmtree(staging, ignore_errors=True)
-
-    def _abandoned(self, staging: Path, now: float) -> bool:
-        """True for the staging folder of a writer that is gone: its lock is free (and has
-        been past the moment a writer takes it), or, for a folder without one, it is older
-        than `stale_staging_seconds`. A locked one is at work, however old."""
-        lock = staging / WRITER_LOCK_NAME
-        held = held_elsewhere(lock)
-        if held:
-            return False
-        try:
-            since = (staging if held is None else lock).stat().st_mtime
-        except FileNotFoundError:
-            return False
-        limit = self._stale_staging_seconds if held is None else _UNLOCKED_GRACE_S
-        return now - since > limit
 
     def _record(self, expert_id: int, written: ExpertFile) -> ExpertEntry:
         entry = ExpertEntry(
@@ -449,18 +384,3 @@ class StoreWriter:
     def _check_open(self) -> None:
         if self._closed:
             raise StoreError("this StoreWriter was already published or aborted")
-
-
-def _report_text(report: Mapping[str, Any]) -> str:
-    return json.dumps(report, indent=2, sort_keys=True, default=str, allow_nan=False)
-
-
-def _finite(value: Any) -> Any:
-    """`value` with every NaN or infinite float inside it replaced by None."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, Mapping):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
