@@ -14,6 +14,9 @@ routed ahead of time and their experts' home actors start loading them, so the l
 the earlier batches' compute. A routing made that way is kept and reused when the request's
 batch runs (routing is row by row, so it is the same answer). The batch about to run is never
 prefetched for itself: its own call loads what it misses, and its stats then say "miss".
+
+A request's check before it is queued: _inputs.py; a queued request and which queued requests
+make up a batch: _pending.py.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import functools
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -34,6 +36,8 @@ from router import RouterInputError
 from server._exceptions import ActorFailed, InvalidRequest, PoolClosed, PoolSaturated
 from server._settings import Settings
 from server.batching._assemble import BatchAnswers, Round
+from server.batching._inputs import checked_rows
+from server.batching._pending import Pending, fail, prefetch_head, take_batch
 from server.batching._route import RouteRunner
 from server.batching._types import BatchAnswer
 from server.kinds import GateRequest, ServedModel
@@ -42,35 +46,6 @@ from server.pool import ExpertPool, calls_settled
 __all__ = ["Batcher"]
 
 logger = logging.getLogger(__name__)
-
-# Integer inputs taken as numbers (converted to float32 like floating ones).
-_INTEGER_INPUTS = (np.dtype(np.int32), np.dtype(np.int64))
-
-# Distinct option values the batcher remembers as checked (a few hundred bytes each).
-_CHECKED_OPTIONS = 1024
-
-
-@dataclass(eq=False)
-class _Pending:
-    x: torch.Tensor
-    options: Hashable
-    submitted: float
-    # The request's share of its finished batch, built in the request's own coroutine.
-    future: asyncio.Future[Callable[[], BatchAnswer]]
-    rows: int = field(init=False)
-    routing: Any = None  # set when the request was routed ahead of its batch (prefetch)
-    # Taken into a batch: from then on its rows leave `queued_rows` when the batch ends, not
-    # when the caller leaves (a timeout does not stop their computing).
-    dispatched: bool = False
-    counted: bool = True  # its rows are still in `queued_rows`
-
-    def __post_init__(self) -> None:
-        self.rows = int(self.x.shape[0])
-
-    @property
-    def key(self) -> Hashable:
-        return self.options
-
 
 class Batcher:
     """Turns single requests into batched router and pool calls; see the module docstring.
@@ -108,7 +83,7 @@ class Batcher:
         self._window_s = settings.max_batch_wait_ms / 1000.0
         self._gap_s = settings.batch_gap_ms / 1000.0
         self._route = RouteRunner.for_settings(model.route, settings, cpu_clock)
-        self._queue: deque[_Pending] = deque()
+        self._queue: deque[Pending] = deque()
         self._queued_rows = 0
         self._wakeup: asyncio.Event | None = None
         self._slots: asyncio.Semaphore | None = None
@@ -123,7 +98,7 @@ class Batcher:
             else pool.device.startswith("cuda")
         )
         self._closed = False
-        self._checked_options: set[Hashable] = set()
+        self._checked_options: set[Hashable] = set()  # see `checked_rows`
         self._open_connections = open_connections
         # Callers waiting for an answer, queued or in a running batch. It follows the callers,
         # not their rows (unlike `_queued_rows`): one that left (a timeout) frees its
@@ -151,7 +126,8 @@ class Batcher:
             raise PoolClosed()
         if options is None:
             options = self._model.resolve(GateRequest(), self._settings)
-        x = self._validate(x, options)
+        # A module function given the state: on every request, no dearer than a method call.
+        x = checked_rows(x, options, self._model, self._checked_options)
         rows = int(x.shape[0])
         limit = self._settings.max_queue_rows
         queued = self._queued_rows
@@ -164,7 +140,7 @@ class Batcher:
                 retry_after_s=self._retry_after_s(),
             )
         loop = asyncio.get_running_loop()
-        item = _Pending(x, options, self._clock.now(), loop.create_future())
+        item = Pending(x, options, self._clock.now(), loop.create_future())
         self._queue.append(item)
         self._queued_rows += rows
         self._waiting += 1
@@ -179,43 +155,6 @@ class Batcher:
                 # Left (or failed) while queued: no batch will take it, its rows never run.
                 self._queued_rows -= rows
         return build()
-
-    def _validate(self, x: torch.Tensor | np.ndarray, options: Hashable) -> torch.Tensor:
-        # Checked in numpy: a request's checks are a handful of calls on a few rows, and a
-        # numpy call costs a fraction of a torch one on the event loop (7 -> 2 µs a request).
-        if isinstance(x, torch.Tensor):
-            # numpy has no bfloat16; float32 holds every bfloat16 value exactly.
-            array = (x.float() if x.dtype == torch.bfloat16 else x).numpy(force=True)
-        else:
-            array = np.asarray(x)
-        if array.ndim != 2 or array.shape[0] == 0:
-            raise InvalidRequest("inputs must be a non-empty 2-D array", field="inputs")
-        if array.shape[1] != self._model.input_dim:
-            raise InvalidRequest(
-                f"inputs have dimension {array.shape[1]}, the model expects "
-                f"{self._model.input_dim}",
-                field="inputs",
-            )
-        if not (array.dtype.kind == "f" or array.dtype in _INTEGER_INPUTS):
-            raise InvalidRequest("inputs must be numbers", field="inputs")
-        if array.dtype != np.float32:
-            # A float64 beyond float32's range becomes inf (refused below), as torch's cast
-            # does, without numpy's overflow warning.
-            with np.errstate(over="ignore", invalid="ignore"):
-                array = array.astype(np.float32)
-        array = np.ascontiguousarray(array)
-        if not array.flags.writeable:  # torch warns on (and must not share) read-only memory
-            array = array.copy()
-        if not np.isfinite(array).all():
-            raise InvalidRequest("inputs must be finite numbers", field="inputs")
-        if options not in self._checked_options:
-            self._model.check(options)
-            # Requests mostly share a few option values (the store's gate, a client's
-            # settings): each is checked once, not on every request.
-            if len(self._checked_options) >= _CHECKED_OPTIONS:
-                self._checked_options.clear()
-            self._checked_options.add(options)
-        return torch.from_numpy(array)
 
     def _retry_after_s(self) -> float:
         if not self._rows_per_s:
@@ -271,20 +210,11 @@ class Batcher:
         """Route the queue's head ahead of its batch and warm its experts' home actors."""
         if self._prefetching is not None and not self._prefetching.done():
             return
-        head: list[_Pending] = []
-        rows = 0
-        for item in self._queue:
-            if item.routing is not None or item.future.done():
-                continue
-            full = rows + item.rows > self._settings.max_batch_rows
-            if head and (item.key != head[0].key or full):
-                break
-            head.append(item)
-            rows += item.rows
+        head = prefetch_head(self._queue, self._settings.max_batch_rows)
         if head:
             self._prefetching = asyncio.get_running_loop().create_task(self._prefetch(head))
 
-    async def _prefetch(self, items: list[_Pending]) -> None:
+    async def _prefetch(self, items: list[Pending]) -> None:
         try:
             x = items[0].x if len(items) == 1 else torch.cat([item.x for item in items])
             routing = await self._route(x, items[0].options)
@@ -298,14 +228,14 @@ class Batcher:
             # Prefetch is only a hint: the batch routes (and reports bad input) for itself.
             logger.debug("prefetch of %s queued requests failed", len(items), exc_info=True)
 
-    def _release(self, items: list[_Pending]) -> None:
+    def _release(self, items: list[Pending]) -> None:
         """Take the items' rows off `queued_rows` (once each)."""
         for item in items:
             if item.counted:
                 item.counted = False
                 self._queued_rows -= item.rows
 
-    def _batch_done(self, batch: list[_Pending], task: asyncio.Task[None]) -> None:
+    def _batch_done(self, batch: list[Pending], task: asyncio.Task[None]) -> None:
         self._inflight.discard(task)
         # `_process` released them before answering; a batch cancelled before its first step
         # (a close) never ran it.
@@ -315,7 +245,7 @@ class Batcher:
         if task.cancelled():
             # A close: whether the task was cancelled mid-batch or before its first step (in
             # the turn it was made, when `_process` never ran), no request of it is answered.
-            _fail(batch, PoolClosed())
+            fail(batch, PoolClosed())
 
     def _drop_cancelled(self) -> None:
         while self._queue and self._queue[0].future.done():
@@ -359,29 +289,12 @@ class Batcher:
                 sleeper.cancel()
                 waiter.cancel()
 
-    def _take_batch(self) -> list[_Pending]:
+    def _take_batch(self) -> list[Pending]:
         self._drop_cancelled()
-        if not self._queue:
-            return []
-        key = self._queue[0].key
-        batch: list[_Pending] = []
-        rows = 0
-        kept: deque[_Pending] = deque()
-        while self._queue:
-            item = self._queue.popleft()
-            if item.future.done():
-                continue
-            fits = not batch or rows + item.rows <= self._settings.max_batch_rows
-            if item.key == key and fits:
-                item.dispatched = True
-                batch.append(item)
-                rows += item.rows
-            else:
-                kept.append(item)
-        self._queue = kept
+        batch, self._queue = take_batch(self._queue, self._settings.max_batch_rows)
         return batch
 
-    async def _process(self, batch: list[_Pending]) -> None:
+    async def _process(self, batch: list[Pending]) -> None:
         started = self._clock.now()
         self.batches += 1
         try:
@@ -392,7 +305,7 @@ class Batcher:
                 await asyncio.gather(*(self._process([item]) for item in batch))
             else:
                 self._release(batch)
-                _fail(batch, InvalidRequest(str(exc), field="inputs"))
+                fail(batch, InvalidRequest(str(exc), field="inputs"))
             return
         except Exception as exc:
             # Before the answers, so that a caller answered sees its rows off the count.
@@ -402,9 +315,7 @@ class Batcher:
                 logger.warning("batch of %s requests failed: %s", len(batch), exc)
             elif not isinstance(exc, PoolClosed | InvalidRequest):
                 logger.exception("batch of %s requests failed", len(batch))
-            for item in batch:
-                if not item.future.done():
-                    item.future.set_exception(exc)
+            fail(batch, exc)
             # Answered at once, but the slot stays taken (this task is the slot) until the
             # batch's other actor calls have ended: else the next batch would start while
             # they compute, past max_inflight_batches.
@@ -425,7 +336,7 @@ class Batcher:
             previous = self._rows_per_s
             self._rows_per_s = rate if previous is None else 0.8 * previous + 0.2 * rate
 
-    async def _run_batch(self, batch: list[_Pending], started: float) -> BatchAnswers:
+    async def _run_batch(self, batch: list[Pending], started: float) -> BatchAnswers:
         x = batch[0].x if len(batch) == 1 else torch.cat([item.x for item in batch])
         routing: Any
         if all(item.routing is not None for item in batch):
@@ -460,9 +371,3 @@ class Batcher:
             item = self._queue.popleft()
             if not item.future.done():
                 item.future.set_exception(PoolClosed())
-
-
-def _fail(batch: list[_Pending], exc: BaseException) -> None:
-    for item in batch:
-        if not item.future.done():
-            item.future.set_exception(exc)

@@ -5,14 +5,9 @@ It sits on the batching and pool floors and knows nothing of HTTP.
 
 from __future__ import annotations
 
-from server.serving._state import (
-    ObservedPool,
-    PoolFactory,
-    ServingState,
-    background_pacer,
-    in_daemon_thread,
-    ray_pool,
-)
+from server.serving._open import background_pacer
+from server.serving._pool import ObservedPool, PoolFactory, ray_pool
+from server.serving._state import ServingState, in_daemon_thread
 from server.serving._version import (
     BatcherFactory,
     BatcherLike,

@@ -6,6 +6,8 @@ disk first and returns at once when it is the one served; otherwise it opens the
 and router (no actor is created, restarted or re-opened) and makes it current. Requests that
 entered the old version finish on it; then its batcher is closed. Blocking reads of the store
 run on daemon threads, so a read stuck on a bad file system never holds up shutdown.
+How the pool is made and what a version's batcher sees of it: _pool.py; the reads and opens
+that run on those threads: _open.py.
 """
 
 from __future__ import annotations
@@ -15,24 +17,25 @@ import contextlib
 import functools
 import inspect
 import logging
-import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
-from experts_store import Clock, ExpertRef, Pace, Pacer, Store, no_pace
-from server._exceptions import NotReady, PoolStartFailed
+from experts_store import Clock
+from server._exceptions import NotReady
 from server._settings import Settings
 from server.batching import OpenConnections, RouteRunner
-from server.kinds import ServedModel, check_kind_budget, open_model
-from server.pool import (
-    ActorInfo,
-    ExpertPool,
-    Group,
-    GroupResult,
-    check_budget,
-    in_daemon_thread,
+from server.kinds import check_kind_budget
+from server.pool import ExpertPool, in_daemon_thread
+from server.serving._collect import thaw
+from server.serving._open import (
+    SWAP_FREEZE_FROM_OBJECTS,
+    background_pacer,
+    read_on_disk,
 )
-from server.serving._collect import collections_deferred, thaw
+
+# Bound here by this name: tests replace it to hold, fail or count a swap's opens.
+from server.serving._open import open_version_files as _open_version_files
+from server.serving._pool import ObservedPool, PoolFactory, ray_pool
 from server.serving._version import (
     BatcherFactory,
     StoreVersion,
@@ -40,18 +43,9 @@ from server.serving._version import (
     default_batcher,
 )
 
-__all__ = [
-    "ObservedPool",
-    "PoolFactory",
-    "ServingState",
-    "background_pacer",
-    "in_daemon_thread",
-    "ray_pool",
-]
+__all__ = ["ServingState", "in_daemon_thread"]
 
 logger = logging.getLogger(__name__)
-
-PoolFactory = Callable[[Settings], "Awaitable[ExpertPool] | ExpertPool"]
 
 # Closing the pool kills its actors; past this the server goes down without waiting further.
 _CLOSE_TIMEOUT_S = 3.0
@@ -60,118 +54,6 @@ _MAX_WATCH_BACKOFF_S = 300.0
 # How long a swap waits for the actors to reset their popularity counts: a busy or stuck actor
 # must not keep a new version from going live (it only admits the new experts more slowly).
 _FORGET_TIMEOUT_S = 2.0
-# A swap opens the new version beside requests that are being served: its passes over the
-# store's experts give the GIL back for 1 ms after each 2 ms of work (experts_store.Pacer). At
-# K=100,000 under 16 clients the slowest request during a reload fell from 1.9-3.1 s to
-# 0.23-0.26 s, and the reload took ~9 s instead of 3.4-4.6 (RESULTS.md, fifty-third session).
-_SWAP_PACE_WORK_S = 0.002
-_SWAP_PACE_REST_S = 0.001
-# A swap that made this many objects freezes them (server/serving/_collect.py): ~13 objects an
-# expert, so stores of ~4,000 experts and up; turning the collector back on with fewer costs a
-# young collection of ~20 ms at most (0.4 µs an object here).
-_SWAP_FREEZE_FROM_OBJECTS = 50_000
-
-
-def ray_pool(stop: threading.Event | None = None) -> PoolFactory:
-    """The default pool factory: Ray actors in the Ray this process runs. A set `stop` (the
-    server's signal handling sets it) ends a start still waiting for its actors."""
-
-    async def make(settings: Settings) -> ExpertPool:
-        import ray
-
-        from server.pool import RayExpertPool
-
-        if not ray.is_initialized():
-            raise PoolStartFailed(
-                reason="Ray is not running (start it with server.pool.ray_session)"
-            )
-        # create() blocks until every actor is up (or its start timeout, or `stop`).
-        pool: ExpertPool = await asyncio.to_thread(
-            functools.partial(RayExpertPool.create, settings, stop=stop)
-        )
-        return pool
-
-    return make
-
-
-class ObservedPool:
-    """The pool as one version's batcher sees it: each `run` is one batch, its rows counted."""
-
-    def __init__(
-        self,
-        pool: ExpertPool,
-        on_batch: Callable[[int], None],
-        on_generated: Callable[[int], None] | None = None,
-    ) -> None:
-        self._pool = pool
-        self._on_batch = on_batch
-        self._on_generated = on_generated
-
-    @property
-    def budget_bytes(self) -> int:
-        return self._pool.budget_bytes
-
-    @property
-    def device(self) -> str:
-        return self._pool.device
-
-    async def run(self, groups: list[Group]) -> list[GroupResult]:
-        self._on_batch(sum(int(group.rows.shape[0]) for group in groups))
-        results = await self._pool.run(groups)
-        if self._on_generated is not None:
-            # Generated θ (kind hyper) that missed: each is one generation on an actor,
-            # however many requests of the batch shared it.
-            self._on_generated(
-                sum(1 for r in results if r.key is not None and not r.hit and r.error is None)
-            )
-        return results
-
-    async def prefetch(self, experts: Sequence[ExpertRef]) -> None:
-        await self._pool.prefetch(experts)
-
-    async def forget_popularity(self) -> None:
-        await self._pool.forget_popularity()
-
-    def residency(self) -> dict[str, list[str]]:
-        return self._pool.residency()
-
-    def actors(self) -> list[ActorInfo]:
-        return self._pool.actors()
-
-    async def close(self) -> None:
-        """Nothing: the pool belongs to the server, not to a version's batcher."""
-
-
-def _open_version_files(
-    root: Path,
-    budget_bytes: int,
-    pace: Pace | None,
-    freeze_from: int,
-    previous: Store | None,
-    opened: Callable[[str], None],
-) -> tuple[Store, ServedModel]:
-    # A kind this server does not know is refused here, naming it (UnknownStoreKind): at
-    # startup the server does not start, on a reload the old version keeps serving. The
-    # served version's rows and refs are taken where the new manifest left them unchanged.
-    # `opened` learns the version of the manifest read, which a failure after it concerns.
-    with collections_deferred(freeze_from=freeze_from):
-        store = Store.open(root, pace=pace, previous=previous)
-        opened(store.version)
-        model = open_model(store, pace or no_pace)
-        check_budget(model.experts, budget_bytes)  # a pass over every expert: off the loop too
-    return store, model
-
-
-def _read_on_disk(reader: StoreVersionReader, pace: Pace) -> str | None:
-    # A changed manifest whose start lacks the version is parsed up to it, maybe whole: then
-    # as many objects as the open's, if short-lived.
-    with collections_deferred(freeze_from=None):
-        return reader.store_version(pace)
-
-
-def background_pacer() -> Pacer:
-    """The pace of a long run of Python on a thread beside the event loop (a swap's open)."""
-    return Pacer(_SWAP_PACE_WORK_S, _SWAP_PACE_REST_S)
 
 
 def _capacity(version: StoreVersion, budget_bytes: int) -> str:
@@ -284,7 +166,7 @@ class ServingState:
         if pool is None:
             raise NotReady(reason="the actor pool is not up")
         pace, freeze_from = (
-            (background_pacer(), _SWAP_FREEZE_FROM_OBJECTS) if beside_serving else (None, 0)
+            (background_pacer(), SWAP_FREEZE_FROM_OBJECTS) if beside_serving else (None, 0)
         )
         served = self.version.store if beside_serving and self.version is not None else None
         store, model = await in_daemon_thread(
@@ -404,7 +286,7 @@ class ServingState:
         old = self.version
         if old is None or self.stopping:
             return None
-        on_disk = await in_daemon_thread(_read_on_disk, self._version_on_disk, background_pacer())
+        on_disk = await in_daemon_thread(read_on_disk, self._version_on_disk, background_pacer())
         self._tried = on_disk
         if on_disk == old.version:
             return None
@@ -462,7 +344,7 @@ class ServingState:
                 if refused:
                     # Only while a version is refused: a healthy poll reads the manifest once.
                     on_disk = await in_daemon_thread(
-                        _read_on_disk, self._version_on_disk, background_pacer()
+                        read_on_disk, self._version_on_disk, background_pacer()
                     )
                     if refused == [on_disk] and self.clock.now() < retry_at:
                         continue
