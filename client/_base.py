@@ -40,7 +40,7 @@ from ._options import (
 )
 from ._translate import TimeoutTypes, has_request, status_error, transport_error
 
-__all__ = ["DEFAULT_BASE_URL", "BaseClient", "RequestSpec", "TimeoutTypes"]
+__all__ = ["DEFAULT_BASE_URL", "BaseClient", "Mode", "RequestSpec", "TimeoutTypes"]
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 USER_AGENT = "momlp-client/0.1"
