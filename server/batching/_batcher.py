@@ -109,7 +109,8 @@ class Batcher:
     @property
     def queued_rows(self) -> int:
         """Rows admitted and not yet computed: queued, or in a batch still running (also when
-        their caller has left, as its timeout does not stop the batch)."""
+        their caller has left, as its timeout does not stop the batch, and when the batch
+        failed while other calls of it still compute)."""
         return self._queued_rows
 
     async def submit(
@@ -237,8 +238,8 @@ class Batcher:
 
     def _batch_done(self, batch: list[Pending], task: asyncio.Task[None]) -> None:
         self._inflight.discard(task)
-        # `_process` released them before answering; a batch cancelled before its first step
-        # (a close) never ran it.
+        # `_process` released them; a batch cancelled (a close) before its first step, or while
+        # a failure's other calls settled, did not.
         self._release(batch)
         if self._slots is not None:
             self._slots.release()
@@ -308,8 +309,6 @@ class Batcher:
                 fail(batch, InvalidRequest(str(exc), field="inputs"))
             return
         except Exception as exc:
-            # Before the answers, so that a caller answered sees its rows off the count.
-            self._release(batch)
             if isinstance(exc, ActorFailed):
                 # The pool logged why (once); a traceback per batch would flood an outage's log.
                 logger.warning("batch of %s requests failed: %s", len(batch), exc)
@@ -318,8 +317,12 @@ class Batcher:
             fail(batch, exc)
             # Answered at once, but the slot stays taken (this task is the slot) until the
             # batch's other actor calls have ended: else the next batch would start while
-            # they compute, past max_inflight_batches.
+            # they compute, past max_inflight_batches. Its rows stay in `queued_rows` as
+            # long, as a running batch's do (else 429 admitted a queue's worth more behind
+            # the slot). Released in this turn when nothing still computes (`calls_settled`
+            # then returns without waiting), so a caller answered sees its rows off the count.
             await calls_settled(exc)
+            self._release(batch)
             return
         self._release(batch)
         for r, item in enumerate(batch):

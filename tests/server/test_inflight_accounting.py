@@ -1,9 +1,10 @@
 """Work in flight after its caller left or a call of its batch failed: the queue limit counts
-rows until they are computed, a failed batch is answered at once but holds its slot until its
-last call ends, and a late failure of an old actor process keeps the channel a restart opened
-and leaves the restarted actor alive (reviews of the sixty-seventh session; the slot, of the
-sixty-ninth). The tests of those failed before their fixes; the two of a caller leaving while
-queued and of the batch window guard what was right already."""
+rows until they are computed, a failed batch is answered at once but holds its slot (its rows
+still counted) until its last call ends, and a late failure of an old actor process keeps the
+channel a restart opened and leaves the restarted actor alive (reviews of the sixty-seventh
+session; the slot and its rows, of the sixty-ninth). The tests of those failed before their
+fixes; the two of a caller leaving while queued, the batch window and a failed batch with
+nothing left computing guard what was right already."""
 
 from __future__ import annotations
 
@@ -184,10 +185,11 @@ async def test_a_failed_call_is_answered_at_once_though_its_siblings_still_compu
     with pytest.raises(ActorFailed, match="out of memory"):
         await failing
     assert ("end", "actor-1", [on_1]) not in pool.log  # still computing
-    assert batcher.queued_rows == 0
+    assert batcher.queued_rows == 2  # its batch holds its slot and its rows meanwhile
     pool.release.set()
     await _until(lambda: ("end", "actor-1", [on_1]) in pool.log)
     await settle()
+    assert batcher.queued_rows == 0
     assert {a: pool.dispatcher.queued_rows(a) for a in pool.dispatcher.names} == {
         "actor-0": 0, "actor-1": 0
     }
@@ -219,6 +221,48 @@ async def test_a_failed_batch_is_answered_at_once_and_keeps_its_slot_until_its_c
     # The next batch's call started once the failed batch's last call had ended.
     assert pool.log[3:] == [("end", "actor-1", [on_1]), ("start", "actor-1", [on_1]),
                             ("end", "actor-1", [on_1])]
+    await batcher.close()
+    await pool.close()
+
+
+async def test_a_failed_batchs_rows_count_against_the_queue_until_its_calls_end(
+    make_store: Any,
+) -> None:
+    # Its rows left the count with the failure while its other call still computed and held
+    # the slot: requests were admitted past max_queue_rows behind it (no 429).
+    store = Store.open(make_store(K=6, n=3, width=8, out=2))
+    settings = Settings(max_batch_wait_ms=0.0, actors=2, cache_bytes=10**7, max_queue_rows=2)
+    pool = _OneActorFails(settings)
+    on_0, on_1 = _one_expert_on_each(store, pool)
+    batcher = _batcher(store, pool, settings, max_inflight_batches=1)
+    with pytest.raises(ActorFailed):
+        await batcher.submit(inputs([on_0, on_1], 3))
+    following = asyncio.ensure_future(batcher.submit(inputs([on_1], 3, seed=1)))
+    await settle()
+    assert following.done()  # refused, not queued behind the held slot
+    with pytest.raises(PoolSaturated) as info:
+        await following
+    assert info.value.fields["queued_rows"] == 2
+    pool.release.set()
+    await _until(lambda: batcher.queued_rows == 0)
+    assert (await batcher.submit(inputs([on_1, on_1], 3, seed=1))).outputs.shape == (2, 2)
+    await batcher.close()
+    await pool.close()
+
+
+async def test_a_failed_batch_with_nothing_left_computing_frees_its_rows_as_it_answers(
+    make_store: Any,
+) -> None:
+    store = Store.open(make_store(K=6, n=3, width=8, out=2))
+    settings = Settings(max_batch_wait_ms=0.0, actors=2, cache_bytes=10**7, max_queue_rows=2)
+    pool = _OneActorFails(settings)
+    on_0, _ = _one_expert_on_each(store, pool)
+    batcher = _batcher(store, pool, settings, max_inflight_batches=1)
+    with pytest.raises(ActorFailed):
+        await batcher.submit(inputs([on_0, on_0], 3))
+    assert batcher.queued_rows == 0  # the caller, answered, can send again at once
+    pool.release.set()
+    assert (await batcher.submit(inputs([on_0, on_0], 3))).outputs.shape == (2, 2)
     await batcher.close()
     await pool.close()
 
