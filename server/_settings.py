@@ -118,6 +118,17 @@ class Settings(BaseSettings):
     actor_start_timeout_s: float = Field(
         default=60.0, gt=0.0, description="the actors must all be placed and up within this"
     )
+    # A process that hangs without dying (a read stuck on a network filesystem, a deadlock in
+    # a native library, SIGSTOP) held its batches' in-flight slots for good, until the server
+    # answered nothing while /readyz said ready. Above an actor's own wait for cache room
+    # (30 s) plus a slow load, so that only a call that is not coming back passes it.
+    actor_call_timeout_s: float = Field(
+        default=120.0,
+        gt=0.0,
+        description="an actor's answer to a batch must come within this; past it the actor "
+        "is taken for hung: its process is killed for Ray to restart, and the batch's rows go "
+        "to another actor",
+    )
     actor_resource: str | None = Field(
         default=None,
         description="Ray resource each actor takes one of (e.g. momlp_worker): one actor a node",

@@ -21,9 +21,10 @@ from server.pool._errors import (
 )
 from server.pool._fake import FakeExpertPool
 from server.pool._loader import without_root
-from server.pool._ray import RayExpertPool, actor_count, actor_device
+from server.pool._ray import RayExpertPool
 from server.pool._session import ray_session, start_ray, stop_ray
 from server.pool._settle import calls_settled
+from server.pool._sizing import actor_count, actor_device
 from server.pool._threads import in_daemon_thread
 from server.pool._types import (
     ActorInfo,

@@ -24,6 +24,7 @@ from server.pool._dispatch import Dispatcher
 from server.pool._errors import ActorDied
 from server.pool._failures import LoadFailures
 from server.pool._results import failed_result, group_result, rows_array
+from server.pool._retries import Retries
 from server.pool._revival import Revivals
 from server.pool._settle import carry_calls
 from server.pool._types import ActorInfo, ActorReply, Group, GroupResult
@@ -31,11 +32,6 @@ from server.pool._types import ActorInfo, ActorReply, Group, GroupResult
 __all__ = ["DispatchingPool", "check_budget"]
 
 logger = logging.getLogger(__name__)
-
-# Retries of a dead actor's groups: one covers a single death, the second two deaths close
-# together (the retry's actor dying too). Each attempt that died produced no answer.
-MAX_RETRIES = 2
-
 
 def check_budget(experts: Iterable[ExpertRef], budget_bytes: int) -> None:
     """Refuse a store version in which some expert can never fit in one actor's cache."""
@@ -66,6 +62,7 @@ class DispatchingPool(ABC):
         failure_ttl_s: float = 30.0,
         revive_timeout_s: float = 60.0,
         info_timeout_s: float = 2.0,
+        call_timeout_s: float = 120.0,
     ) -> None:
         self._dispatcher = Dispatcher(names, spill_queue_rows=spill_queue_rows)
         self._device = device
@@ -90,6 +87,8 @@ class DispatchingPool(ABC):
         # `_run_on`): its failure says nothing new about the actor, which may be back by now.
         self._deaths = dict.fromkeys(names, 0)
         self._counts = ActorCounts()
+        # Past it a run or prefetch call is given up: its actor is taken for hung.
+        self._call_timeout_s = call_timeout_s
         self._closed = False
 
     @property
@@ -122,6 +121,11 @@ class DispatchingPool(ABC):
     async def _call_info(self, actor: str) -> ActorInfo:
         """Ask `actor` about itself (waits for a restarting actor to come back)."""
 
+    @abstractmethod
+    async def _kill_hung(self, actor: str) -> None:
+        """Have `actor`'s process, hung in a call, killed for its runtime to restart; return
+        once it answers no more (a revival's probe then finds its successor)."""
+
     async def run(self, groups: list[Group]) -> list[GroupResult]:
         """Run every group on some actor; results in the order of `groups`.
 
@@ -129,6 +133,8 @@ class DispatchingPool(ABC):
         mid-call has its groups retried elsewhere (or on the restarted actor), up to
         `MAX_RETRIES` times, so that two actors dying close together still lose nothing;
         past that, `ActorFailed`. A dead call produced no answer, so nothing is answered twice.
+        A call not answered within `call_timeout_s` counts as its actor's death: it is given
+        up (a late reply is never read) and its actor's process killed for Ray to restart.
         A stale failure (a call to an actor's previous process, whose death was already
         noticed) is retried on a budget of its own, so that it does not use up one of those
         retries. A failure is raised as it comes, while the batch's other calls go on to
@@ -151,10 +157,7 @@ class DispatchingPool(ABC):
         if todo:
             calls: list[asyncio.Task[None]] = []  # every actor call of this run, retries too
             try:
-                await self._dispatch(
-                    groups, todo, results, calls, retries_left=MAX_RETRIES,
-                    stale_left=MAX_RETRIES, exclude=frozenset(),
-                )
+                await self._dispatch(groups, todo, results, calls, Retries())
             except Exception as exc:
                 carry_calls(exc, calls)
                 raise
@@ -166,12 +169,9 @@ class DispatchingPool(ABC):
         indices: list[int],
         results: list[GroupResult | None],
         calls: list[asyncio.Task[None]],
-        *,
-        retries_left: int,
-        stale_left: int,
-        exclude: frozenset[str],
+        retries: Retries,
     ) -> None:
-        if not [a for a in self._dispatcher.live_actors() if a not in exclude]:
+        if not [a for a in self._dispatcher.live_actors() if a not in retries.exclude]:
             # Every actor is dead or the one that just failed: wait for Ray to restart one
             # (a restarted actor is a fresh process, so the one that failed is fine again).
             await self._revivals.wait_for_any()
@@ -179,10 +179,10 @@ class DispatchingPool(ABC):
                 # The close ended the revival it waited for: an answer of the close's, not
                 # "no live actor" (503 actor_failed) as if the actors had failed.
                 raise PoolClosed()
-            exclude = frozenset()
+            retries = retries.anywhere()
         placement = self._dispatcher.place(
             [(groups[i].expert.sha256, int(groups[i].rows.shape[0])) for i in indices],
-            exclude=exclude,
+            exclude=retries.exclude,
         )
         by_actor: dict[str, list[int]] = {}
         unplaced = 0
@@ -209,10 +209,7 @@ class DispatchingPool(ABC):
         # that `calls` holds them for `calls_settled`.
         loop = asyncio.get_running_loop()
         started = [
-            loop.create_task(self._run_on(
-                actor, groups, idx, results, placed, calls, retries_left=retries_left,
-                stale_left=stale_left, exclude=exclude,
-            ))
+            loop.create_task(self._run_on(actor, groups, idx, results, placed, calls, retries))
             for actor, idx in by_actor.items()
         ]
         calls.extend(started)
@@ -233,20 +230,23 @@ class DispatchingPool(ABC):
         results: list[GroupResult | None],
         placed: dict[str, int],
         calls: list[asyncio.Task[None]],
-        *,
-        retries_left: int,
-        stale_left: int,
-        exclude: frozenset[str],
+        retries: Retries,
     ) -> None:
         rows = placed.pop(actor)
         payload = [(groups[i].expert, rows_array(groups[i].rows)) for i in indices]
         deaths = self._deaths[actor]
+        # One timer per call. A call given up is cancelled: a late reply is never read.
+        deadline = asyncio.timeout(self._call_timeout_s)
+        died = hung = False
         try:
-            reply = await self._call_run(actor, payload)
+            async with deadline:
+                reply = await self._call_run(actor, payload)
         except ActorDied:
             died = True
-        else:
-            died = False
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            died = hung = True
         finally:
             self._dispatcher.complete(actor, rows)
         if died:
@@ -258,27 +258,24 @@ class DispatchingPool(ABC):
             # marking that one dead would drop its cache table and revive it for nothing, so
             # the groups may go to it again. (A call Ray queued for the restarted process,
             # which then died too, passes for stale as well: its retry, or the socket's
-            # drop, finds that death.)
-            stale = self._deaths[actor] != deaths
-            if stale:
-                # Not a death of its own: it does not use up a retry that a next death may
-                # need (its own budget still ends a chase of an actor that keeps dying).
-                if stale_left <= 0:
-                    raise ActorFailed(actor=actor, reason="died again during the retries")
+            # drop, finds that death; so does a call given up after a sibling's hang.)
+            if self._deaths[actor] != deaths:
+                retries = retries.after_stale(actor)
                 logger.info("actor %s: a call to its previous process failed; retrying %s "
                             "groups", actor, len(indices))
-                stale_left -= 1
             else:
-                self._actor_died(actor)
-                exclude |= {actor}
-                if retries_left <= 0:
-                    raise ActorFailed(actor=actor, reason="died again during the retries")
-                logger.warning("actor %s died mid-call; retrying %s groups", actor, len(indices))
-                retries_left -= 1
-            await self._dispatch(
-                groups, indices, results, calls, retries_left=retries_left,
-                stale_left=stale_left, exclude=exclude,
-            )
+                if hung:
+                    logger.error(
+                        "actor %s did not answer within %g s (MOMLP_ACTOR_CALL_TIMEOUT_S): "
+                        "taken for hung, its process is killed for Ray to restart",
+                        actor, self._call_timeout_s,
+                    )
+                # A hang is a death (its process is killed): it uses a retry as one does.
+                self._actor_died(actor, hung=hung)
+                retries = retries.after_death(actor, hung=hung)
+                logger.warning("actor %s %s mid-call; retrying %s groups",
+                               actor, "hung" if hung else "died", len(indices))
+            await self._dispatch(groups, indices, results, calls, retries)
             return
         self._dispatcher.update_residency(actor, reply.resident)
         if self._deaths[actor] == deaths:
@@ -302,12 +299,13 @@ class DispatchingPool(ABC):
         logger.warning("actor %s dropped its connection (%s)", actor, reason)
         self._actor_died(actor)
 
-    def _actor_died(self, actor: str) -> None:
-        """A process of `actor` is known dead: no calls to it until its restart answers."""
+    def _actor_died(self, actor: str, *, hung: bool = False) -> None:
+        """A process of `actor` is known dead, or `hung` (then killed): no calls to it until
+        its restart answers."""
         self._deaths[actor] += 1
         self._counts.died(actor)
         self._dispatcher.mark_dead(actor)
-        self._revivals.watch(actor)
+        self._revivals.watch(actor, after=self._spawn(self._kill_hung(actor)) if hung else None)
 
     async def _runtime_problem(self) -> str | None:
         """Why the runtime the actors live in does not answer now, or None when it does (or
@@ -342,9 +340,11 @@ class DispatchingPool(ABC):
 
     async def _prefetch_on(self, actor: str, experts: list[ExpertRef]) -> None:
         try:
-            resident = await self._call_prefetch(actor, experts)
-        except ActorDied:
-            return  # the next run on that actor notices and retries
+            async with asyncio.timeout(self._call_timeout_s):
+                resident = await self._call_prefetch(actor, experts)
+        except (ActorDied, TimeoutError):
+            # The next run on that actor notices and retries (a hung one: past its deadline).
+            return
         self._dispatcher.update_residency(actor, resident)
 
     async def forget_popularity(self) -> None:

@@ -1,7 +1,8 @@
 """An in-process pool with the Ray pool's behaviour, for fast tests of everything above it.
 
 Experts are loaded and run by the same `ActorCore` the Ray actors use, one per fake actor,
-each call on a worker thread; `kill` simulates an actor dying mid-call and being restarted.
+each call on a worker thread; `kill` simulates an actor dying mid-call and being restarted,
+`hang` one whose process stops answering without dying.
 """
 
 from __future__ import annotations
@@ -45,12 +46,17 @@ class FakeExpertPool(DispatchingPool):
             sleep=sleep,
             failure_ttl_s=failure_ttl_s,
             info_timeout_s=info_timeout_s,
+            call_timeout_s=settings.actor_call_timeout_s,
         )
         self._settings = settings
         self._clock_arg = clock
         self._cores = {name: self._new_core(name) for name in names}
         self._doomed: set[str] = set()
+        self._hanging: set[str] = set()
+        # Actor -> set when its hung process is killed (its hung calls then fail).
+        self._stuck: dict[str, asyncio.Event] = {}
         self.calls: list[tuple[str, list[int]]] = []
+        self.hung_kills: list[str] = []  # actors whose hung process the pool had killed
 
     def _new_core(self, name: str) -> ActorCore:
         return ActorCore(
@@ -71,16 +77,24 @@ class FakeExpertPool(DispatchingPool):
         """The actor's next call dies mid-way; the actor comes back with an empty cache."""
         self._doomed.add(actor)
 
+    def hang(self, actor: str) -> None:
+        """The actor's next call, and every call to it after, never answers (its process
+        alive) until the pool has that process killed; the actor then comes back with an
+        empty cache."""
+        self._hanging.add(actor)
+        self._stuck.setdefault(actor, asyncio.Event())
+
     async def _call_run(
         self, actor: str, payload: list[tuple[ExpertRef, np.ndarray]]
     ) -> ActorReply:
         self.calls.append((actor, [ref.expert_id for ref, _ in payload]))
         if actor in self._doomed:
             self._doomed.discard(actor)
-            old = self._cores[actor]
-            self._cores[actor] = self._new_core(actor)
-            await asyncio.to_thread(old.close)
+            await self._restart(actor)
             raise ActorDied(actor)
+        if actor in self._hanging:
+            await self._stuck[actor].wait()
+            raise ActorDied(actor)  # a killed process fails the calls it held
         core = self._cores[actor]
         try:
             reply = await asyncio.to_thread(core.run, payload)
@@ -92,6 +106,18 @@ class FakeExpertPool(DispatchingPool):
         if self._cores[actor] is not core:
             raise ActorDied(actor)
         return reply
+
+    async def _restart(self, actor: str) -> None:
+        old = self._cores[actor]
+        self._cores[actor] = self._new_core(actor)
+        await asyncio.to_thread(old.close)
+
+    async def _kill_hung(self, actor: str) -> None:
+        self.hung_kills.append(actor)
+        if actor in self._hanging:
+            self._hanging.discard(actor)
+            self._stuck.pop(actor).set()
+        await self._restart(actor)
 
     async def _call_prefetch(self, actor: str, experts: list[ExpertRef]) -> dict[str, int]:
         return await asyncio.to_thread(self._cores[actor].prefetch, experts)

@@ -26,51 +26,14 @@ from server.pool._channel import Channel
 from server.pool._channel_dir import make_channel_folder, sweep_stale_folders
 from server.pool._device import resolve_device
 from server.pool._errors import ActorDied, ActorGone, ChannelCallFailed, ChannelClosed
+from server.pool._kill import kill_hung_process
+from server.pool._sizing import actor_count, actor_device, local_node_gpus
 from server.pool._threads import in_daemon_thread
 from server.pool._types import ActorInfo, ActorReply
 
-__all__ = ["RayExpertPool", "actor_count", "actor_device"]
+__all__ = ["RayExpertPool"]
 
 logger = logging.getLogger(__name__)
-
-
-def actor_device(
-    requested: str, *, local_cuda: bool, cluster_gpus: float, local_gpus: float
-) -> str:
-    """The device the actors use: `auto` is CUDA when they can have a GPU.
-
-    That is when this process's torch sees one, or when the Ray cluster has GPUs on other
-    nodes: a head without a GPU (KubeRay, the launcher config in deploy/) still drives GPU
-    workers. GPUs on this node that this process's torch cannot use (a CPU build of torch)
-    do not count.
-    """
-    if requested != "auto":
-        return requested
-    if local_cuda:
-        return "cuda"
-    return "cuda" if cluster_gpus - local_gpus >= 1 else "cpu"
-
-
-def actor_count(device: str, settings: Settings, cluster_gpus: float) -> int:
-    """How many actors the pool starts: `settings.actors` on CPU; on CUDA one per GPU of the
-    cluster, or on a cluster (`ray_address`) `settings.actors` GPU actors where it was given
-    and is more.
-
-    A head that starts before its GPU workers join (KubeRay, deploy/ray-cluster.yaml) counts
-    none yet: `--ray-address ... --device cuda --actors N` waits for N GPU actors to be placed.
-    An embedded Ray never gains a GPU: there `--actors` (a CPU count, as a one-GPU machine's
-    scripts pass it) stays one actor per GPU, with a warning when it asked for more.
-    """
-    if not device.startswith("cuda"):
-        return settings.actors
-    gpus = int(cluster_gpus)
-    asked = settings.actors if "actors" in settings.model_fields_set else 1
-    if settings.ray_address is None:
-        if asked > gpus:
-            logger.warning("--actors %d on CUDA: this machine's Ray has %d GPU(s), so %d "
-                           "actor(s), one per GPU", asked, gpus, max(1, gpus))
-        return max(1, gpus)
-    return max(asked, gpus)
 
 
 # How often a start waiting for its actors looks at its stop event.
@@ -117,17 +80,6 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else text
 
 
-def _local_node_gpus() -> float:
-    """GPUs Ray counts on this process's node."""
-    import ray
-
-    node_id = ray.get_runtime_context().get_node_id()
-    for node in ray.nodes():  # type: ignore[no-untyped-call]
-        if node.get("NodeID") == node_id:
-            return float(node.get("Resources", {}).get("GPU", 0))
-    return 0.0
-
-
 class RayExpertPool(DispatchingPool):
     """One Ray actor per device (per GPU on CUDA, `settings.actors` on CPU), created once and
     kept for the server's lifetime: a new store version never creates an actor.
@@ -159,6 +111,7 @@ class RayExpertPool(DispatchingPool):
             clock=clock,
             sleep=sleep,
             failure_ttl_s=failure_ttl_s,
+            call_timeout_s=settings.actor_call_timeout_s,
         )
         self._handles = handles
         self._channel_dir = channels
@@ -195,7 +148,7 @@ class RayExpertPool(DispatchingPool):
             settings.device,
             local_cuda=resolve_device("auto") == "cuda",
             cluster_gpus=gpus,
-            local_gpus=_local_node_gpus(),
+            local_gpus=local_node_gpus(),
         )
         if device.startswith("cuda") and gpus < 1 and settings.ray_address is None:
             # An embedded Ray never gains a GPU: waiting out the start timeout (60 s) would
@@ -368,6 +321,14 @@ class RayExpertPool(DispatchingPool):
         if self._channels.get(actor) is channel:  # not an older process's channel
             del self._channels[actor]  # a restarted actor is a new process: a new channel
             self._actor_lost(actor, reason)
+
+    async def _kill_hung(self, actor: str) -> None:
+        # Its socket first: the calls still waiting on it fail now, and are retried elsewhere,
+        # rather than each at its own deadline.
+        channel = self._channels.pop(actor, None)
+        if channel is not None:
+            await channel.close()
+        await kill_hung_process(actor, self._handles[actor], clock=self._clock, sleep=self._sleep)
 
     async def _call_prefetch(self, actor: str, experts: list[ExpertRef]) -> dict[str, int]:
         from ray.exceptions import RayActorError

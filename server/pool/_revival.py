@@ -65,11 +65,13 @@ class Revivals:
         self.unreachable: str | None = None
         self._lost_runtime = asyncio.Event()
 
-    def watch(self, actor: str) -> None:
-        """Revive `actor` (marked dead) unless a revival of it is running already."""
+    def watch(self, actor: str, *, after: Awaitable[None] | None = None) -> None:
+        """Revive `actor` (marked dead) unless a revival of it is running already; with
+        `after`, only once it is done (the kill of a hung process, which may answer a probe
+        until then), the revival counting as running meanwhile."""
         task = self._running.get(actor)
         if task is None or task.done():
-            self._running[actor] = self._spawn(self._revive(actor))
+            self._running[actor] = self._spawn(self._revive(actor, after))
 
     async def wait_for_any(self) -> None:
         """Wait until one running revival ends, or the runtime is found gone (at once when no
@@ -108,12 +110,17 @@ class Revivals:
                 self._dispatcher.mark_dead(name)
                 self.watch(name)
 
-    async def _revive(self, actor: str) -> None:
+    async def _revive(self, actor: str, after: Awaitable[None] | None) -> None:
         """Poll a dead actor until its runtime has restarted it (or give up after the timeout).
 
         Calls to a restarting Ray actor fail at once (ActorUnavailableError) rather than
         queue, so this polls with a growing delay instead of waiting on one call.
         """
+        if after is not None:
+            try:
+                await after
+            except Exception:  # the probes below tell whether the actor came back all the same
+                logger.exception("actor %s: its hung process could not be killed", actor)
         # By the clock: a call that fails slowly (hanging up to its timeout, or the runtime
         # check after it) takes its time out of the wait as a back-off's sleep does.
         deadline = self._clock.now() + self._timeout_s

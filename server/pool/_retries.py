@@ -1,0 +1,49 @@
+"""What one `run` may still spend on retrying the groups of its failed actor calls."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from server._exceptions import ActorFailed
+
+__all__ = ["MAX_RETRIES", "Retries"]
+
+# Retries of a dead actor's groups: one covers a single death, the second two deaths close
+# together (the retry's actor dying too). Each attempt that died produced no answer.
+MAX_RETRIES = 2
+
+
+@dataclass(frozen=True)
+class Retries:
+    """A run's retry budgets, passed down each chain of retries.
+
+    `deaths`: failures that were news about their actor (it died, or hung and was killed);
+    `stale`: failures of an actor's previous process whose death was already noticed, on a
+    budget of their own so that they do not use up a retry that a next death may need (it
+    still ends a chase of an actor that keeps dying); `exclude`: actors the next placement
+    avoids (those that failed this run).
+    """
+
+    deaths: int = MAX_RETRIES
+    stale: int = MAX_RETRIES
+    exclude: frozenset[str] = frozenset()
+
+    def after_death(self, actor: str, *, hung: bool = False) -> Retries:
+        """The budget left to retry the groups of a call whose `actor` died (or `hung`);
+        `ActorFailed` when it is spent."""
+        if self.deaths <= 0:
+            what = "hung" if hung else "died"
+            raise ActorFailed(actor=actor, reason=f"{what} again during the retries")
+        return dataclasses.replace(self, deaths=self.deaths - 1, exclude=self.exclude | {actor})
+
+    def after_stale(self, actor: str) -> Retries:
+        """The budget left to retry the groups of a call to `actor`'s previous process."""
+        if self.stale <= 0:
+            raise ActorFailed(actor=actor, reason="died again during the retries")
+        return dataclasses.replace(self, stale=self.stale - 1)
+
+    def anywhere(self) -> Retries:
+        """The same budgets, avoiding no actor: every live one had failed this run, and one
+        Ray restarted is a fresh process."""
+        return dataclasses.replace(self, exclude=frozenset())
