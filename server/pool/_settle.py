@@ -27,13 +27,13 @@ async def calls_settled(error: BaseException) -> None:
     """Return once every actor call of the `ExpertPool.run` that raised `error` has ended,
     retries included; at once for an error that carries none (raised after its calls ended,
     or not by a pool). Waiting does not cancel them."""
-    calls: list[asyncio.Task[None]] | None = getattr(error, _CALLS, None)
+    # Taken off the error as it is read: the error lives on in its requests' answers and
+    # logs and should not carry the tasks into a pickle of its state, and a second wait on
+    # the same error (none today) finds nothing rather than another run's calls.
+    calls: list[asyncio.Task[None]] | None = vars(error).pop(_CALLS, None)
     if calls is None:
         return
     # A call still running may retry its groups on another actor, adding calls to the list
     # before it ends: looked at again until none is left running.
     while pending := [call for call in calls if not call.done()]:
         await asyncio.wait(pending)
-    # The error lives on in its requests' answers and logs: it should not keep the tasks (and
-    # their results) alive with it, nor carry them into a pickle of its state.
-    vars(error).pop(_CALLS, None)
