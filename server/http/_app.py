@@ -25,8 +25,9 @@ from server.http._hot import HotRoutes
 from server.http._hyper import add_hyper_routes
 from server.http._metrics import Metrics, MetricsMiddleware, PoolSnapshot
 from server.http._openapi import install_openapi
+from server.http._predict import HOT_ROUTES, add_predict_routes
 from server.http._request_id import RequestIdMiddleware
-from server.http._routes import HOT_ROUTES, add_routes
+from server.http._routes import add_routes
 from server.http._startup import STARTUP_ERRORS, StartupFailure
 from server.http._v2 import add_v2_routes, hot_v2_routes, model_name
 from server.serving import BatcherFactory, PoolFactory, ServingState
@@ -112,6 +113,7 @@ def create_app(
     app.state.deadlines = Deadlines.of(settings)
     metrics.set_snapshot(lambda: pool_snapshot(serving))
     install_error_handlers(app)
+    add_predict_routes(app)
     add_routes(app)
     add_graph_routes(app)
     add_v2_routes(app)

@@ -24,7 +24,7 @@ from server.http._body import (
 from server.http._deadline import Deadlines
 from server.http._metrics import Metrics
 from server.http._models import ConditionId, FiniteNumber, _Strict
-from server.http._routes import ERROR_RESPONSES
+from server.http._responses import ERROR_RESPONSES
 from server.kinds import expert_generator
 from server.serving import ServingState
 

@@ -29,7 +29,7 @@ from server.http._body import parse_encoded, read_body_limited
 from server.http._deadline import Deadlines
 from server.http._hot import HotRoute
 from server.http._openapi import inline_defs
-from server.http._routes import submit_in_time
+from server.http._predict import submit_in_time
 from server.http._v2_codec import (
     HEADER_LENGTH,
     InferRequest,

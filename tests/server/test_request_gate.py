@@ -1,6 +1,6 @@
 """The request-time gate on /v1/predict and /v1/route: caps (422 naming the cap), beam 1 ≡
 tree mode, ragged experts under dense-to-sparse, binary query parameters, and batch
-invariance for every gate setting (server/kinds/_momlp.py, server/http/_routes.py)."""
+invariance for every gate setting (server/kinds/_momlp.py, server/http/_predict.py)."""
 
 from __future__ import annotations
 
