@@ -12,19 +12,21 @@ Two policies, both choosing victims least recently used first:
   window must give room, its oldest expert contests the least recently used *admitted* expert
   on recent popularity (`FrequencyCounter`); the less popular one is dropped. On skewed
   traffic this keeps the popular experts that plain LRU lets one-off requests flush out.
+
+The lists, their byte accounts and the choice of victims are `CacheLists`' (`_cache_lists`);
+this module adds the leases, the loads and the waits.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Collection, Hashable, Iterator
-from typing import Generic, TypeVar, cast
+from typing import TypeVar, cast
 
+from experts_store._cache_lists import CacheEntry, CacheLists
 from experts_store._cache_types import (
     CACHE_POLICIES,
     CachePolicy,
@@ -45,25 +47,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class _Entry(Generic[T]):
-    __slots__ = ("admitted", "awaited", "error", "leases", "loading", "nbytes", "value", "waiters")
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self.admitted = False  # False: in the window (or the only list, under lru)
-        self.awaited = False  # tinylfu: prefetched for a queued request, not leased yet
-        self.loading = True
-        self.value: T | None = None
-        self.error: BaseException | None = None
-        self.leases = 0
-        self.waiters = 0
-
-    @property
-    def pinned(self) -> bool:
-        return self.loading or self.leases > 0 or self.waiters > 0
-
-
-class ExpertCache(Generic[T]):
+class ExpertCache(CacheLists[T]):
     """Thread-safe byte-budget cache; see the module docstring for the guarantees."""
 
     def __init__(
@@ -82,30 +66,18 @@ class ExpertCache(Generic[T]):
             raise ValueError(f"policy must be one of {', '.join(CACHE_POLICIES)}, got {policy!r}")
         if not 0.0 <= window_fraction <= 1.0:
             raise ValueError(f"window_fraction must be in [0, 1], got {window_fraction}")
-        self._budget = budget_bytes
+        # Under lru (no admission) the window is the whole cache (`CacheLists`).
+        admission: Admission | None = None
+        if policy == "tinylfu":
+            admission = Admission(budget_bytes, window_fraction=window_fraction)
+        super().__init__(budget_bytes, admission)
         self._loader = loader
         self._clock = clock or MonotonicClock()
         self._max_entry = (
             budget_bytes if max_entry_bytes is None else min(max_entry_bytes, budget_bytes)
         )
         self.policy = policy
-        # Under lru (no admission) the window is the whole cache and nothing is ever admitted
-        # past it.
-        self._admission: Admission | None = None
-        if policy == "tinylfu":
-            self._admission = Admission(budget_bytes, window_fraction=window_fraction)
-        # The window also keeps room for the largest expert seen, so that a newcomer always
-        # lands there and never pushes an admitted expert out without a contest.
-        self._largest = 0
         self._cond = threading.Condition()
-        # Insertion order is recency order, oldest first, in both lists.
-        self._window: OrderedDict[Hashable, _Entry[T]] = OrderedDict()
-        self._main: OrderedDict[Hashable, _Entry[T]] = OrderedDict()
-        self._window_bytes = 0  # resident and reserved
-        self._main_bytes = 0
-        self._resident = 0
-        self._reserved = 0
-        self._stats = CacheStats()
         self._waiting = 0
 
     @property
@@ -215,7 +187,7 @@ class ExpertCache(Generic[T]):
                     self._drop(key, entry)
             self._cond.notify_all()
 
-    def _acquire(self, key: Hashable, timeout: float | None) -> tuple[Lease[T], _Entry[T]]:
+    def _acquire(self, key: Hashable, timeout: float | None) -> tuple[Lease[T], CacheEntry[T]]:
         start = self._clock.now()
         deadline = None if timeout is None else start + timeout
         missed = False
@@ -280,7 +252,7 @@ class ExpertCache(Generic[T]):
         seconds = self._load(key, entry, leases=1)
         return Lease(key, cast(T, entry.value), False, seconds, nbytes), entry
 
-    def _load(self, key: Hashable, entry: _Entry[T], *, leases: int) -> float:
+    def _load(self, key: Hashable, entry: CacheEntry[T], *, leases: int) -> float:
         started = self._clock.now()
         try:
             value = self._loader.load(key)
@@ -310,111 +282,6 @@ class ExpertCache(Generic[T]):
             self._cond.notify_all()
         logger.debug("loaded expert %s (%s bytes) in %.4f s", key, entry.nbytes, seconds)
         return seconds
-
-    def _get(self, key: Hashable) -> _Entry[T] | None:
-        entry = self._window.get(key)
-        return entry if entry is not None else self._main.get(key)
-
-    def _ordered(self) -> Iterator[tuple[Hashable, _Entry[T]]]:
-        """Every entry in the order victims are considered (window, then admitted)."""
-        yield from list(self._window.items())
-        yield from list(self._main.items())
-
-    def _touch(self, key: Hashable, entry: _Entry[T]) -> None:
-        (self._main if entry.admitted else self._window).move_to_end(key)
-
-    def _unlink(self, key: Hashable, entry: _Entry[T]) -> None:
-        if entry.admitted:
-            del self._main[key]
-            self._main_bytes -= entry.nbytes
-        else:
-            del self._window[key]
-            self._window_bytes -= entry.nbytes
-
-    def _reserve(self, key: Hashable, nbytes: int) -> _Entry[T]:
-        self._largest = max(self._largest, nbytes)
-        entry: _Entry[T] = _Entry(nbytes)
-        self._window[key] = entry
-        self._window_bytes += nbytes
-        self._reserved += nbytes
-        return entry
-
-    def _make_room(self, nbytes: int, keep: Collection[Hashable] = ()) -> bool:
-        """Evict until ``nbytes`` fit; evict nothing if they cannot (leased and ``keep``
-        experts are never evicted)."""
-        free = self._budget - self._resident - self._reserved
-        if nbytes <= free:
-            return True
-
-        def movable(item: tuple[Hashable, _Entry[T]]) -> bool:
-            return not item[1].pinned and item[0] not in keep
-
-        # Can enough be evicted? Stops at the first movable experts that cover the shortfall
-        # (usually the first one or two) instead of summing the whole cache on every miss.
-        short = nbytes - free
-        for item in itertools.chain(self._window.items(), self._main.items()):
-            if movable(item):
-                short -= item[1].nbytes
-                if short <= 0:
-                    break
-        else:
-            return False
-        admission = self._admission
-        floor = self._budget if admission is None else admission.climber.window_bytes
-        window_target = max(floor, self._largest, nbytes)
-        main_target = self._budget - window_target
-        while free < nbytes:
-            candidate = next(filter(movable, self._window.items()), None)
-            victim = next(filter(movable, self._main.items()), None)
-            window_full = self._window_bytes + nbytes > window_target
-            if candidate is not None and (victim is None or window_full):
-                free += self._settle(*candidate, victim, main_target)
-            else:
-                assert victim is not None  # the scan above found enough movable bytes
-                free += self._drop(*victim)
-        return True
-
-    def _settle(
-        self,
-        key: Hashable,
-        entry: _Entry[T],
-        victim: tuple[Hashable, _Entry[T]] | None,
-        main_target: int,
-    ) -> int:
-        """The window's oldest expert leaves it: admitted if there is room, else it contests
-        ``victim`` and the loser is dropped. Returns the bytes freed."""
-        if self._main_bytes + entry.nbytes <= main_target:
-            self._admit(key, entry)
-            return 0
-        # A prefetched expert's request is queued but not counted yet: it wins, or it would be
-        # dropped just before the request that wants it.
-        admission = self._admission
-        if victim is not None and (
-            entry.awaited or (admission is not None and admission.admits(key, victim[0]))
-        ):
-            freed = self._drop(*victim)
-            # The winner takes the room now: left in the window, it would queue behind
-            # younger newcomers for the next free place.
-            if self._main_bytes + entry.nbytes <= main_target:
-                self._admit(key, entry)
-            return freed
-        if self._admission is not None:
-            self._stats.rejections += 1
-        return self._drop(key, entry)
-
-    def _admit(self, key: Hashable, entry: _Entry[T]) -> None:
-        self._unlink(key, entry)
-        entry.admitted = True
-        self._main[key] = entry
-        self._main_bytes += entry.nbytes
-
-    def _drop(self, key: Hashable, entry: _Entry[T]) -> int:
-        self._unlink(key, entry)
-        self._resident -= entry.nbytes
-        self._stats.evictions += 1
-        logger.debug("evicted expert %s (%s bytes)", key, entry.nbytes)
-        return entry.nbytes
-
     def _wait(self, deadline: float | None) -> bool:
         """Wait for a change; False once the deadline has passed (checked on the clock)."""
         remaining = None if deadline is None else deadline - self._clock.now()

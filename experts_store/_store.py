@@ -6,15 +6,12 @@ import hashlib
 import json
 import logging
 import os
-import stat
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from experts_store._checksum import FAST_CHECKSUM_ALGO, ExpectedDigest, known_checksum
 from experts_store._exceptions import (
@@ -23,7 +20,7 @@ from experts_store._exceptions import (
     ManifestError,
     StoreError,
 )
-from experts_store._format import all_finite, parse_header, read_expert_bytes, sha256_hex
+from experts_store._format import all_finite, parse_header, read_expert_bytes
 from experts_store._frozen import FrozenExpert
 from experts_store._hostbuf import HostBufferPool
 from experts_store._hypernet import verify_hyper_files
@@ -41,6 +38,7 @@ from experts_store._manifest import (
 from experts_store._model import ExpertMLP
 from experts_store._pace import Pace, no_pace
 from experts_store._ref import ExpertRef
+from experts_store._store_checks import StoreProblem, check_router_file, regular_file_size
 from experts_store._writer import REPORT_NAME
 
 __all__ = ["Store", "StoreExpertLoader", "StoreProblem", "read_report"]
@@ -48,14 +46,6 @@ __all__ = ["Store", "StoreExpertLoader", "StoreProblem", "read_report"]
 logger = logging.getLogger(__name__)
 
 _E = TypeVar("_E", ExpertMLP, FrozenExpert)
-
-
-@dataclass(frozen=True)
-class StoreProblem:
-    """One finding of :meth:`Store.verify`; ``expert_id`` is None for the router/manifest."""
-
-    expert_id: int | None
-    message: str
 
 
 class Store:
@@ -286,7 +276,7 @@ class Store:
             )
             # A pmoe store's router may be a learned linear map, not a tree of prototypes.
             tree = self.manifest.kind != "pmoe"
-            problem = _check_router_file(self.root / name, who, tree=tree, expect=expect)
+            problem = check_router_file(self.root / name, who, tree=tree, expect=expect)
             if problem is not None:
                 problems.append(problem)
         if self.manifest.hyper is not None:
@@ -294,7 +284,7 @@ class Store:
             problems += [StoreProblem(None, message) for message in found]
         for entry in self.manifest.experts:
             try:
-                size = _regular_file_size(self.root / entry.file)
+                size = regular_file_size(self.root / entry.file)
                 if size is not None and size != entry.bytes:
                     # The budget and the pool's plans trust the manifest's figure. Told
                     # before the read: a wrong file of gigabytes is not read whole.
@@ -372,54 +362,6 @@ def read_report(root: Path, version: str) -> dict[str, Any] | None:
                        REPORT_NAME, root, described, version)
         return None
     return data
-
-
-def _regular_file_size(path: Path) -> int | None:
-    """The size of the regular file at `path`; None for anything else (missing, a FIFO),
-    which the read that follows reports."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_size if stat.S_ISREG(st.st_mode) else None
-
-
-def _check_router_file(
-    path: Path, who: str, *, tree: bool = True, expect: tuple[int, int] | None = None
-) -> StoreProblem | None:
-    """A problem if the router file is missing, unreadable, not its name's hash, not a
-    safetensors file, without a 2-D float32 `prototypes` array (`tree`: a prototype tree's
-    file), or (`expect`: [K, n]) of another shape than the manifest's experts and inputs."""
-    if path.exists() and _regular_file_size(path) is None:  # a FIFO's read would block
-        return StoreProblem(None, f"{who} file {path.name}: not a regular file")
-    try:
-        sha = sha256_hex(path.read_bytes())
-    except FileNotFoundError:
-        return StoreProblem(None, f"{who} file missing: {path}")
-    except OSError as exc:
-        return StoreProblem(None, f"{who} file {path.name}: unreadable ({exc.strerror or exc})")
-    if not path.name.endswith(f"-{sha[:16]}.safetensors"):
-        return StoreProblem(None, f"{who} file {path.name}: checksum mismatch")
-    try:
-        # The header only (no array is read, nothing is unpickled).
-        with safe_open(str(path), framework="pt") as f:
-            prototypes = f.get_slice("prototypes") if "prototypes" in f.keys() else None
-            shape = tuple(prototypes.get_shape()) if prototypes is not None else None
-            dtype = prototypes.get_dtype() if prototypes is not None else None
-    except (SafetensorError, OSError) as exc:
-        return StoreProblem(None, f"{who} file {path.name}: not a readable router ({exc})")
-    if not tree:
-        return None
-    if shape is None or len(shape) != 2 or dtype != "F32":
-        return StoreProblem(
-            None, f"{who} file {path.name}: no 2-D float32 prototypes array (got {shape})"
-        )
-    if expect is not None and shape != expect:
-        return StoreProblem(
-            None, f"{who} file {path.name}: {shape[0]} prototypes of dimension {shape[1]}, the "
-            f"manifest has {expect[0]} experts of input_dim {expect[1]}"
-        )
-    return None
 
 
 class StoreExpertLoader:

@@ -1,7 +1,8 @@
 """One device's worth of serving: an expert cache plus the forward passes, with and without Ray.
 
 `ActorCore` is the plain-Python logic (tested without Ray and used in-process by the fake pool);
-`ExpertActor` is the body of the Ray actor, a thin wrapper that owns one `ActorCore`.
+`ExpertActor` is the body of the Ray actor, a thin wrapper that owns one `ActorCore`. An
+expert's forward pass is `_forward`'s; the hypernetworks an actor pins, `_pins`'.
 
 An actor belongs to the server, not to a store version: it opens no store. Each call names
 its experts by `ExpertRef` (the file and its content hash), and the cache is keyed by content,
@@ -15,7 +16,6 @@ import itertools
 import logging
 import os
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
@@ -35,21 +35,15 @@ from experts_store import (
     ExpertLoadError,
     ExpertRef,
     FrozenExpert,
-    FrozenHyperNetwork,
     GeneratedRef,
-    GeneratorRef,
     MonotonicClock,
     StoreError,
 )
 from server.pool._channel import ChannelServer
-from server.pool._device import (
-    activation_peak_bytes,
-    aligned_input,
-    by_blocks,
-    resolve_device,
-    row_block,
-)
+from server.pool._device import resolve_device, row_block
+from server.pool._forward import DeviceForward
 from server.pool._loader import Cached, DeviceLoader, load_error, store_relative
+from server.pool._pins import GeneratorPins
 from server.pool._types import ActorInfo, ActorReply, CacheCounts, GroupOutcome
 from server.pool._vram import ActivationMeter, CudaCounters, DeviceQuiet
 
@@ -60,10 +54,6 @@ logger = logging.getLogger(__name__)
 ERROR_LOAD = "load"
 ERROR_BUSY = "busy"
 ERROR_INTERNAL = "internal"
-
-
-# Hypernetworks held pinned per actor: the served store version's and the one before it.
-MAX_PINNED = 2
 
 
 class ActorCore:
@@ -106,16 +96,17 @@ class ActorCore:
             )
             host_cache_bytes = 0
         self._loader = DeviceLoader(self.device, host_cache_bytes)
-        # Another block size only for measuring one against the default
-        # (benchmarks/cuda_row_block.py); a row's bits may then depend on its batch.
-        self._row_block = rows_per_block or row_block(self.device)
         self._cuda = self.device.startswith("cuda")
         # CUDA: activation bytes per block shape from the allocator's counters, read while no
         # other thread of this actor loads or evicts (`_vram`); CPU: from tensor sizes.
         quiet = DeviceQuiet() if self._cuda else None
-        self._meter = (
-            ActivationMeter(CudaCounters(self.device), quiet) if quiet is not None else None
-        )
+        meter = ActivationMeter(CudaCounters(self.device), quiet) if quiet is not None else None
+        # Another block size only for measuring one against the default
+        # (benchmarks/cuda_row_block.py); a row's bits may then depend on its batch.
+        block = rows_per_block or row_block(self.device)
+        # The helpers' bound methods are kept (`_pin` too): called per group, they cost what
+        # this class's own methods would.
+        self._forward = DeviceForward(self.device, block, meter).run
         # Held by whatever may allocate or free device memory beside the forward: a lease (it
         # may load or evict, on the look-ahead's thread too) and a prefetch.
         self._using_device: Callable[[], AbstractContextManager[Any]] = (
@@ -124,14 +115,10 @@ class ActorCore:
         self._cache: ExpertCache[Cached] = ExpertCache(
             budget_bytes, self._loader, clock=self._clock, policy=cache_policy
         )
-        # Hypernetworks this actor generates with: each leased once and held, so it is counted
-        # in the budget and never evicted. Key: f's sha256, least recently used first; past
-        # MAX_PINNED the oldest is released (an older store version's f after hot swaps).
-        self._pinned: OrderedDict[str, AbstractContextManager[Any]] = OrderedDict()
-        self._pin_lock = threading.Lock()
+        # Hypernetworks this actor generates with (`_pins`).
+        self._pins = GeneratorPins(self._cache, self._loader, lease_timeout_s)
+        self._pin = self._pins.pin
         self._compute_lock = threading.Lock()
-        # Per thread: whether it already ran a GEMM on the device (`_forward`).
-        self._threads = threading.local()
         # The groups of each run call that arrived and has not finished: a prefetch never evicts
         # their experts. One entry per call (a prefetch, which is rare, gathers the experts; a
         # run adds and removes its entry instead of counting every expert in and out).
@@ -161,28 +148,7 @@ class ActorCore:
 
     def pinned(self) -> list[str]:
         """The sha256 of each hypernetwork pinned now, least recently used first."""
-        with self._pin_lock:
-            return list(self._pinned)
-
-    def _pin(self, generator: GeneratorRef) -> None:
-        """Load f once and keep it leased while it is in use (CacheError, StoreError)."""
-        with self._pin_lock:
-            if generator.sha256 in self._pinned:
-                self._pinned.move_to_end(generator.sha256)
-                return
-            while len(self._pinned) >= MAX_PINNED:
-                # The cache may now evict it like any expert; a generation racing this falls
-                # back to reading the file (see DeviceLoader._generate).
-                sha, old = self._pinned.popitem(last=False)
-                self._loader.generators.pop(sha, None)
-                old.__exit__(None, None, None)
-            manager = self._cache.lease(generator, timeout=self._lease_timeout_s)
-            lease = manager.__enter__()
-            if not isinstance(lease.value, FrozenHyperNetwork):
-                manager.__exit__(None, None, None)
-                raise ExpertLoadError(expert_id=generator.expert_id, message="not a hypernetwork")
-            self._loader.generators[generator.sha256] = lease.value
-            self._pinned[generator.sha256] = manager
+        return self._pins.pinned()
 
     def run(self, groups: Sequence[tuple[ExpertRef, np.ndarray]]) -> ActorReply:
         """Forward each (expert, rows [m, n] float32) group; one outcome per group, in order."""
@@ -299,30 +265,6 @@ class ActorCore:
         finally:
             leased.release()
 
-    def _forward(self, module: FrozenExpert, rows: np.ndarray) -> tuple[np.ndarray, int]:
-        m, n = rows.shape
-        if n != module.arch.input_dim:
-            raise ValueError(f"rows have {n} columns, the expert takes {module.arch.input_dim}")
-        block = self._row_block
-        x = aligned_input(rows, -(-m // block) * block, module.input_width)
-        # Under run's inference_mode.
-        if self._meter is not None:
-            if not getattr(self._threads, "warm", False):
-                # cuBLAS allocates a workspace on a thread's first GEMM (34.6 MB on an H100)
-                # and keeps it for the thread's life: a fixed cost like the CUDA context, not
-                # this batch's. One throwaway block first keeps it out of the VRAM figure.
-                module(x[:block].to(self.device))
-                self._threads.warm = True
-            shape = (module.arch, module.input_width, x.shape[0] // block)
-            y, activation = self._meter.run(
-                shape, lambda: by_blocks(module, x.to(self.device, non_blocking=True), block)
-            )
-            return y[:m].to("cpu").numpy(), activation
-        y = by_blocks(module, x, block)
-        # The layers' tensor sizes (no forward hooks: they cost more than a small expert's
-        # whole forward).
-        return y[:m].numpy(), activation_peak_bytes(module.arch.widths, m, y.element_size())
-
     def prefetch(self, experts: Sequence[ExpertRef]) -> dict[str, int]:
         """Start loading these experts so a later run finds them; returns what is resident.
 
@@ -353,11 +295,7 @@ class ActorCore:
         in use is pinned again by its next generation, a cache hit while it is resident.
         """
         self._cache.forget_popularity()
-        with self._pin_lock:
-            while self._pinned:
-                sha, manager = self._pinned.popitem(last=False)
-                self._loader.generators.pop(sha, None)
-                manager.__exit__(None, None, None)
+        self._pins.release()
 
     def info(self) -> ActorInfo:
         resident = self.resident()
