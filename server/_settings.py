@@ -125,9 +125,9 @@ class Settings(BaseSettings):
     actor_call_timeout_s: float = Field(
         default=120.0,
         gt=0.0,
-        description="an actor's answer to a batch must come within this; past it the actor "
-        "is taken for hung: its process is killed for Ray to restart, and the batch's rows go "
-        "to another actor",
+        description="an actor's answer to a call must come within this of its sending; past "
+        "it the actor is taken for hung: its process is killed for Ray to restart, and that "
+        "call's rows are retried on another actor (on the restarted one when it is alone)",
     )
     actor_resource: str | None = Field(
         default=None,

@@ -129,5 +129,12 @@ class FakeExpertPool(DispatchingPool):
         return self._cores[actor].info()
 
     async def _shutdown(self) -> None:
+        # The shutdown kills the processes, a hung one too: its calls fail now, as a Ray
+        # actor's do once killed (over its socket, at once), not at their deadlines after the
+        # pool has closed (a run left pending past the close, a task past the event loop).
+        for stuck in self._stuck.values():
+            stuck.set()
+        self._hanging.clear()
+        self._stuck.clear()
         for core in self._cores.values():
             await asyncio.to_thread(core.close)

@@ -20,7 +20,7 @@ from pool_support import IdGroup, IdPool
 
 import server.pool._kill
 from experts_store import MonotonicClock, Store, load_expert
-from server import ActorFailed
+from server import ActorFailed, PoolClosed
 from server._settings import Settings
 from server.pool import FakeExpertPool, RayExpertPool, calls_settled
 from server.pool._kill import kill_hung_process
@@ -89,6 +89,28 @@ async def test_a_lone_hung_actor_answers_its_batch_once_restarted(make_store: Ma
     assert_answered(store, groups, results)
     assert fake.hung_kills == ["actor-0"] and [a.alive for a in pool.actors()] == [True]
     await pool.close()
+
+
+@pytest.mark.unit
+async def test_closing_the_pool_ends_a_call_its_hung_actor_holds(make_store: MakeStore) -> None:
+    # The Ray pool's close kills the processes, and a call a hung one held fails at once (its
+    # socket closes). The fake's held it to its deadline (120 s here): a run pending past the
+    # close, and a batch waiting out its calls (`calls_settled`) left running past the loop.
+    store = Store.open(make_store(K=4, n=3, width=6, out=2))
+    fake = FakeExpertPool(Settings(actors=1, cache_bytes=10**6))
+    pool = IdPool(store, fake)
+    pool.hang("actor-0")
+    running = asyncio.ensure_future(pool.run(groups_for([0, 1], 3)))
+    for _ in range(500):  # bounded wait for the call to reach the hung actor
+        if fake.calls:
+            break
+        await asyncio.sleep(0.01)
+    assert fake.calls and not running.done()
+    await pool.close()
+    with pytest.raises(PoolClosed):
+        # Bounded only so that the old code fails rather than waits out the deadline.
+        await asyncio.wait_for(running, 30)
+    assert fake.hung_kills == []  # a close is no hang: nothing taken for hung, no error
 
 
 class EveryProcessHangs(FakeExpertPool):
