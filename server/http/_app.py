@@ -51,6 +51,7 @@ def pool_snapshot(serving: ServingState) -> PoolSnapshot | None:
         counts={a.name: a.counts for a in actors},
         queue_rows=serving.queued_rows,
         alive={a.name: a.alive for a in actors},
+        failures={a.name: a.failures for a in actors},
         store_version=version.version if version is not None else None,
         store_kind=version.model.kind if version is not None else None,
         refused_version=serving.refused_version,

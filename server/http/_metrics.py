@@ -55,6 +55,8 @@ class PoolSnapshot:
     counts: dict[str, CacheCounts] = field(default_factory=dict)
     queue_rows: int = 0
     alive: dict[str, bool] = field(default_factory=dict)
+    # Actor -> cause ("died", "hung") -> its processes' ends the pool noticed.
+    failures: dict[str, dict[str, int]] = field(default_factory=dict)
     # The served store version and its kind; and the version on disk that the store watcher
     # refuses to serve ("" when the manifest itself is missing), None while none is refused.
     store_version: str | None = None
@@ -91,6 +93,17 @@ class _PoolCollector(Collector):
         for actor, up in sorted(snap.alive.items()):
             alive.add_metric([actor], 1.0 if up else 0.0)
         yield alive
+        failures = CounterMetricFamily(
+            "momlp_actor_failures",
+            "processes of each actor that ended, each a restart of Ray's spent: cause died (it"
+            " died or dropped its connection) or hung (no answer within"
+            " MOMLP_ACTOR_CALL_TIMEOUT_S; killed)",
+            labels=["actor", "cause"],
+        )
+        for actor, causes in sorted(snap.failures.items()):
+            for cause, count in sorted(causes.items()):
+                failures.add_metric([actor, cause], float(count))
+        yield failures
         info = GaugeMetricFamily(
             "momlp_store_info",
             "1 for the store version served and its kind (the series changes at a hot swap)",

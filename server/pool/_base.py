@@ -303,7 +303,7 @@ class DispatchingPool(ABC):
         """A process of `actor` is known dead, or `hung` (then killed): no calls to it until
         its restart answers."""
         self._deaths[actor] += 1
-        self._counts.died(actor)
+        self._counts.died(actor, hung=hung)
         self._dispatcher.mark_dead(actor)
         self._revivals.watch(actor, after=self._spawn(self._kill_hung(actor)) if hung else None)
 
@@ -375,7 +375,7 @@ class DispatchingPool(ABC):
                     budget_bytes=self._budget_bytes,
                     resident=sorted(str(key) for key in resident),
                     alive=self._dispatcher.alive(name),
-                    counts=self._counts.total(name),
+                    counts=self._counts.total(name), failures=self._counts.failures(name),
                 )
             )
         return infos

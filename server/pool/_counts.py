@@ -3,7 +3,8 @@
 An actor's reply carries its process's counters since that process started; a restarted
 process counts from 0. The counts of the processes that died are kept and the current
 process's added to them, so that an actor's counters only grow: a scrape after a restarted
-process's first reply would otherwise see no reset once it had loaded as much again.
+process's first reply would otherwise see no reset once it had loaded as much again. Beside
+them, how many of its processes ended, by cause.
 """
 
 from __future__ import annotations
@@ -28,16 +29,24 @@ class ActorCounts:
     def __init__(self) -> None:
         self._current: dict[str, CacheCounts] = {}
         self._before: dict[str, CacheCounts] = {}
+        self._failures: dict[str, dict[str, int]] = {}
 
     def replied(self, actor: str, counts: CacheCounts) -> None:
         """`counts` came in a reply of `actor`'s current process."""
         self._current[actor] = counts
 
-    def died(self, actor: str) -> None:
-        """`actor`'s current process is dead: its counts are kept, the next one's added."""
+    def died(self, actor: str, *, hung: bool = False) -> None:
+        """`actor`'s current process is dead (or `hung`, and killed): its counts are kept,
+        the next one's added."""
+        causes = self._failures.setdefault(actor, {"died": 0, "hung": 0})
+        causes["hung" if hung else "died"] += 1
         self._before[actor] = _added(
             self._before.get(actor, _NONE), self._current.pop(actor, _NONE)
         )
 
     def total(self, actor: str) -> CacheCounts:
         return _added(self._before.get(actor, _NONE), self._current.get(actor, _NONE))
+
+    def failures(self, actor: str) -> dict[str, int]:
+        """How many of `actor`'s processes ended, by cause ("died", "hung")."""
+        return dict(self._failures.get(actor, {"died": 0, "hung": 0}))

@@ -127,6 +127,9 @@ class ActorInfo:
     resident: list[str] = field(default_factory=list)
     alive: bool = True
     counts: CacheCounts = CacheCounts()  # as of the actor's latest reply
+    # Its processes' ends the pool noticed over its life, by cause ("died", "hung": killed
+    # past MOMLP_ACTOR_CALL_TIMEOUT_S), each one a restart of Ray's spent.
+    failures: dict[str, int] = field(default_factory=dict)
 
 
 class ExpertPool(Protocol):

@@ -151,7 +151,7 @@ def exported_series() -> dict[str, set[str]]:
         resident_bytes={"actor-0": 1024}, budget_bytes={"actor-0": 4096},
         counts={"actor-0": CacheCounts(evictions=1, loads=3, load_bytes=3072)},
         queue_rows=2, alive={"actor-0": True}, store_version="v1", store_kind="momlp",
-        refused_version="v2",
+        refused_version="v2", failures={"actor-0": {"died": 1, "hung": 1}},
     )
     metrics = Metrics(snapshot=lambda: pool)
     metrics.observe_request("/v1/predict", 200, 0.01)

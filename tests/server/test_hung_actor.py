@@ -14,8 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import pytest
 import torch
+from app_support import fake_app, running
 from pool_support import IdGroup, IdPool
 
 import server.pool._kill
@@ -70,6 +72,12 @@ async def test_a_hung_call_is_given_up_its_rows_answered_elsewhere_and_its_actor
     assert sent == {e: 2 if homes[e] == "actor-1" else 1 for e in range(12)}
     assert fake.hung_kills == ["actor-1"]
     assert caplog.text.count("actor actor-1 did not answer within 2 s") == 1
+    # Counted by cause, once for the hang (not again for the stale calls it failed).
+    assert {a.name: a.failures for a in fake.actors()} == {
+        "actor-0": {"died": 0, "hung": 0},
+        "actor-1": {"died": 0, "hung": 1},
+        "actor-2": {"died": 0, "hung": 0},
+    }
     # Marked dead at once, and revived once its process was killed and restarted.
     assert await asyncio.wait_for(pool.wait_until_alive("actor-1"), 60)
     again = await pool.run(groups)
@@ -247,3 +255,26 @@ async def test_a_stopped_actor_process_is_killed_restarted_and_its_rows_answered
         if pid is not None and _stopped(pid):
             os.kill(pid, signal.SIGKILL)  # never leave a stopped Ray worker behind
         await pool.close()
+
+
+@pytest.mark.unit
+async def test_metrics_count_each_actors_hangs_and_deaths_by_cause(make_store: MakeStore) -> None:
+    # An operator could see a hang only in the log: nothing to alert on before the restarts
+    # ran out.
+    store = make_store(K=8, n=4, width=16, out=2)
+    app = fake_app(store, actors=2, actor_call_timeout_s=2.0)
+    rows = np.random.default_rng(3).uniform(-1, 1, (64, 4)).tolist()
+    async with running(app) as client:
+        pool = app.state.serving.pool
+        assert (await client.post("/v1/predict", json={"inputs": rows})).status_code == 200
+        pool.hang("actor-1")
+        answered = await asyncio.wait_for(client.post("/v1/predict", json={"inputs": rows}), 60)
+        assert answered.status_code == 200
+        pool.kill("actor-0")  # a death: noticed at its next call
+        assert (await client.post("/v1/predict", json={"inputs": rows})).status_code == 200
+        metrics = (await client.get("/metrics")).text
+    assert pool.hung_kills == ["actor-1"]
+    assert 'momlp_actor_failures_total{actor="actor-1",cause="hung"} 1.0' in metrics
+    assert 'momlp_actor_failures_total{actor="actor-1",cause="died"} 0.0' in metrics
+    assert 'momlp_actor_failures_total{actor="actor-0",cause="died"} 1.0' in metrics
+    assert 'momlp_actor_failures_total{actor="actor-0",cause="hung"} 0.0' in metrics
