@@ -170,16 +170,25 @@ def _one_expert_on_each(store: Store, pool: FakeExpertPool) -> tuple[int, int]:
             next(e for e, home in homes.items() if home == "actor-1"))
 
 
+def _failing_setup(
+    make_store: Any, *, max_inflight_batches: int | None = None, **settings: Any
+) -> tuple[_OneActorFails, int, int, Batcher]:
+    """Two actors, actor-0's calls failing at once and actor-1's held at `release`; an expert
+    homed on each, and a batcher over them."""
+    store = Store.open(make_store(K=6, n=3, width=8, out=2))
+    config = Settings(max_batch_wait_ms=0.0, actors=2, cache_bytes=10**7, **settings)
+    pool = _OneActorFails(config)
+    on_0, on_1 = _one_expert_on_each(store, pool)
+    extra = {} if max_inflight_batches is None else {"max_inflight_batches": max_inflight_batches}
+    return pool, on_0, on_1, _batcher(store, pool, config, **extra)
+
+
 async def test_a_failed_call_is_answered_at_once_though_its_siblings_still_compute(
     make_store: Any,
 ) -> None:
     # Waiting for every call of the batch before raising turned the 503 into a 504 whenever
     # a sibling call outlasted the request's deadline (a review of 7cc89de).
-    store = Store.open(make_store(K=6, n=3, width=8, out=2))
-    settings = Settings(max_batch_wait_ms=0.0, actors=2, cache_bytes=10**7)
-    pool = _OneActorFails(settings)
-    on_0, on_1 = _one_expert_on_each(store, pool)
-    batcher = _batcher(store, pool, settings)
+    pool, on_0, on_1, batcher = _failing_setup(make_store)
     failing = asyncio.ensure_future(batcher.submit(inputs([on_0, on_1], 3)))
     await _until(failing.done)
     with pytest.raises(ActorFailed, match="out of memory"):
@@ -202,11 +211,7 @@ async def test_a_failed_batch_is_answered_at_once_and_keeps_its_slot_until_its_c
 ) -> None:
     # Its slot was freed with the failure while its other call still computed: with one batch
     # in flight allowed, the next batch started computing beside it.
-    store = Store.open(make_store(K=6, n=3, width=8, out=2))
-    settings = Settings(max_batch_wait_ms=0.0, actors=2, cache_bytes=10**7)
-    pool = _OneActorFails(settings)
-    on_0, on_1 = _one_expert_on_each(store, pool)
-    batcher = _batcher(store, pool, settings, max_inflight_batches=1)
+    pool, on_0, on_1, batcher = _failing_setup(make_store, max_inflight_batches=1)
     failing = asyncio.ensure_future(batcher.submit(inputs([on_0, on_1], 3)))
     await _until(failing.done)  # answered while its actor-1 call is held at `release`
     with pytest.raises(ActorFailed, match="out of memory"):
@@ -230,11 +235,7 @@ async def test_a_failed_batchs_rows_count_against_the_queue_until_its_calls_end(
 ) -> None:
     # Its rows left the count with the failure while its other call still computed and held
     # the slot: requests were admitted past max_queue_rows behind it (no 429).
-    store = Store.open(make_store(K=6, n=3, width=8, out=2))
-    settings = Settings(max_batch_wait_ms=0.0, actors=2, cache_bytes=10**7, max_queue_rows=2)
-    pool = _OneActorFails(settings)
-    on_0, on_1 = _one_expert_on_each(store, pool)
-    batcher = _batcher(store, pool, settings, max_inflight_batches=1)
+    pool, on_0, on_1, batcher = _failing_setup(make_store, max_inflight_batches=1, max_queue_rows=2)
     with pytest.raises(ActorFailed):
         await batcher.submit(inputs([on_0, on_1], 3))
     following = asyncio.ensure_future(batcher.submit(inputs([on_1], 3, seed=1)))
@@ -253,11 +254,7 @@ async def test_a_failed_batchs_rows_count_against_the_queue_until_its_calls_end(
 async def test_a_failed_batch_with_nothing_left_computing_frees_its_rows_as_it_answers(
     make_store: Any,
 ) -> None:
-    store = Store.open(make_store(K=6, n=3, width=8, out=2))
-    settings = Settings(max_batch_wait_ms=0.0, actors=2, cache_bytes=10**7, max_queue_rows=2)
-    pool = _OneActorFails(settings)
-    on_0, _ = _one_expert_on_each(store, pool)
-    batcher = _batcher(store, pool, settings, max_inflight_batches=1)
+    pool, on_0, _, batcher = _failing_setup(make_store, max_inflight_batches=1, max_queue_rows=2)
     with pytest.raises(ActorFailed):
         await batcher.submit(inputs([on_0, on_0], 3))
     assert batcher.queued_rows == 0  # the caller, answered, can send again at once
