@@ -114,7 +114,17 @@ class Settings(BaseSettings):
         description="tinylfu: LRU victims, but a newcomer must be more popular than the victim"
         " to displace it (keeps hot experts on skewed traffic); lru: plain recency",
     )
-    actor_max_restarts: int = Field(default=3, ge=0)
+    actor_max_restarts: int = Field(
+        default=3, ge=0, description="restarts Ray grants each actor (a hung one's kill uses one)"
+    )
+    # Ray counts an actor's restarts over its whole life: without a new actor once they were
+    # spent, a server running for weeks lost its actors one by one, for good.
+    actor_replace_interval_s: float = Field(
+        default=60.0,
+        gt=0.0,
+        description="an actor out of restarts is replaced by a new one, at most once within "
+        "this (an actor that dies as it starts then costs one start per interval)",
+    )
     actor_start_timeout_s: float = Field(
         default=60.0, gt=0.0, description="the actors must all be placed and up within this"
     )

@@ -45,8 +45,9 @@ def check_budget(experts: Iterable[ExpertRef], budget_bytes: int) -> None:
 class DispatchingPool(ABC):
     """Places groups on actors, retries a dead actor's groups, remembers bad experts.
 
-    Subclasses only move calls to actors (`_call_run`, `_call_prefetch`, `_call_info`) and
-    raise `ActorDied` when the actor died during the call. `clock` (failure memory) and
+    Subclasses only move calls to actors (`_call_run`, `_call_prefetch`, `_call_info`),
+    raising `ActorDied` when the actor died during the call, and start actors anew
+    (`_replace`, `_kill_hung`). `clock` (failure memory) and
     `sleep` (a revival's back-off) are injectable so that tests never wait.
     """
 
@@ -63,6 +64,7 @@ class DispatchingPool(ABC):
         revive_timeout_s: float = 60.0,
         info_timeout_s: float = 2.0,
         call_timeout_s: float = 120.0,
+        replace_interval_s: float = 60.0,
     ) -> None:
         self._dispatcher = Dispatcher(names, spill_queue_rows=spill_queue_rows)
         self._device = device
@@ -74,6 +76,7 @@ class DispatchingPool(ABC):
         self._revivals = Revivals(
             self._dispatcher,
             call_info=self._call_info,
+            replace=self._replace,
             runtime_problem=self._runtime_problem,
             spawn=self._spawn,
             closed=lambda: self._closed,
@@ -81,6 +84,7 @@ class DispatchingPool(ABC):
             sleep=self._sleep,
             timeout_s=revive_timeout_s,
             info_timeout_s=info_timeout_s,
+            replace_interval_s=replace_interval_s,
         )
         # Actor -> deaths of its processes noticed so far. A call that fails after a death
         # noticed since it started went to that process (or one that dies too; see
@@ -120,6 +124,12 @@ class DispatchingPool(ABC):
     @abstractmethod
     async def _call_info(self, actor: str) -> ActorInfo:
         """Ask `actor` about itself (waits for a restarting actor to come back)."""
+
+    @abstractmethod
+    async def _replace(self, actor: str) -> bool:
+        """Start a new actor in the place of `actor`, which its runtime will not restart
+        again; True once it answers, False when it did not start (then nothing of it is left
+        running)."""
 
     @abstractmethod
     async def _kill_hung(self, actor: str) -> None:

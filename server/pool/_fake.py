@@ -1,8 +1,9 @@
 """An in-process pool with the Ray pool's behaviour, for fast tests of everything above it.
 
 Experts are loaded and run by the same `ActorCore` the Ray actors use, one per fake actor,
-each call on a worker thread; `kill` simulates an actor dying mid-call and being restarted,
-`hang` one whose process stops answering without dying.
+each call on a worker thread; `kill` simulates an actor dying mid-call and being restarted
+(or, its restarts spent, not: then the pool starts a new one in its place), `hang` one whose
+process stops answering without dying.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from server._settings import Settings
 from server.pool._actor import ActorCore
 from server.pool._base import DispatchingPool
 from server.pool._device import resolve_device
-from server.pool._errors import ActorDied
+from server.pool._errors import ActorDied, ActorGone
 from server.pool._types import ActorInfo, ActorReply
 
 __all__ = ["FakeExpertPool"]
@@ -47,6 +48,7 @@ class FakeExpertPool(DispatchingPool):
             failure_ttl_s=failure_ttl_s,
             info_timeout_s=info_timeout_s,
             call_timeout_s=settings.actor_call_timeout_s,
+            replace_interval_s=settings.actor_replace_interval_s,
         )
         self._settings = settings
         self._clock_arg = clock
@@ -55,8 +57,11 @@ class FakeExpertPool(DispatchingPool):
         self._hanging: set[str] = set()
         # Actor -> set when its hung process is killed (its hung calls then fail).
         self._stuck: dict[str, asyncio.Event] = {}
+        self._gone: set[str] = set()  # actors out of restarts, until replaced
         self.calls: list[tuple[str, list[int]]] = []
         self.hung_kills: list[str] = []  # actors whose hung process the pool had killed
+        self.replacements: list[str] = []  # actors a new one was started for, in order
+        self.failing_starts = 0  # how many of the next replacements fail to start
 
     def _new_core(self, name: str) -> ActorCore:
         return ActorCore(
@@ -73,9 +78,12 @@ class FakeExpertPool(DispatchingPool):
         """The actor's logic (to inspect its cache in tests)."""
         return self._cores[actor]
 
-    def kill(self, actor: str) -> None:
-        """The actor's next call dies mid-way; the actor comes back with an empty cache."""
+    def kill(self, actor: str, *, for_good: bool = False) -> None:
+        """The actor's next call dies mid-way; the actor comes back with an empty cache, or,
+        `for_good` (its restarts spent), only once the pool has started a new one."""
         self._doomed.add(actor)
+        if for_good:
+            self._gone.add(actor)
 
     def hang(self, actor: str) -> None:
         """The actor's next call, and every call to it after, never answers (its process
@@ -88,6 +96,8 @@ class FakeExpertPool(DispatchingPool):
         self, actor: str, payload: list[tuple[ExpertRef, np.ndarray]]
     ) -> ActorReply:
         self.calls.append((actor, [ref.expert_id for ref, _ in payload]))
+        if actor in self._gone and actor not in self._doomed:
+            raise ActorDied(actor)
         if actor in self._doomed:
             self._doomed.discard(actor)
             await self._restart(actor)
@@ -119,13 +129,26 @@ class FakeExpertPool(DispatchingPool):
             self._stuck.pop(actor).set()
         await self._restart(actor)
 
+    async def _replace(self, actor: str) -> bool:
+        self.replacements.append(actor)
+        if self.failing_starts:
+            self.failing_starts -= 1
+            return False
+        self._gone.discard(actor)
+        await self._restart(actor)
+        return True
+
     async def _call_prefetch(self, actor: str, experts: list[ExpertRef]) -> dict[str, int]:
+        if actor in self._gone:
+            raise ActorDied(actor)
         return await asyncio.to_thread(self._cores[actor].prefetch, experts)
 
     async def _call_forget_popularity(self, actor: str) -> None:
         self._cores[actor].forget_popularity()
 
     async def _call_info(self, actor: str) -> ActorInfo:
+        if actor in self._gone:
+            raise ActorGone(actor)
         return self._cores[actor].info()
 
     async def _shutdown(self) -> None:

@@ -3,7 +3,8 @@
 A process that hangs without dying (a read stuck on a network filesystem, a deadlock in a
 native library, SIGSTOP) never fails its calls, so Ray never restarts it by itself. Once a
 call to it is past its deadline, the pool has Ray kill it: Ray then restarts the actor as
-after a death, while its restarts last (`MOMLP_ACTOR_MAX_RESTARTS`; a kill uses one).
+after a death, while its restarts last (`MOMLP_ACTOR_MAX_RESTARTS`; a kill uses one), and
+the pool starts a new actor in its place after that.
 
 Ray is imported inside the function, so importing this module does not start or need Ray.
 """

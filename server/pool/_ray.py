@@ -102,6 +102,7 @@ class RayExpertPool(DispatchingPool):
         channels: Path | None = None,
         node_id: str | None = None,
         gcs_address: str | None = None,
+        start_actor: Callable[[str], Any] | None = None,
     ) -> None:
         super().__init__(
             list(handles),
@@ -112,8 +113,12 @@ class RayExpertPool(DispatchingPool):
             sleep=sleep,
             failure_ttl_s=failure_ttl_s,
             call_timeout_s=settings.actor_call_timeout_s,
+            replace_interval_s=settings.actor_replace_interval_s,
         )
         self._handles = handles
+        # Makes a new actor's handle, as `create` made the first ones (None: no replacements).
+        self._start_actor = start_actor
+        self._start_timeout_s = settings.actor_start_timeout_s
         self._channel_dir = channels
         self._node_id = node_id
         self._gcs_address = gcs_address
@@ -165,25 +170,22 @@ class RayExpertPool(DispatchingPool):
         if settings.actor_resource:
             # Each worker node offers one unit (local-cluster.sh, KubeRay): one actor a node.
             resources["resources"] = {settings.actor_resource: 1}
-        remote_cls = ray.remote(ExpertActor)
-        handles: dict[str, Any] = {}
-        for index in range(count):
-            name = f"actor-{index}"
-            handles[name] = remote_cls.options(
+        start_actor: Callable[[str], Any] = functools.partial(
+            ray.remote(ExpertActor).options(
                 max_restarts=settings.actor_max_restarts,
                 # We retry ourselves so that no group is ever answered twice.
                 max_task_retries=0,
                 max_concurrency=max_concurrency,
                 **resources,
-            ).remote(
-                name,
-                device,
-                settings.cache_bytes,
-                torch_threads,
-                cache_policy=settings.cache_policy,
-                lookahead=settings.lookahead,
-                host_cache_bytes=settings.host_cache_bytes,
-            )
+            ).remote,
+            device=device,
+            budget_bytes=settings.cache_bytes,
+            torch_threads=torch_threads,
+            cache_policy=settings.cache_policy,
+            lookahead=settings.lookahead,
+            host_cache_bytes=settings.host_cache_bytes,
+        )
+        handles = {f"actor-{index}": start_actor(f"actor-{index}") for index in range(count)}
         try:
             up = [handle.get_pid.remote() for handle in handles.values()]
             _wait_until_up(up, settings.actor_start_timeout_s, stop)
@@ -244,6 +246,7 @@ class RayExpertPool(DispatchingPool):
             channels=channels,
             node_id=context.get_node_id(),
             gcs_address=_gcs_address(context),
+            start_actor=start_actor,
         )
 
     def handle(self, actor: str) -> Any:
@@ -329,6 +332,31 @@ class RayExpertPool(DispatchingPool):
         if channel is not None:
             await channel.close()
         await kill_hung_process(actor, self._handles[actor], clock=self._clock, sleep=self._sleep)
+
+    async def _replace(self, actor: str) -> bool:
+        import ray
+        from ray.exceptions import RayError
+
+        if self._start_actor is None:
+            return False
+        old = self._handles[actor]
+        # Off the event loop: the creation is a call to Ray's GCS.
+        handle = await in_daemon_thread(self._start_actor, actor)
+        self._handles[actor] = handle  # from now on the pool's close kills it
+        self._channels.pop(actor, None)  # the new process opens a channel of its own
+        try:
+            async with asyncio.timeout(self._start_timeout_s):
+                pid = await handle.get_pid.remote()
+        except (RayError, TimeoutError) as exc:
+            reason = _last_line(str(exc)) or f"not up within {self._start_timeout_s:g} s"
+            logger.error("actor %s: the new actor in its place did not start: %s", actor, reason)
+            await in_daemon_thread(functools.partial(ray.kill, handle, no_restart=True))  # unplaced
+            return False
+        finally:
+            # Its restarts are spent, so it is dead; killed all the same, should Ray not think so.
+            await in_daemon_thread(functools.partial(ray.kill, old, no_restart=True))
+        logger.info("actor %s: a new actor in its place is up (pid %s)", actor, pid)
+        return True
 
     async def _call_prefetch(self, actor: str, experts: list[ExpertRef]) -> dict[str, int]:
         from ray.exceptions import RayActorError

@@ -2,9 +2,12 @@
 
 A revival polls a dead actor until its runtime (Ray) has restarted it and it answers, then
 marks it alive in the dispatcher; it gives up after its timeout, counted on the pool's clock,
-or once the runtime says the actor will not come back. A call that keeps failing may mean
-the runtime itself is gone (Ray's GCS stopped): then every actor counts as dead until it
-answers again, and requests waiting for a revival are answered at once.
+or once the runtime says the actor will not come back. Such an actor, its restarts spent,
+is replaced: the pool starts a new one in its place (at most one start per actor within
+`replace_interval_s`, so that an actor that dies as it starts does not loop). A call that
+keeps failing may mean the runtime itself is gone (Ray's GCS stopped): then every actor
+counts as dead until it answers again, and requests waiting for a revival are answered at
+once.
 """
 
 from __future__ import annotations
@@ -32,9 +35,10 @@ class Revivals:
     """The revivals of one pool's actors (at most one running per actor).
 
     `call_info(actor)` asks an actor about itself (raising ActorDied, or ActorGone when its
-    runtime will not restart it); `runtime_problem()` says why the runtime does not answer, or
-    None; `spawn` runs a coroutine as the pool's background task; `closed()` whether the pool
-    is closed. `clock` and `sleep` are the pool's, injected so that tests never wait.
+    runtime will not restart it); `replace(actor)` starts a new actor in a gone one's place,
+    True once it is up; `runtime_problem()` says why the runtime does not answer, or None;
+    `spawn` runs a coroutine as the pool's background task; `closed()` whether the pool is
+    closed. `clock` and `sleep` are the pool's, injected so that tests never wait.
     """
 
     def __init__(
@@ -42,6 +46,7 @@ class Revivals:
         dispatcher: Dispatcher,
         *,
         call_info: Callable[[str], Awaitable[ActorInfo]],
+        replace: Callable[[str], Awaitable[bool]],
         runtime_problem: Callable[[], Awaitable[str | None]],
         spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]],
         closed: Callable[[], bool],
@@ -49,9 +54,14 @@ class Revivals:
         sleep: Callable[[float], Awaitable[None]],
         timeout_s: float,
         info_timeout_s: float,
+        replace_interval_s: float,
     ) -> None:
         self._dispatcher = dispatcher
         self._call_info = call_info
+        self._replace = replace
+        self._replace_interval_s = replace_interval_s
+        # Actor -> when a new actor was last started in its place (by the clock).
+        self._replaced_at: dict[str, float] = {}
         self._runtime_problem = runtime_problem
         self._spawn = spawn
         self._closed = closed
@@ -136,15 +146,15 @@ class Revivals:
                     self.runtime_lost(problem)
                 gone = gone + 1 if isinstance(exc, ActorGone) else 0
                 if gone >= _GONE_ANSWERS:
-                    # Waiting out the timeout would hold every request for it (60 s), to end
-                    # in the same "no live actor".
-                    logger.error(
-                        "actor %s is dead for good: its runtime will not restart it again "
-                        "(MOMLP_ACTOR_MAX_RESTARTS); requests that need it fail with 503 "
-                        "actor_failed, and /readyz says not ready once no actor is left",
-                        actor,
-                    )
-                    return
+                    # Ray will not restart it: Ray's restarts are counted over the actor's
+                    # whole life, so without a new actor a server running for weeks lost its
+                    # actors one by one. Waiting out the timeout instead would hold every
+                    # request for it (60 s), to end in the same "no live actor".
+                    if not await self._replaced(actor):
+                        return
+                    gone = 0
+                    deadline = self._clock.now() + self._timeout_s
+                    continue
                 await self._sleep(delay)
                 delay = min(1.0, delay * 2)
                 continue
@@ -156,3 +166,44 @@ class Revivals:
             logger.info("actor %s is back", actor)
             return
         logger.error("actor %s did not come back within %s s", actor, self._timeout_s)
+
+    async def _replaced(self, actor: str) -> bool:
+        """Start a new actor in the place of `actor`, whose restarts are spent; True once it
+        is up. Within `replace_interval_s` of the last start for it, or when the start fails,
+        the actor stays dead until a start after the interval (a background task)."""
+        now = self._clock.now()
+        last = self._replaced_at.get(actor)
+        if last is not None and now - last < self._replace_interval_s:
+            wait = last + self._replace_interval_s - now
+            logger.error(
+                "actor %s is out of restarts again %.0f s after a new actor was started in its "
+                "place; the next starts in %.0f s (MOMLP_ACTOR_REPLACE_INTERVAL_S). Meanwhile "
+                "requests that need it fail with 503 actor_failed, and /readyz says not ready "
+                "once no actor is left",
+                actor, now - last, wait,
+            )
+            self._spawn(self._replace_later(actor, wait))
+            return False
+        self._replaced_at[actor] = now
+        logger.warning(
+            "actor %s is out of restarts (MOMLP_ACTOR_MAX_RESTARTS): starting a new actor in "
+            "its place", actor,
+        )
+        try:
+            started = await self._replace(actor)
+        except Exception:  # logged; tried again after the interval as a failed start is
+            logger.exception("actor %s: a new actor in its place did not start", actor)
+            started = False
+        if not started:
+            logger.error(
+                "actor %s: no new actor in its place yet; the next try in %g s",
+                actor, self._replace_interval_s,
+            )
+            self._spawn(self._replace_later(actor, self._replace_interval_s))
+        return started
+
+    async def _replace_later(self, actor: str, wait_s: float) -> None:
+        await self._sleep(wait_s)
+        if not self._closed() and not self._dispatcher.alive(actor):
+            # A revival's probes find the actor gone again, and start the new one.
+            self.watch(actor)

@@ -38,5 +38,6 @@ def in_daemon_thread(fn: Callable[..., R], *args: Any) -> asyncio.Future[R]:
         with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is waiting
             loop.call_soon_threadsafe(deliver, *outcome)
 
-    threading.Thread(target=work, name=f"momlp-{fn.__name__}", daemon=True).start()
+    name = getattr(fn, "__name__", "call")  # a functools.partial has none
+    threading.Thread(target=work, name=f"momlp-{name}", daemon=True).start()
     return future

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from experts_store import Store
+from experts_store import Store, load_expert
 from server.pool import ActorInfo, DispatchingPool, Group, GroupResult, check_budget
 
 
@@ -17,6 +17,15 @@ from server.pool import ActorInfo, DispatchingPool, Group, GroupResult, check_bu
 class IdGroup:
     expert_id: int
     rows: torch.Tensor
+
+
+def expected(store: Store, group: IdGroup) -> torch.Tensor:
+    """The group's outputs computed apart from any pool: its expert's file, loaded afresh."""
+    entry = store.expert_entry(group.expert_id)
+    module = load_expert(store.root / entry.file, expected_sha256=entry.sha256)
+    with torch.no_grad():
+        result: torch.Tensor = module(group.rows)
+    return result
 
 
 class _IdDispatcher:

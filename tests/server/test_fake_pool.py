@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from pool_support import IdGroup, IdPool
+from pool_support import IdGroup, IdPool, expected
 
-from experts_store import ExpertRef, ExpertTooLarge, Store, load_expert
+from experts_store import ExpertRef, ExpertTooLarge, Store
 from server import ActorFailed, PoolClosed
 from server._settings import Settings
 from server.pool import ActorDied, ActorReply, CacheCounts, FakeExpertPool
@@ -41,14 +41,6 @@ async def until(predicate: Callable[[], object]) -> None:
 def groups_for(experts: list[int], n: int, rows: int = 2, seed: int = 0) -> list[IdGroup]:
     generator = torch.Generator().manual_seed(seed)
     return [IdGroup(e, torch.randn(rows, n, generator=generator)) for e in experts]
-
-
-def expected(store: Store, group: IdGroup) -> torch.Tensor:
-    entry = store.expert_entry(group.expert_id)
-    module = load_expert(store.root / entry.file, expected_sha256=entry.sha256)
-    with torch.no_grad():
-        result: torch.Tensor = module(group.rows)
-    return result
 
 
 async def test_results_come_back_in_group_order_and_fill_the_residency_table(

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 from app_support import fake_app, running
-from pool_support import IdGroup, IdPool
+from pool_support import IdGroup, IdPool, expected
 
 import server.pool._kill
-from experts_store import MonotonicClock, Store, load_expert
+from experts_store import MonotonicClock, Store
 from server import ActorFailed, PoolClosed
 from server._settings import Settings
 from server.pool import FakeExpertPool, RayExpertPool, calls_settled
@@ -33,14 +33,6 @@ MakeStore = Callable[..., Path]
 def groups_for(experts: list[int], n: int, seed: int = 0) -> list[IdGroup]:
     generator = torch.Generator().manual_seed(seed)
     return [IdGroup(e, torch.randn(2, n, generator=generator)) for e in experts]
-
-
-def expected(store: Store, group: IdGroup) -> torch.Tensor:
-    entry = store.expert_entry(group.expert_id)
-    module = load_expert(store.root / entry.file, expected_sha256=entry.sha256)
-    with torch.no_grad():
-        result: torch.Tensor = module(group.rows)
-    return result
 
 
 def assert_answered(store: Store, groups: list[IdGroup], results: list[Any]) -> None:

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from pool_support import IdGroup, IdPool
+from pool_support import IdGroup, IdPool, expected
 
-from experts_store import ExpertTooLarge, Store, load_expert
+from experts_store import ExpertTooLarge, Store
 from router import PrototypeTree
 from server import ActorFailed, ExpertUnavailable, PoolStartFailed
 from server._settings import Settings
@@ -26,14 +26,6 @@ from server.pool import RayExpertPool
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("ray_session")]
 
 MakeStore = Callable[..., Path]
-
-
-def reference(store: Store, group: IdGroup) -> torch.Tensor:
-    entry = store.expert_entry(group.expert_id)
-    module = load_expert(store.root / entry.file, expected_sha256=entry.sha256)
-    with torch.no_grad():
-        out: torch.Tensor = module(group.rows)
-    return out
 
 
 def random_groups(rng: np.random.Generator, K: int, n: int, count: int) -> list[IdGroup]:
@@ -68,7 +60,7 @@ async def test_outputs_match_the_files_and_caches_stay_in_budget(
             assert [r.expert_id for r in results] == [g.expert_id for g in groups]
             for group, result in zip(groups, results, strict=True):
                 assert result.error is None
-                torch.testing.assert_close(result.outputs, reference(store, group))
+                torch.testing.assert_close(result.outputs, expected(store, group))
                 assert 0 < result.device_bytes <= budget
             misses += sum(not result.hit for result in results)
             for info in pool.actors():
@@ -96,7 +88,7 @@ async def test_without_a_folder_for_sockets_the_pool_serves_over_ray_calls(
     try:
         groups = random_groups(np.random.default_rng(5), 8, 3, 6)
         for group, result in zip(groups, await pool.run(groups), strict=True):
-            torch.testing.assert_close(result.outputs, reference(store, group))
+            torch.testing.assert_close(result.outputs, expected(store, group))
         assert {pool.transport(name) for name in ("actor-0", "actor-1")} == {"ray"}
     finally:
         await pool.close()
@@ -172,7 +164,7 @@ async def test_killing_an_actor_mid_stream_loses_and_duplicates_nothing(
         for groups, results in zip(batches, answers, strict=True):
             assert [r.expert_id for r in results] == [g.expert_id for g in groups]
             for group, result in zip(groups, results, strict=True):
-                torch.testing.assert_close(result.outputs, reference(store, group))
+                torch.testing.assert_close(result.outputs, expected(store, group))
         # Ray restarts the actor; it serves again, with a new process and an empty cache.
         assert await pool.wait_until_alive("actor-0")
         new_pid = await pool.handle("actor-0").get_pid.remote()
@@ -184,24 +176,62 @@ async def test_killing_an_actor_mid_stream_loses_and_duplicates_nothing(
         await pool.close()
 
 
-async def test_an_actor_out_of_restarts_fails_requests_without_waiting_for_it(
+@pytest.mark.parametrize("channel", ["socket", "ray"])
+async def test_an_actor_out_of_restarts_is_replaced_by_a_new_one(
+    make_store: MakeStore, channel: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Ray's restarts count over an actor's whole life: once spent, the actor stayed dead for
+    # good, and a server running for weeks lost its actors one by one. Two actors fill the
+    # session's Ray (one CPU each), so the new one gets the dead one's CPU or none.
+    store = Store.open(make_store(K=8, n=2, width=8, out=1))
+    pool = await start(
+        store, actors=2, cache_bytes=10**7, actor_max_restarts=0, actor_channel=channel
+    )
+    groups = [IdGroup(e, torch.randn(3, 2, generator=torch.Generator().manual_seed(e)))
+              for e in range(8)]
+    try:
+        await pool.run(groups)
+        old = pool.handle("actor-0")
+        pid = await old.get_pid.remote()
+        os.kill(pid, signal.SIGKILL)
+        results = await pool.run(groups)  # actor-1 takes the rows meanwhile
+        for group, result in zip(groups, results, strict=True):
+            torch.testing.assert_close(result.outputs, expected(store, group))
+        assert await pool.wait_until_alive("actor-0")
+        assert pool.handle("actor-0") is not old
+        assert await pool.handle("actor-0").get_pid.remote() != pid
+        after = await pool.run(groups)
+        assert "actor-0" in {r.actor for r in after}  # it serves its experts again
+        for group, result in zip(groups, after, strict=True):
+            torch.testing.assert_close(result.outputs, expected(store, group))
+        assert pool.transport("actor-0") == channel
+        assert "actor actor-0 is out of restarts (MOMLP_ACTOR_MAX_RESTARTS): starting a new " \
+            "actor in its place" in caplog.text
+    finally:
+        await pool.close()
+
+
+async def test_a_replacement_dying_within_the_interval_fails_requests_at_once(
     make_store: MakeStore, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # Its requests waited out the revival timeout (60 s) before "no live actor", as if Ray
-    # were still restarting it; Ray answers such an actor's calls with ActorDiedError.
+    # An actor that dies as it starts must not be started again and again; and requests
+    # that need it must not wait out the revival's timeout (60 s) for a start that waits for
+    # the interval: Ray answers such an actor's calls with ActorDiedError.
     store = Store.open(make_store(K=4, n=2, width=8, out=1))
     pool = await start(store, actors=1, actor_max_restarts=0, actor_channel="ray")
     rng = np.random.default_rng(3)
     groups = random_groups(rng, 4, 2, 2)
     try:
         assert all(r.error is None for r in await pool.run(groups))
-        pid = await pool.handle("actor-0").get_pid.remote()
-        os.kill(pid, signal.SIGKILL)
+        os.kill(await pool.handle("actor-0").get_pid.remote(), signal.SIGKILL)
+        assert all(r.error is None for r in await pool.run(groups))  # on its replacement
+        os.kill(await pool.handle("actor-0").get_pid.remote(), signal.SIGKILL)
         with pytest.raises(ActorFailed):
             await pool.run(groups)
         assert not await pool.wait_until_alive("actor-0")
         assert [actor.alive for actor in pool.actors()] == [False]
-        assert "actor-0 is dead for good" in caplog.text
+        assert "actor actor-0 is out of restarts again" in caplog.text
+        assert "the next starts in" in caplog.text
         assert "did not come back within" not in caplog.text
     finally:
         await pool.close()
@@ -230,10 +260,11 @@ async def test_an_idle_pool_learns_of_a_dead_actor_from_its_socket(
                 break
             await asyncio.sleep(0.05)
         assert alive == {"actor-0": False, "actor-1": True}
-        assert await pool.wait_until_alive("actor-0") is bool(restarts)
+        # Restarted by Ray, or, out of restarts, replaced by the pool.
+        assert await pool.wait_until_alive("actor-0")
         results = await pool.run(groups)
         assert all(r.error is None for r in results)
-        assert {r.actor for r in results} == ({"actor-0", "actor-1"} if restarts else {"actor-1"})
+        assert {r.actor for r in results} == {"actor-0", "actor-1"}
     finally:
         await pool.close()
 
@@ -296,10 +327,10 @@ async def test_a_corrupted_expert_fails_only_the_requests_that_need_it(
             else:
                 assert not isinstance(answer, BaseException)
                 routed = router.route(x).experts[:, 0]
-                expected = torch.cat(
-                    [reference(store, IdGroup(int(e), x[i : i + 1])) for i, e in enumerate(routed)]
+                want = torch.cat(
+                    [expected(store, IdGroup(int(e), x[i : i + 1])) for i, e in enumerate(routed)]
                 )
-                torch.testing.assert_close(torch.from_numpy(answer.outputs), expected)
+                torch.testing.assert_close(torch.from_numpy(answer.outputs), want)
     finally:
         await batcher.close()
         await pool.close()
