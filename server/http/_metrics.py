@@ -87,7 +87,8 @@ class _PoolCollector(Collector):
         )
         alive = GaugeMetricFamily(
             "momlp_actor_alive",
-            "1 while the actor answers, 0 while it is dead (restarting, or out of restarts)",
+            "1 while the actor answers, 0 while it is dead (restarting, or out of restarts until"
+            " a new actor in its place is up)",
             labels=["actor"],
         )
         for actor, up in sorted(snap.alive.items()):
@@ -95,9 +96,9 @@ class _PoolCollector(Collector):
         yield alive
         failures = CounterMetricFamily(
             "momlp_actor_failures",
-            "processes of each actor that ended, each a restart of Ray's spent: cause died (it"
-            " died or dropped its connection) or hung (no answer within"
-            " MOMLP_ACTOR_CALL_TIMEOUT_S; killed)",
+            "processes of each actor that ended, each a restart of Ray's spent (or, once they"
+            " are spent, a new actor started in its place): cause died (it died or dropped its"
+            " connection) or hung (no answer within MOMLP_ACTOR_CALL_TIMEOUT_S; killed)",
             labels=["actor", "cause"],
         )
         for actor, causes in sorted(snap.failures.items()):

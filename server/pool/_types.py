@@ -128,7 +128,7 @@ class ActorInfo:
     alive: bool = True
     counts: CacheCounts = CacheCounts()  # as of the actor's latest reply
     # Its processes' ends the pool noticed over its life, by cause ("died", "hung": killed
-    # past MOMLP_ACTOR_CALL_TIMEOUT_S), each one a restart of Ray's spent.
+    # past MOMLP_ACTOR_CALL_TIMEOUT_S), each one a restart of Ray's spent or a replacement.
     failures: dict[str, int] = field(default_factory=dict)
 
 

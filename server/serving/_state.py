@@ -224,7 +224,7 @@ class ServingState:
             raise NotReady(reason="draining: the server is stopping")
         actors = self.pool.actors() if self.pool is not None else []
         if actors and not any(actor.alive for actor in actors):
-            # Restarting (seconds), or out of restarts: either way nothing can be answered.
+            # Restarting, or out of restarts until replaced: either way nothing can be answered.
             raise NotReady(reason="no live actor in the pool")
         return version
 
