@@ -22,8 +22,15 @@ from experts_store._frozen import FrozenExpert
 from experts_store._host_tier import HostTier
 from experts_store._hostbuf import HostBufferPool
 from experts_store._load import load_frozen_expert, read_checked_bytes, state_from_bytes
+from experts_store._recent import RecentKeys
 
 __all__ = ["ExpertRef", "ExpertRefLoader"]
+
+# Contents a loader remembers as checked, per generation (`RecentKeys`): a K=100,000 store's
+# every expert, and at most ~40 MB per set. Unbounded, the sets grew with every content an
+# actor ever loaded: a server hot-swapping retrained stores for weeks held them all. A content
+# forgotten is checked again on its next load, as on its first.
+_REMEMBERED_CONTENTS = 1 << 17
 
 
 @dataclass(frozen=True)
@@ -67,14 +74,13 @@ class ExpertRefLoader:
         if host_tier is not None and self.device.type != "cuda":
             raise ValueError(f"a host tier serves CUDA devices only, not {self.device}")
         self.host_tier = host_tier
-        self._verified: set[str] = set()
+        self._verified = RecentKeys(_REMEMBERED_CONTENTS)
         # Contents whose weights were seen finite. The check costs about a read of the bytes
         # from cache (benchmarks/RESULTS.md, sixty-fifth session), so it runs on a content's
         # first load only: later loads check the bytes against the fast checksum, so they
         # are the bytes seen then (a store published before checksums is checked against
-        # its sha256 on the first load only, as its bytes are). Grows like `_verified`: one
-        # entry per content loaded, ~170 B.
-        self._finite: set[str] = set()
+        # its sha256 on the first load only, as its bytes are). Bounded like `_verified`.
+        self._finite = RecentKeys(_REMEMBERED_CONTENTS)
         self._lock = threading.Lock()
         self._host_pool = HostBufferPool(0) if self.device.type == "cpu" else None
 

@@ -370,6 +370,12 @@ class Batcher:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        # A cancelled task keeps its CancelledError, whose traceback holds the frame that
+        # holds this batcher: kept here too, that is a cycle that took the whole retired
+        # store version with it, which only the cyclic collector frees, and never once a
+        # swap's gc.freeze() has set it aside (server/serving/_collect.py).
+        self._collector = self._prefetching = None
+        self._inflight.clear()
         while self._queue:
             item = self._queue.popleft()
             if not item.future.done():

@@ -114,6 +114,12 @@ class DeviceQuiet:
                     self._condition.notify_all()
 
 
+# Shapes whose figures a meter keeps: a store's archs times the block counts of a batch
+# (64 at most per arch on CUDA with 4,096-row batches). Unbounded, every arch of every
+# version a server ever swapped to stayed; past this the figures are measured afresh.
+_MAX_SHAPES = 4096
+
+
 class ActivationMeter:
     """Bytes a forward of each shape allocates beyond what was allocated before it."""
 
@@ -133,5 +139,7 @@ class ActivationMeter:
             out = forward()
             nbytes = self._counters.peak() - base
         if alone:
+            if len(self._known) >= _MAX_SHAPES:
+                self._known.clear()
             self._known[shape] = nbytes
         return out, nbytes

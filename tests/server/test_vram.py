@@ -11,6 +11,9 @@ import threading
 import time
 from collections.abc import Callable
 
+from pytest import MonkeyPatch
+
+import server.pool._vram as vram
 from server.pool._vram import ActivationMeter, DeviceQuiet
 
 
@@ -165,3 +168,16 @@ def test_loads_share_the_device_with_each_other() -> None:
     for thread in threads:
         thread.join()
     assert not inside.broken
+
+
+def test_the_figures_kept_stay_bounded_across_many_archs(monkeypatch: MonkeyPatch) -> None:
+    # Each store version swapped to may bring archs of its own: a meter on a server that
+    # swaps for weeks must not keep a figure for every shape it ever measured.
+    monkeypatch.setattr(vram, "_MAX_SHAPES", 8, raising=False)
+    counters = FakeCounters()
+    meter = ActivationMeter(counters, DeviceQuiet())
+    for arch in range(100):
+        assert meter.run((f"arch-{arch}", 1), forward_of(counters, 5_000)) == ("y", 5_000)
+    assert len(meter._known) <= 8
+    # A figure dropped is measured again, the same.
+    assert meter.run(("arch-0", 1), forward_of(counters, 5_000)) == ("y", 5_000)
