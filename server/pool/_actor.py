@@ -369,6 +369,12 @@ class ExpertActor:
             if not folder.is_dir():
                 return None
             path = folder / f"{self._core.name}-{os.getpid()}.sock"
+            # A killed predecessor never removed its socket: one stale file a restart, for
+            # as long as the server runs. None of them is dialled again (the server asks
+            # each new process for its own path).
+            for stale in folder.glob(f"{self._core.name}-*.sock"):
+                if stale.name.removeprefix(f"{self._core.name}-")[:-5].isdigit():
+                    stale.unlink(missing_ok=True)
             try:
                 self._channel = ChannelServer(path, self._core.run)
             except (OSError, ValueError) as exc:
