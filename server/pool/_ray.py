@@ -348,7 +348,12 @@ class RayExpertPool(DispatchingPool):
             async with asyncio.timeout(self._start_timeout_s):
                 pid = await handle.get_pid.remote()
         except (RayError, TimeoutError) as exc:
-            reason = _last_line(str(exc)) or f"not up within {self._start_timeout_s:g} s"
+            if isinstance(exc, TimeoutError):
+                # What the operator must mend is most often room: say what the cluster has,
+                # as a start that fails does (read before the kill gives back what it held).
+                reason = await in_daemon_thread(self._unplaced)
+            else:
+                reason = _last_line(str(exc))
             logger.error("actor %s: the new actor in its place did not start: %s", actor, reason)
             await in_daemon_thread(functools.partial(ray.kill, handle, no_restart=True))  # unplaced
             return False
@@ -357,6 +362,17 @@ class RayExpertPool(DispatchingPool):
             await in_daemon_thread(functools.partial(ray.kill, old, no_restart=True))
         logger.info("actor %s: a new actor in its place is up (pid %s)", actor, pid)
         return True
+
+    def _unplaced(self) -> str:
+        """Why a new actor may not be up within the start timeout: the cluster's room."""
+        import ray
+
+        total = ray.cluster_resources()  # type: ignore[no-untyped-call]
+        available = ray.available_resources()  # type: ignore[no-untyped-call]
+        return (
+            f"not placed and up within {self._start_timeout_s:g} s "
+            f"(MOMLP_ACTOR_START_TIMEOUT_S); the cluster has {total} in all, {available} free"
+        )
 
     async def _call_prefetch(self, actor: str, experts: list[ExpertRef]) -> dict[str, int]:
         from ray.exceptions import RayActorError

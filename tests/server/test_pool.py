@@ -237,6 +237,46 @@ async def test_a_replacement_dying_within_the_interval_fails_requests_at_once(
         await pool.close()
 
 
+async def test_a_replacement_that_cannot_be_placed_says_what_the_cluster_has_free(
+    make_store: MakeStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The log said only "not up within 10 s": nothing told the operator (whom the
+    # MomlpActorDead alert sends to the log) that the cluster had no room for it, or which.
+    import ray
+
+    @ray.remote(num_cpus=1)
+    class Blocker:
+        def ping(self) -> int:
+            return os.getpid()
+
+    store = Store.open(make_store(K=8, n=2, width=8, out=1))
+    pool = await start(
+        store, actors=2, cache_bytes=10**7, actor_max_restarts=0, actor_channel="ray",
+        actor_start_timeout_s=10,  # a start on a loaded machine takes seconds
+    )
+    blocker = Blocker.remote()  # type: ignore[attr-defined]
+    try:
+        homed = [e for e in range(8) if pool.dispatcher.home(e) == "actor-0"]
+        assert homed
+        groups = [IdGroup(e, torch.randn(2, 2, generator=torch.Generator().manual_seed(e)))
+                  for e in homed]
+        # The session's two CPUs are the actors'; the blocker waits for one and takes the one
+        # actor-0's death gives back, before a new actor in its place can.
+        os.kill(await pool.handle("actor-0").get_pid.remote(), signal.SIGKILL)
+        await blocker.ping.remote()
+        results = await pool.run(groups)  # actor-1 takes the rows
+        for group, result in zip(groups, results, strict=True):
+            torch.testing.assert_close(result.outputs, expected(store, group))
+        assert not await pool.wait_until_alive("actor-0")
+        assert "actor actor-0: the new actor in its place did not start: not placed and up " \
+            "within 10 s (MOMLP_ACTOR_START_TIMEOUT_S); the cluster has {" in caplog.text
+        assert "'CPU': 2.0" in caplog.text and "free" in caplog.text
+        assert "actor actor-0: no new actor in its place yet; the next try in 60 s" in caplog.text
+    finally:
+        ray.kill(blocker)
+        await pool.close()
+
+
 @pytest.mark.parametrize("restarts", [0, 1])
 async def test_an_idle_pool_learns_of_a_dead_actor_from_its_socket(
     make_store: MakeStore, restarts: int
