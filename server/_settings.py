@@ -126,7 +126,10 @@ class Settings(BaseSettings):
         "this (an actor that dies as it starts then costs one start per interval)",
     )
     actor_start_timeout_s: float = Field(
-        default=60.0, gt=0.0, description="the actors must all be placed and up within this"
+        default=60.0,
+        gt=0.0,
+        description="the actors must all be placed and up within this, and so must a new "
+        "actor in the place of one out of restarts",
     )
     # A process that hangs without dying (a read stuck on a network filesystem, a deadlock in
     # a native library, SIGSTOP) held its batches' in-flight slots for good, until the server

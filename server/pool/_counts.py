@@ -33,6 +33,16 @@ class ActorCounts:
 
     def replied(self, actor: str, counts: CacheCounts) -> None:
         """`counts` came in a reply of `actor`'s current process."""
+        current = self._current.get(actor)
+        if current is not None and (
+            counts.loads < current.loads
+            or counts.evictions < current.evictions
+            or counts.load_bytes < current.load_bytes
+        ):
+            # A process's counters never fall: this is a new process whose predecessor's
+            # end the pool did not see as a death (the Ray cluster lost and back: every
+            # actor was marked dead without its counts kept). Kept now, as at a death.
+            self._before[actor] = _added(self._before.get(actor, _NONE), current)
         self._current[actor] = counts
 
     def died(self, actor: str, *, hung: bool = False) -> None:

@@ -10,7 +10,6 @@ import functools
 import logging
 import shutil
 import threading
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,13 @@ from experts_store import Clock, ExpertRef
 from server._exceptions import ActorFailed, PoolStartFailed
 from server._settings import Settings
 from server.pool._actor import ExpertActor
+from server.pool._actor_start import (
+    StartStopped,
+    kill_bounded,
+    last_line,
+    start_in_place,
+    wait_until_up,
+)
 from server.pool._base import DispatchingPool
 from server.pool._channel import Channel
 from server.pool._channel_dir import make_channel_folder, sweep_stale_folders
@@ -36,31 +42,6 @@ __all__ = ["RayExpertPool"]
 logger = logging.getLogger(__name__)
 
 
-# How often a start waiting for its actors looks at its stop event.
-_STOP_POLL_S = 0.2
-
-
-class _StartStopped(Exception):
-    """The pool's start was asked to stop before its actors were up."""
-
-
-def _wait_until_up(refs: list[Any], timeout_s: float, stop: threading.Event | None) -> None:
-    """Until every ref is ready, in slices, so a set `stop` ends the wait at once; raises
-    Ray's GetTimeoutError past `timeout_s`, as `ray.get(refs, timeout=...)` does."""
-    import ray
-    from ray.exceptions import GetTimeoutError
-
-    deadline = time.monotonic() + timeout_s
-    pending = refs
-    while pending:
-        if stop is not None and stop.is_set():
-            raise _StartStopped
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise GetTimeoutError(f"{len(pending)} actor(s) not up within {timeout_s:g} s")
-        _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(left, _STOP_POLL_S))
-
-
 # How long the GCS may take to accept a TCP connection before the cluster counts as gone.
 _GCS_PROBE_S = 2.0
 
@@ -74,15 +55,10 @@ def _gcs_address(context: Any) -> str | None:
     return address if isinstance(address, str) and ":" in address else None
 
 
-def _last_line(text: str) -> str:
-    """The last non-blank line of a remote traceback: the exception and its message."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else text
-
-
 class RayExpertPool(DispatchingPool):
     """One Ray actor per device (per GPU on CUDA, `settings.actors` on CPU), created once and
-    kept for the server's lifetime: a new store version never creates an actor.
+    kept for the server's lifetime: a new store version never creates an actor (one whose
+    restarts are spent is replaced, `_replace`).
 
     With `channels` (a folder on the server's node, `settings.actor_channel == "socket"`),
     `run` calls go over a Unix socket to each actor on this node (`_channel`), opened on the
@@ -188,9 +164,9 @@ class RayExpertPool(DispatchingPool):
         handles = {f"actor-{index}": start_actor(f"actor-{index}") for index in range(count)}
         try:
             up = [handle.get_pid.remote() for handle in handles.values()]
-            _wait_until_up(up, settings.actor_start_timeout_s, stop)
+            wait_until_up(up, settings.actor_start_timeout_s, stop)
             ray.get(up)  # raises RayActorError for an actor that died starting
-        except _StartStopped:
+        except StartStopped:
             for handle in handles.values():
                 ray.kill(handle, no_restart=True)
             raise PoolStartFailed(reason="a stop was asked for before the actors were up") from None
@@ -210,7 +186,7 @@ class RayExpertPool(DispatchingPool):
             for handle in handles.values():
                 ray.kill(handle, no_restart=True)
             raise PoolStartFailed(
-                reason=f"a {device} actor failed to start: {_last_line(str(exc))}"
+                reason=f"a {device} actor failed to start: {last_line(str(exc))}"
             ) from None
         logger.info(
             "started %s %s actor(s) of %s bytes (%s cache)%s",
@@ -334,45 +310,21 @@ class RayExpertPool(DispatchingPool):
         await kill_hung_process(actor, self._handles[actor], clock=self._clock, sleep=self._sleep)
 
     async def _replace(self, actor: str) -> bool:
-        import ray
-        from ray.exceptions import RayError
-
         if self._start_actor is None:
             return False
         old = self._handles[actor]
-        # Off the event loop: the creation is a call to Ray's GCS.
-        handle = await in_daemon_thread(self._start_actor, actor)
-        self._handles[actor] = handle  # from now on the pool's close kills it
-        self._channels.pop(actor, None)  # the new process opens a channel of its own
+
+        def adopt(handle: Any) -> None:
+            self._handles[actor] = handle  # from now on the pool's close kills it
+            self._channels.pop(actor, None)  # the new process opens a channel of its own
+
         try:
-            async with asyncio.timeout(self._start_timeout_s):
-                pid = await handle.get_pid.remote()
-        except (RayError, TimeoutError) as exc:
-            if isinstance(exc, TimeoutError):
-                # What the operator must mend is most often room: say what the cluster has,
-                # as a start that fails does (read before the kill gives back what it held).
-                reason = await in_daemon_thread(self._unplaced)
-            else:
-                reason = _last_line(str(exc))
-            logger.error("actor %s: the new actor in its place did not start: %s", actor, reason)
-            await in_daemon_thread(functools.partial(ray.kill, handle, no_restart=True))  # unplaced
-            return False
+            return await start_in_place(
+                actor, self._start_actor, adopt=adopt, timeout_s=self._start_timeout_s
+            )
         finally:
             # Its restarts are spent, so it is dead; killed all the same, should Ray not think so.
-            await in_daemon_thread(functools.partial(ray.kill, old, no_restart=True))
-        logger.info("actor %s: a new actor in its place is up (pid %s)", actor, pid)
-        return True
-
-    def _unplaced(self) -> str:
-        """Why a new actor may not be up within the start timeout: the cluster's room."""
-        import ray
-
-        total = ray.cluster_resources()  # type: ignore[no-untyped-call]
-        available = ray.available_resources()  # type: ignore[no-untyped-call]
-        return (
-            f"not placed and up within {self._start_timeout_s:g} s "
-            f"(MOMLP_ACTOR_START_TIMEOUT_S); the cluster has {total} in all, {available} free"
-        )
+            await kill_bounded(actor, old)
 
     async def _call_prefetch(self, actor: str, experts: list[ExpertRef]) -> dict[str, int]:
         from ray.exceptions import RayActorError

@@ -1,9 +1,10 @@
 """Bringing dead actors back: a pool's revivals, and the runtime that may be gone meanwhile.
 
 A revival polls a dead actor until its runtime (Ray) has restarted it and it answers, then
-marks it alive in the dispatcher; it gives up after its timeout, counted on the pool's clock,
-or once the runtime says the actor will not come back. Such an actor, its restarts spent,
-is replaced: the pool starts a new one in its place (at most one start per actor within
+marks it alive in the dispatcher; it gives up after its timeout, counted on the pool's clock
+(another revival then starts after `replace_interval_s`: a restart may wait for room), or
+once the runtime says the actor will not come back. Such an actor, its restarts spent, is
+replaced: the pool starts a new one in its place (at most one start per actor within
 `replace_interval_s`, so that an actor that dies as it starts does not loop). A call that
 keeps failing may mean the runtime itself is gone (Ray's GCS stopped): then every actor
 counts as dead until it answers again, and requests waiting for a revival are answered at
@@ -165,7 +166,13 @@ class Revivals:
             self._dispatcher.mark_alive(actor)
             logger.info("actor %s is back", actor)
             return
-        logger.error("actor %s did not come back within %s s", actor, self._timeout_s)
+        # Not given up for good: a restart waiting for room (a GPU or a node coming back)
+        # ends later, and nothing else asks a dead actor; it stayed dead once Ray revived it.
+        logger.error(
+            "actor %s did not come back within %s s; asked again in %g s",
+            actor, self._timeout_s, self._replace_interval_s,
+        )
+        self._spawn(self._watch_later(actor, self._replace_interval_s))
 
     async def _replaced(self, actor: str) -> bool:
         """Start a new actor in the place of `actor`, whose restarts are spent; True once it
@@ -182,7 +189,7 @@ class Revivals:
                 "once no actor is left",
                 actor, now - last, wait,
             )
-            self._spawn(self._replace_later(actor, wait))
+            self._spawn(self._watch_later(actor, wait))
             return False
         self._replaced_at[actor] = now
         logger.warning(
@@ -199,11 +206,11 @@ class Revivals:
                 "actor %s: no new actor in its place yet; the next try in %g s",
                 actor, self._replace_interval_s,
             )
-            self._spawn(self._replace_later(actor, self._replace_interval_s))
+            self._spawn(self._watch_later(actor, self._replace_interval_s))
         return started
 
-    async def _replace_later(self, actor: str, wait_s: float) -> None:
+    async def _watch_later(self, actor: str, wait_s: float) -> None:
         await self._sleep(wait_s)
         if not self._closed() and not self._dispatcher.alive(actor):
-            # A revival's probes find the actor gone again, and start the new one.
+            # A revival's probes find the actor back, or gone again (then it starts a new one).
             self.watch(actor)

@@ -14,7 +14,7 @@ from pool_support import IdGroup, IdPool, expected
 from experts_store import Store
 from server import ActorFailed
 from server._settings import Settings
-from server.pool import FakeExpertPool
+from server.pool import ActorDied, ActorInfo, FakeExpertPool
 
 pytestmark = pytest.mark.unit
 
@@ -47,6 +47,15 @@ def make_pool(store: Store, time: GatedTime, actors: int = 1) -> tuple[IdPool, F
     settings = Settings(actors=actors, cache_bytes=10**6, actor_replace_interval_s=INTERVAL_S)
     inner = FakeExpertPool(settings, clock=time, sleep=time.sleep)
     return IdPool(store, inner), inner
+
+
+async def until_alive(pool: IdPool, actor: str) -> None:
+    """Wait for the pool's background revival to bring `actor` back (bounded)."""
+    for _ in range(500):
+        if pool.dispatcher.alive(actor):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{actor} never came back")
 
 
 def groups_for(experts: list[int], n: int) -> list[IdGroup]:
@@ -94,10 +103,7 @@ async def test_a_second_death_within_the_interval_waits_for_it_then_is_replaced(
     assert "out of restarts again 100 s after a new actor was started in its place; the " \
         "next starts in 500 s" in caplog.text
     time.gate.set()  # the interval has passed
-    for _ in range(500):
-        if pool.dispatcher.alive("actor-0"):
-            break
-        await asyncio.sleep(0.01)
+    await until_alive(pool, "actor-0")
     assert inner.replacements == ["actor-0", "actor-0"]
     results = await asyncio.wait_for(pool.run(groups), 10)
     for group, result in zip(groups, results, strict=True):
@@ -122,10 +128,7 @@ async def test_a_replacement_that_fails_to_start_is_tried_again_after_the_interv
     assert "actor actor-0: no new actor in its place yet; the next try in 600 s" in caplog.text
     assert time.long_sleeps == [INTERVAL_S]
     time.gate.set()
-    for _ in range(500):
-        if pool.dispatcher.alive("actor-0"):
-            break
-        await asyncio.sleep(0.01)
+    await until_alive(pool, "actor-0")
     assert [actor.alive for actor in pool.actors()] == [True, True]
     assert inner.replacements == ["actor-0", "actor-0"]
     await pool.close()
@@ -146,3 +149,41 @@ async def test_a_pool_closed_while_a_replacement_waits_starts_none(
     time.gate.set()
     await asyncio.sleep(0.05)
     assert inner.replacements == ["actor-0"]
+
+
+class LateRestart(FakeExpertPool):
+    """Ray restarts the dead actor only once `back` is set (a restart waiting for room: a
+    GPU or a node coming back); until then its probes fail as a restarting actor's do."""
+
+    back = False
+
+    async def _call_info(self, actor: str) -> ActorInfo:
+        if not self.back:
+            raise ActorDied(actor)
+        return await super()._call_info(actor)
+
+
+async def test_an_actor_back_after_its_revival_gave_up_is_found_again(
+    make_store: MakeStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Once a revival had given up (60 s), nothing asked the actor again: restarted by Ray
+    # later, it stayed dead to the pool for the server's life.
+    store = Store.open(make_store(K=4, n=3, width=6, out=2))
+    time = GatedTime()
+    settings = Settings(actors=2, cache_bytes=10**6, actor_replace_interval_s=INTERVAL_S)
+    inner = LateRestart(settings, clock=time, sleep=time.sleep)
+    pool = IdPool(store, inner)
+    inner._actor_lost("actor-0", "its socket closed")
+    assert not await asyncio.wait_for(pool.wait_until_alive("actor-0"), 10)
+    assert "actor actor-0 did not come back within 60.0 s; asked again in 600 s" in caplog.text
+    assert time.long_sleeps == [INTERVAL_S]
+    inner.back = True
+    time.gate.set()
+    await until_alive(pool, "actor-0")
+    assert [actor.alive for actor in pool.actors()] == [True, True]
+    assert inner.replacements == []  # restarted by its runtime, not replaced
+    groups = groups_for([0, 1, 2, 3], 3)
+    results = await asyncio.wait_for(pool.run(groups), 10)
+    for group, result in zip(groups, results, strict=True):
+        torch.testing.assert_close(result.outputs, expected(store, group))
+    await pool.close()
