@@ -184,9 +184,9 @@ class Revivals:
             wait = last + self._replace_interval_s - now
             logger.error(
                 "actor %s is out of restarts again %.0f s after a new actor was started in its "
-                "place; the next starts in %.0f s (MOMLP_ACTOR_REPLACE_INTERVAL_S). Meanwhile "
-                "requests that need it fail with 503 actor_failed, and /readyz says not ready "
-                "once no actor is left",
+                "place; the next starts in %.0f s (MOMLP_ACTOR_REPLACE_INTERVAL_S). Meanwhile its "
+                "rows go to the other actors; with none left, requests get 503 actor_failed "
+                "and /readyz says not ready",
                 actor, now - last, wait,
             )
             self._spawn(self._watch_later(actor, wait))
