@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import secrets
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -84,6 +85,9 @@ class ActorCore:
         rows_per_block: int | None = None,
     ) -> None:
         self.name = name
+        # Names this process in its replies: the pool tells from it a reply of a new process
+        # (whose counts start from 0) from a late one of the process it knows.
+        self.process = secrets.token_hex(8)
         self.device = resolve_device(device)
         self._clock: Clock = clock if clock is not None else MonotonicClock()
         self._lease_timeout_s = lease_timeout_s
@@ -167,6 +171,7 @@ class ActorCore:
             device_bytes=self._cache.resident_bytes,
             resident=self.resident(),
             counts=self.counts(),
+            process=self.process,
         )
 
     def counts(self) -> CacheCounts:

@@ -291,7 +291,7 @@ class DispatchingPool(ABC):
         if self._deaths[actor] == deaths:
             # Else this reply is its dead process's, whose counts were added in at its death:
             # taken as the new process's, they would count twice.
-            self._counts.replied(actor, reply.counts)
+            self._counts.replied(actor, reply.counts, reply.process)
         now = self._clock.now()
         for index, outcome in zip(indices, reply.results, strict=True):
             retry_after_s = None

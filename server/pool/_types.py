@@ -106,7 +106,8 @@ class CacheCounts:
 class ActorReply:
     """One actor call's answer: per-group outcomes plus the actor's cache after the call.
 
-    `resident` maps cache keys (expert content hashes) to bytes.
+    `resident` maps cache keys (expert content hashes) to bytes; `process` names the
+    actor's process that answered (new with each start of it), whose counts `counts` are.
     """
 
     actor: str
@@ -114,6 +115,7 @@ class ActorReply:
     device_bytes: int
     resident: dict[str, int]
     counts: CacheCounts = CacheCounts()
+    process: str = ""
 
 
 @dataclass(frozen=True)

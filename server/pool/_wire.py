@@ -171,6 +171,7 @@ def encode_reply(call: int, reply: ActorReply) -> bytes:
         "device_bytes": reply.device_bytes,
         "resident": reply.resident,
         "counts": [reply.counts.evictions, reply.counts.loads, reply.counts.load_bytes],
+        "process": reply.process,
         "results": results,
     }
     return _frame(header, arrays)
@@ -217,6 +218,7 @@ def decode_reply(header: bytes, body: bytes) -> tuple[int, ActorReply | str]:
             device_bytes=_int(fields["device_bytes"]),
             resident={_str(key): _int(value) for key, value in resident.items()},
             counts=CacheCounts(*(_int(count) for count in counts)),
+            process=_str(fields["process"]),
         )
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise WireError(f"bad reply header: {exc!r}") from None

@@ -89,6 +89,7 @@ def reply_for(groups: RunPayload, actor: str = "actor-0") -> ActorReply:
         device_bytes=6000,
         resident={ref.sha256: ref.nbytes for ref, _ in groups},
         counts=CacheCounts(evictions=3, loads=5, load_bytes=2**40 + 7),
+        process="5f0e6a",
     )
 
 
@@ -162,9 +163,10 @@ def test_a_reply_frame_carries_outcomes_errors_and_residency() -> None:
     reply = reply_for(payload())
     call, received = decode_reply(*split(encode_reply(9, reply)))
     assert call == 9 and isinstance(received, ActorReply)
-    assert (received.actor, received.device_bytes, received.resident, received.counts) == (
-        reply.actor, reply.device_bytes, reply.resident, reply.counts
-    )
+    assert (
+        received.actor, received.device_bytes, received.resident, received.counts,
+        received.process,
+    ) == (reply.actor, reply.device_bytes, reply.resident, reply.counts, reply.process)
     for sent, got in zip(reply.results, received.results, strict=True):
         if sent.outputs is None:
             assert got.outputs is None
