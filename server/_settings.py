@@ -142,6 +142,15 @@ class Settings(BaseSettings):
         "it the actor is taken for hung: its process is killed for Ray to restart, and that "
         "call's rows are retried on another actor (on the restarted one when it is alone)",
     )
+    # An actor that took no batches died unseen until a request found it dead (ready said
+    # /readyz meanwhile; one out of restarts was replaced only then).
+    actor_health_check_s: float = Field(
+        default=10.0,
+        ge=0.0,
+        description="every live actor is asked about itself this often; one that does not "
+        "answer as alive is taken for dead (restarted or replaced) without waiting for a "
+        "request to find it (0: off)",
+    )
     actor_resource: str | None = Field(
         default=None,
         description="Ray resource each actor takes one of (e.g. momlp_worker): one actor a node",

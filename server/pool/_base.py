@@ -23,6 +23,7 @@ from server.pool._counts import ActorCounts
 from server.pool._dispatch import Dispatcher
 from server.pool._errors import ActorDied
 from server.pool._failures import LoadFailures
+from server.pool._health import check_health
 from server.pool._results import failed_result, group_result, rows_array
 from server.pool._retries import Retries
 from server.pool._revival import Revivals
@@ -73,6 +74,7 @@ class DispatchingPool(ABC):
         self._sleep = sleep if sleep is not None else asyncio.sleep
         self._failures = LoadFailures(failure_ttl_s)
         self._background: set[asyncio.Task[Any]] = set()
+        self._info_timeout_s = info_timeout_s
         self._revivals = Revivals(
             self._dispatcher,
             call_info=self._call_info,
@@ -325,6 +327,15 @@ class DispatchingPool(ABC):
     def _runtime_lost(self, problem: str) -> None:
         """The runtime does not answer (a subclass found out): see `Revivals.runtime_lost`."""
         self._revivals.runtime_lost(problem)
+
+    def start_health_checks(self, period_s: float) -> None:
+        """Probe every live actor each `period_s` from now on (`_health`); call from the
+        event loop. The pool's close ends them."""
+        self._spawn(check_health(
+            self._dispatcher, probe=self._call_info, deaths=self._deaths.__getitem__,
+            died=self._actor_died, sleep=self._sleep, period_s=period_s,
+            timeout_s=self._info_timeout_s,
+        ))
 
     async def wait_until_alive(self, actor: str) -> bool:
         """Wait for a pending revival of `actor` to finish; True if it is alive."""

@@ -37,9 +37,11 @@ def ray_pool(stop: threading.Event | None = None) -> PoolFactory:
                 reason="Ray is not running (start it with server.pool.ray_session)"
             )
         # create() blocks until every actor is up (or its start timeout, or `stop`).
-        pool: ExpertPool = await asyncio.to_thread(
+        pool = await asyncio.to_thread(
             functools.partial(RayExpertPool.create, settings, stop=stop)
         )
+        if settings.actor_health_check_s > 0:
+            pool.start_health_checks(settings.actor_health_check_s)
         return pool
 
     return make
