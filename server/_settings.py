@@ -147,9 +147,11 @@ class Settings(BaseSettings):
     actor_health_check_s: float = Field(
         default=10.0,
         ge=0.0,
-        description="every live actor is asked about itself this often; one that does not "
-        "answer as alive is taken for dead (restarted or replaced) without waiting for a "
-        "request to find it (0: off)",
+        description="every live actor is asked about itself this often; one whose answer is "
+        "an error of Ray's, or comes from another process than the last probe's (a restart "
+        "no call saw), is taken for dead (restarted or replaced, counted as died) without "
+        "waiting for a request to find it; a probe that only times out (a busy or hung "
+        "actor) changes nothing (0: off)",
     )
     actor_resource: str | None = Field(
         default=None,

@@ -312,6 +312,7 @@ class ActorCore:
             resident=sorted(resident),
             alive=True,
             counts=self.counts(),
+            process=self.process,
         )
 
 

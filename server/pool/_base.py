@@ -125,7 +125,8 @@ class DispatchingPool(ABC):
 
     @abstractmethod
     async def _call_info(self, actor: str) -> ActorInfo:
-        """Ask `actor` about itself (waits for a restarting actor to come back)."""
+        """Ask `actor` about itself; raise `ActorDied` if it is dead or restarting (Ray
+        fails a restarting actor's calls at once), `ActorGone` if it will not come back."""
 
     @abstractmethod
     async def _replace(self, actor: str) -> bool:

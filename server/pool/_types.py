@@ -132,6 +132,9 @@ class ActorInfo:
     # Its processes' ends the pool noticed over its life, by cause ("died", "hung": killed
     # past MOMLP_ACTOR_CALL_TIMEOUT_S), each one a restart of Ray's spent or a replacement.
     failures: dict[str, int] = field(default_factory=dict)
+    # The process that answered, in an actor's own answer (as `ActorReply.process`): a
+    # health check tells from it a restart no call saw. Empty in the pool's view.
+    process: str = ""
 
 
 class ExpertPool(Protocol):

@@ -5,10 +5,12 @@ and, out of restarts, replaced before any request needs it. Before, it counted a
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ from pool_support import IdGroup, IdPool, expected
 
 from experts_store import Store
 from server._settings import Settings
-from server.pool import FakeExpertPool, RayExpertPool
+from server.pool import ActorInfo, FakeExpertPool, RayExpertPool
 from server.serving import ray_pool
 
 MakeStore = Callable[..., Path]
@@ -29,6 +31,21 @@ async def until(predicate: Callable[[], object], *, tries: int = 500) -> None:
             return
         await asyncio.sleep(0.02)
     raise AssertionError("the state was never reached")
+
+
+async def restarted(handle: Any, pid: int) -> int:
+    """Wait until Ray has restarted the actor of `handle` (another pid answers); bounded."""
+    from ray.exceptions import RayActorError
+
+    for _ in range(600):
+        try:
+            answer: int = await handle.get_pid.remote()
+        except RayActorError:  # restarting
+            answer = pid
+        if answer != pid:
+            return answer
+        await asyncio.sleep(0.1)
+    raise AssertionError("the actor was never restarted")
 
 
 @pytest.mark.unit
@@ -58,7 +75,7 @@ async def test_health_checks_leave_live_actors_alone_and_stop_with_the_pool(
     probes: list[str] = []
     real_info = inner._call_info
 
-    async def counted(actor: str) -> object:
+    async def counted(actor: str) -> ActorInfo:
         probes.append(actor)
         return await real_info(actor)
 
@@ -73,6 +90,89 @@ async def test_health_checks_leave_live_actors_alone_and_stop_with_the_pool(
     assert len(probes) == seen
 
 
+@pytest.mark.unit
+async def test_an_idle_actor_restarted_unseen_between_two_probes_is_counted_and_its_table_dropped(
+    make_store: MakeStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Ray restarts an actor within seconds, mostly between two probes (10 s apart): each
+    # probe answered, so its death went uncounted and its dead process's experts stayed
+    # listed as resident (/v1/experts, prefetch skipped them).
+    store = Store.open(make_store(K=4, n=3, width=6, out=2))
+    inner = FakeExpertPool(Settings(actors=2, cache_bytes=10**6))
+    pool = IdPool(store, inner)
+    await pool.run([IdGroup(e, torch.ones(2, 3)) for e in range(4)])
+    assert pool.actors()[1].resident
+    probed: list[str] = []
+    real_info = inner._call_info
+
+    async def counted(actor: str) -> ActorInfo:
+        probed.append(actor)
+        return await real_info(actor)
+
+    inner._call_info = counted  # type: ignore[method-assign]
+    inner.start_health_checks(0.01)
+    try:
+        await until(lambda: probed.count("actor-1") >= 2)  # its process known to the checks
+        await inner._restart("actor-1")  # no call, no socket: nothing but a probe can tell
+        await until(lambda: pool.actors()[1].failures == {"died": 1, "hung": 0})
+        assert "actor actor-1 answered its health check from a new process" in caplog.text
+        await until(lambda: inner.dispatcher.alive("actor-1"))
+        assert pool.actors()[1].resident == []
+        assert pool.actors()[0].failures == {"died": 0, "hung": 0}
+        seen = len(probed)
+        await until(lambda: len(probed) >= seen + 6)  # the new process probed again, alive
+        assert pool.actors()[1].failures == {"died": 1, "hung": 0}
+    finally:
+        await pool.close()
+
+
+@pytest.mark.ray
+@pytest.mark.usefixtures("ray_session")
+async def test_a_killed_idle_ray_actor_restarted_between_two_probes_is_counted(
+    make_store: MakeStore,
+) -> None:
+    # Two actors fill the session's Ray; batches go as Ray calls (as to an actor on another
+    # node), so no socket tells of the death. Ray's restart (~3 s here) is held to fall
+    # between two probes, as it mostly does 10 s apart: the probes meanwhile wait and time
+    # out (as a busy actor's do), which says nothing.
+    store = Store.open(make_store(K=8, n=2, width=8, out=1))
+    settings = Settings(actors=2, cache_bytes=10**7, actor_channel="ray")
+    inner = await asyncio.to_thread(RayExpertPool.create, settings)
+    pool = IdPool(store, inner)
+    answered: list[str] = []
+    held = asyncio.Event()
+    held.set()
+    real_info = inner._call_info
+
+    async def gated(actor: str) -> ActorInfo:
+        await held.wait()
+        info = await real_info(actor)
+        answered.append(actor)
+        return info
+
+    inner._call_info = gated  # type: ignore[method-assign]
+    try:
+        await pool.run([IdGroup(e, torch.ones(2, 2)) for e in range(8)])
+        assert pool.actors()[1].resident
+        inner.start_health_checks(0.2)
+        await until(lambda: "actor-1" in answered)  # its first process known to the checks
+        held.clear()
+        pid = await inner.handle("actor-1").get_pid.remote()
+        os.kill(pid, signal.SIGKILL)
+        new_pid = await restarted(inner.handle("actor-1"), pid)
+        held.set()
+        await until(lambda: pool.actors()[1].failures == {"died": 1, "hung": 0}, tries=1500)
+        assert await pool.wait_until_alive("actor-1")
+        assert pool.actors()[1].resident == []  # the dead process's experts are not listed
+        assert await inner.handle("actor-1").get_pid.remote() == new_pid
+        groups = [IdGroup(e, torch.ones(2, 2)) for e in range(8)]
+        for group, result in zip(groups, await pool.run(groups), strict=True):
+            torch.testing.assert_close(result.outputs, expected(store, group))
+        assert pool.actors()[0].failures == {"died": 0, "hung": 0}
+    finally:
+        await pool.close()
+
+
 @pytest.mark.ray
 @pytest.mark.usefixtures("ray_session")
 async def test_a_killed_idle_ray_actor_out_of_restarts_is_replaced_before_a_request(
@@ -84,7 +184,8 @@ async def test_a_killed_idle_ray_actor_out_of_restarts_is_replaced_before_a_requ
         actors=2, cache_bytes=10**7, actor_channel="ray", actor_max_restarts=0,
         actor_health_check_s=0.5,
     )
-    inner = await ray_pool()(settings)  # as the server makes it: health checks on
+    made = ray_pool()(settings)  # as the server makes it: health checks on
+    inner = await made if inspect.isawaitable(made) else made
     assert isinstance(inner, RayExpertPool)
     pool = IdPool(store, inner)
     try:
