@@ -29,9 +29,9 @@ __all__ = [
 # 0.23-0.26 s, and the reload took ~9 s instead of 3.4-4.6 (RESULTS.md, fifty-third session).
 _SWAP_PACE_WORK_S = 0.002
 _SWAP_PACE_REST_S = 0.001
-# A swap that made this many objects freezes them (server/serving/_collect.py): ~13 objects an
-# expert, so stores of ~4,000 experts and up; turning the collector back on with fewer costs a
-# young collection of ~20 ms at most (0.4 µs an object here).
+# A swap that made this many objects freezes them (server/serving/_collect.py): ~4 objects an
+# expert (~13 when this was set), so stores of ~12,500 experts and up; turning the collector
+# back on with fewer costs a young collection of ~20 ms at most (0.4 µs an object here).
 SWAP_FREEZE_FROM_OBJECTS = 50_000
 
 
