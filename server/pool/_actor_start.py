@@ -21,7 +21,14 @@ from typing import Any
 
 from server.pool._threads import in_daemon_thread
 
-__all__ = ["StartStopped", "kill_bounded", "last_line", "start_in_place", "wait_until_up"]
+__all__ = [
+    "StartStopped",
+    "cluster_room",
+    "kill_bounded",
+    "last_line",
+    "start_in_place",
+    "wait_until_up",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -72,16 +79,14 @@ async def kill_bounded(actor: str, handle: Any) -> None:
         logger.warning("actor %s: Ray did not kill an actor of its: %r", actor, exc)
 
 
-def _cluster_room(timeout_s: float) -> str:
-    """Why a new actor may not be up within the start timeout: the cluster's room."""
+def cluster_room() -> str:
+    """What the cluster has, for an error about actors not placed: its resources in all
+    and free (read before the waiting actors are killed and give theirs back)."""
     import ray
 
     total = ray.cluster_resources()  # type: ignore[no-untyped-call]
     available = ray.available_resources()  # type: ignore[no-untyped-call]
-    return (
-        f"not placed and up within {timeout_s:g} s (MOMLP_ACTOR_START_TIMEOUT_S); the "
-        f"cluster has {total} in all, {available} free"
-    )
+    return f"the cluster has {total} in all, {available} free"
 
 
 async def start_in_place(
@@ -111,7 +116,10 @@ async def start_in_place(
         if isinstance(exc, TimeoutError):
             # What the operator must mend is most often room: say what the cluster has, as
             # a failed start of the server does (read before the kill gives back its share).
-            reason = await in_daemon_thread(_cluster_room, timeout_s)
+            room = await in_daemon_thread(cluster_room)
+            reason = (
+                f"not placed and up within {timeout_s:g} s (MOMLP_ACTOR_START_TIMEOUT_S); {room}"
+            )
         else:
             reason = last_line(str(exc))
         logger.error("actor %s: the new actor in its place did not start: %s", actor, reason)

@@ -32,7 +32,9 @@ def _less(a: CacheCounts, b: CacheCounts) -> CacheCounts:
 
 def _latest(a: CacheCounts, b: CacheCounts) -> CacheCounts:
     # One process's counters only grow: of two of its readings, field by field the larger
-    # is the later.
+    # is the later. Most often `b` is the later whole (once per reply: no new object then).
+    if b.loads >= a.loads and b.evictions >= a.evictions and b.load_bytes >= a.load_bytes:
+        return b
     return CacheCounts(
         evictions=max(a.evictions, b.evictions), loads=max(a.loads, b.loads),
         load_bytes=max(a.load_bytes, b.load_bytes),

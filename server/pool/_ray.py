@@ -22,6 +22,7 @@ from server._settings import Settings
 from server.pool._actor import ExpertActor
 from server.pool._actor_start import (
     StartStopped,
+    cluster_room,
     kill_bounded,
     last_line,
     start_in_place,
@@ -173,14 +174,12 @@ class RayExpertPool(DispatchingPool):
         except GetTimeoutError:
             # Read before the kills: the actors that were placed still hold theirs, and the
             # total says what the cluster could give at all.
-            total = ray.cluster_resources()  # type: ignore[no-untyped-call]
-            available = ray.available_resources()  # type: ignore[no-untyped-call]
+            room = cluster_room()
             for handle in handles.values():
                 ray.kill(handle, no_restart=True)
             raise PoolStartFailed(
                 reason=f"{count} actor(s) asking {resources} each were not all placed within "
-                f"{settings.actor_start_timeout_s:g} s; the cluster has {total} in all, "
-                f"{available} free",
+                f"{settings.actor_start_timeout_s:g} s; {room}",
             ) from None
         except RayActorError as exc:
             for handle in handles.values():
