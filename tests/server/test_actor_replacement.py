@@ -58,6 +58,14 @@ async def until_alive(pool: IdPool, actor: str) -> None:
     raise AssertionError(f"{actor} never came back")
 
 
+def one_actor(make_store: MakeStore) -> tuple[Store, GatedTime, IdPool, FakeExpertPool]:
+    """A one-actor fake pool on a small store, on gated time."""
+    store = Store.open(make_store(K=4, n=3, width=6, out=2))
+    time = GatedTime()
+    pool, inner = make_pool(store, time)
+    return store, time, pool, inner
+
+
 def groups_for(experts: list[int], n: int) -> list[IdGroup]:
     generator = torch.Generator().manual_seed(7)
     return [IdGroup(e, torch.randn(2, n, generator=generator)) for e in experts]
@@ -66,9 +74,7 @@ def groups_for(experts: list[int], n: int) -> list[IdGroup]:
 async def test_a_lone_actor_out_of_restarts_is_replaced_and_its_rows_are_answered(
     make_store: MakeStore, caplog: pytest.LogCaptureFixture
 ) -> None:
-    store = Store.open(make_store(K=4, n=3, width=6, out=2))
-    time = GatedTime()
-    pool, inner = make_pool(store, time)
+    store, time, pool, inner = one_actor(make_store)
     groups = groups_for([0, 1, 2, 3], 3)
     inner.kill("actor-0", for_good=True)
     results = await asyncio.wait_for(pool.run(groups), 10)
@@ -85,9 +91,7 @@ async def test_a_lone_actor_out_of_restarts_is_replaced_and_its_rows_are_answere
 async def test_a_second_death_within_the_interval_waits_for_it_then_is_replaced(
     make_store: MakeStore, caplog: pytest.LogCaptureFixture
 ) -> None:
-    store = Store.open(make_store(K=4, n=3, width=6, out=2))
-    time = GatedTime()
-    pool, inner = make_pool(store, time)
+    store, time, pool, inner = one_actor(make_store)
     groups = groups_for([0, 1, 2, 3], 3)
     inner.kill("actor-0", for_good=True)
     await asyncio.wait_for(pool.run(groups), 10)

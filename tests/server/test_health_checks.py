@@ -48,6 +48,19 @@ async def restarted(handle: Any, pid: int) -> int:
     raise AssertionError("the actor was never restarted")
 
 
+def record_probes(inner: FakeExpertPool) -> list[str]:
+    """The actors `inner`'s health checks probe, in order, as they probe them."""
+    probed: list[str] = []
+    real_info = inner._call_info
+
+    async def counted(actor: str) -> ActorInfo:
+        probed.append(actor)
+        return await real_info(actor)
+
+    inner._call_info = counted  # type: ignore[method-assign]
+    return probed
+
+
 @pytest.mark.unit
 async def test_an_idle_actor_gone_for_good_is_found_and_replaced_without_a_request(
     make_store: MakeStore, caplog: pytest.LogCaptureFixture
@@ -72,14 +85,7 @@ async def test_health_checks_leave_live_actors_alone_and_stop_with_the_pool(
     store = Store.open(make_store(K=4, n=3, width=6, out=2))
     inner = FakeExpertPool(Settings(actors=2, cache_bytes=10**6))
     pool = IdPool(store, inner)
-    probes: list[str] = []
-    real_info = inner._call_info
-
-    async def counted(actor: str) -> ActorInfo:
-        probes.append(actor)
-        return await real_info(actor)
-
-    inner._call_info = counted  # type: ignore[method-assign]
+    probes = record_probes(inner)
     inner.start_health_checks(0.01)
     await until(lambda: len(probes) >= 6)
     assert [actor.alive for actor in pool.actors()] == [True, True]
@@ -102,14 +108,7 @@ async def test_an_idle_actor_restarted_unseen_between_two_probes_is_counted_and_
     pool = IdPool(store, inner)
     await pool.run([IdGroup(e, torch.ones(2, 3)) for e in range(4)])
     assert pool.actors()[1].resident
-    probed: list[str] = []
-    real_info = inner._call_info
-
-    async def counted(actor: str) -> ActorInfo:
-        probed.append(actor)
-        return await real_info(actor)
-
-    inner._call_info = counted  # type: ignore[method-assign]
+    probed = record_probes(inner)
     inner.start_health_checks(0.01)
     try:
         await until(lambda: probed.count("actor-1") >= 2)  # its process known to the checks
