@@ -37,7 +37,7 @@ from server._exceptions import ActorFailed, InvalidRequest, PoolClosed, PoolSatu
 from server._settings import Settings
 from server.batching._assemble import BatchAnswers, Round
 from server.batching._inputs import checked_rows
-from server.batching._pending import Pending, fail, prefetch_head, take_batch
+from server.batching._pending import Pending, fail, prefetch_head, take_batch, waited
 from server.batching._route import RouteRunner
 from server.batching._types import BatchAnswer
 from server.kinds import GateRequest, ServedModel
@@ -349,8 +349,10 @@ class Batcher:
         route_ms = (self._clock.now() - started) * 1000.0
         run = self._model.start(x, routing)
         rounds: list[Round] = []
+        # Asked only after an actor's death or hang: a retry then skipped when no one waits.
+        wanted = functools.partial(waited, batch)
         while (plan := run.plan()) is not None:
-            results = await self._pool.run(plan.pool_groups())
+            results = await self._pool.run(plan.pool_groups(), wanted=wanted)
             run.combine(plan, results)
             rounds.append((plan, results))
         return BatchAnswers(

@@ -17,7 +17,7 @@ import torch
 
 from server.batching._types import BatchAnswer
 
-__all__ = ["Pending", "fail", "prefetch_head", "take_batch"]
+__all__ = ["Pending", "fail", "prefetch_head", "take_batch", "waited"]
 
 
 @dataclass(eq=False)
@@ -88,3 +88,9 @@ def fail(batch: list[Pending], exc: BaseException) -> None:
     for item in batch:
         if not item.future.done():
             item.future.set_exception(exc)
+
+
+def waited(batch: Iterable[Pending]) -> bool:
+    """Whether a caller of the batch still waits for its answer (one that timed out or left
+    has its future cancelled)."""
+    return any(not item.future.done() for item in batch)

@@ -7,7 +7,8 @@ of rows, each named by an `ExpertRef`, and gets outputs back in the same order.
 from __future__ import annotations
 
 from server.pool._actor import ActorCore, ExpertActor
-from server.pool._base import DispatchingPool, check_budget
+from server.pool._base import DispatchingPool
+from server.pool._budget import check_budget
 from server.pool._channel import Channel, ChannelServer
 from server.pool._device import ROW_BLOCK, activation_peak_bytes, resolve_device, row_block
 from server.pool._dispatch import Dispatcher, rendezvous_rank

@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 import numpy as np
 
-from experts_store import Clock, ExpertRef, ExpertTooLarge, MonotonicClock
+from experts_store import Clock, ExpertRef, MonotonicClock
 from server._exceptions import ActorFailed, PoolClosed
 from server.pool._actor import ERROR_LOAD
 from server.pool._counts import ActorCounts
@@ -24,24 +24,16 @@ from server.pool._dispatch import Dispatcher
 from server.pool._errors import ActorDied
 from server.pool._failures import LoadFailures
 from server.pool._health import check_health
+from server.pool._prefetch import prefetch_plan
 from server.pool._results import failed_result, group_result, rows_array
 from server.pool._retries import Retries
 from server.pool._revival import Revivals
 from server.pool._settle import carry_calls
 from server.pool._types import ActorInfo, ActorReply, Group, GroupResult
 
-__all__ = ["DispatchingPool", "check_budget"]
+__all__ = ["DispatchingPool"]
 
 logger = logging.getLogger(__name__)
-
-def check_budget(experts: Iterable[ExpertRef], budget_bytes: int) -> None:
-    """Refuse a store version in which some expert can never fit in one actor's cache."""
-    for ref in experts:
-        if ref.nbytes > budget_bytes:
-            raise ExpertTooLarge(
-                expert_id=ref.expert_id, nbytes=ref.nbytes, budget_bytes=budget_bytes
-            )
-
 
 class DispatchingPool(ABC):
     """Places groups on actors, retries a dead actor's groups, remembers bad experts.
@@ -139,7 +131,9 @@ class DispatchingPool(ABC):
         """Have `actor`'s process, hung in a call, killed for its runtime to restart; return
         once it answers no more (a revival's probe then finds its successor)."""
 
-    async def run(self, groups: list[Group]) -> list[GroupResult]:
+    async def run(
+        self, groups: list[Group], *, wanted: Callable[[], bool] | None = None
+    ) -> list[GroupResult]:
         """Run every group on some actor; results in the order of `groups`.
 
         A group whose expert cannot be loaded comes back with `error` set; an actor that dies
@@ -151,7 +145,8 @@ class DispatchingPool(ABC):
         A stale failure (a call to an actor's previous process, whose death was already
         noticed) is retried on a budget of its own, so that it does not use up one of those
         retries. A failure is raised as it comes, while the batch's other calls go on to
-        their end: `calls_settled(error)` returns once they have.
+        their end: `calls_settled(error)` returns once they have. A death or hang when
+        `wanted()` says no caller waits any more raises `ActorFailed` instead of retrying.
         """
         if self._closed:
             raise PoolClosed()
@@ -170,7 +165,8 @@ class DispatchingPool(ABC):
         if todo:
             calls: list[asyncio.Task[None]] = []  # every actor call of this run, retries too
             try:
-                await self._dispatch(groups, todo, results, calls, Retries())
+                retries = Retries() if wanted is None else Retries(wanted=wanted)
+                await self._dispatch(groups, todo, results, calls, retries)
             except Exception as exc:
                 carry_calls(exc, calls)
                 raise
@@ -347,17 +343,8 @@ class DispatchingPool(ABC):
         does not hold it yet; returns without waiting."""
         if self._closed:
             return
-        now = self._clock.now()
-        by_actor: dict[str, list[ExpertRef]] = {}
-        for ref in dict.fromkeys(experts):
-            if self._failures.remembered(ref.sha256, now) is not None:
-                continue
-            # Held by the actor its rows go to: nothing to do. Held only by one whose copy
-            # rows no longer use (a restarted home reclaims its experts): load it at home.
-            target = self._dispatcher.load_target(ref.sha256)
-            if target is not None:
-                by_actor.setdefault(target, []).append(ref)
-        for actor, refs in by_actor.items():
+        plan = prefetch_plan(experts, self._dispatcher, self._failures, self._clock.now())
+        for actor, refs in plan.items():
             self._spawn(self._prefetch_on(actor, refs))
 
     async def _prefetch_on(self, actor: str, experts: list[ExpertRef]) -> None:

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from server._exceptions import ActorFailed
 
 __all__ = ["MAX_RETRIES", "Retries"]
+
+def _always() -> bool:
+    return True
+
 
 # Retries of a dead actor's groups: one covers a single death, the second two deaths close
 # together (the retry's actor dying too). Each attempt that died produced no answer.
@@ -22,26 +27,39 @@ class Retries:
     `stale`: failures of an actor's previous process whose death was already noticed, on a
     budget of their own so that they do not use up a retry that a next death may need (it
     still ends a chase of an actor that keeps dying); `exclude`: actors the next placement
-    avoids (those that failed this run).
+    avoids (those that failed this run); `wanted`: whether a caller still waits for the run's
+    answers. A hang is found at `actor_call_timeout_s`, after every request of its batch has
+    had its 504 (`request_timeout_s` is below it by default): a retry then computes rows no one
+    reads, and where the rows themselves hang (a file on a hung mount), it hangs and kills
+    again, twice more, each time holding the batch's in-flight slot for the whole deadline.
     """
 
     deaths: int = MAX_RETRIES
     stale: int = MAX_RETRIES
     exclude: frozenset[str] = frozenset()
+    wanted: Callable[[], bool] = field(default=_always, compare=False)
 
     def after_death(self, actor: str, *, hung: bool = False) -> Retries:
         """The budget left to retry the groups of a call whose `actor` died (or `hung`);
-        `ActorFailed` when it is spent."""
+        `ActorFailed` when it is spent or no caller waits any more."""
+        what = "hung" if hung else "died"
         if self.deaths <= 0:
-            what = "hung" if hung else "died"
             raise ActorFailed(actor=actor, reason=f"{what} again during the retries")
+        self._check_wanted(actor, what)
         return dataclasses.replace(self, deaths=self.deaths - 1, exclude=self.exclude | {actor})
 
     def after_stale(self, actor: str) -> Retries:
         """The budget left to retry the groups of a call to `actor`'s previous process."""
         if self.stale <= 0:
             raise ActorFailed(actor=actor, reason="died again during the retries")
+        self._check_wanted(actor, "died")
         return dataclasses.replace(self, stale=self.stale - 1)
+
+    def _check_wanted(self, actor: str, what: str) -> None:
+        if not self.wanted():
+            raise ActorFailed(
+                actor=actor, reason=f"{what} mid-call; not retried: no request waits for it"
+            )
 
     def anywhere(self) -> Retries:
         """The same budgets, avoiding no actor: every live one had failed this run, and one

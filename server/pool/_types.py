@@ -13,7 +13,7 @@ own path, measured by `benchmarks/server_path.py`). Nothing changes one after it
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -150,7 +150,11 @@ class ExpertPool(Protocol):
     def device(self) -> str: ...  # where the actors keep experts: "cpu" or "cuda"
     # Raises a failure as it comes, when calls of the batch may still compute:
     # `calls_settled(error)` returns once they have ended.
-    async def run(self, groups: list[Group]) -> list[GroupResult]: ...
+    # `wanted`: whether a caller still waits for the answers; a death or hang when none does
+    # is not retried (it fails the run with `ActorFailed`). None: always.
+    async def run(
+        self, groups: list[Group], *, wanted: Callable[[], bool] | None = None
+    ) -> list[GroupResult]: ...
     async def prefetch(self, experts: Sequence[ExpertRef]) -> None: ...
     # A new store version went live: what was popular under the old one is not evidence.
     async def forget_popularity(self) -> None: ...

@@ -68,9 +68,11 @@ class ObservedPool:
     def device(self) -> str:
         return self._pool.device
 
-    async def run(self, groups: list[Group]) -> list[GroupResult]:
+    async def run(
+        self, groups: list[Group], *, wanted: Callable[[], bool] | None = None
+    ) -> list[GroupResult]:
         self._on_batch(sum(int(group.rows.shape[0]) for group in groups))
-        results = await self._pool.run(groups)
+        results = await self._pool.run(groups, wanted=wanted)
         if self._on_generated is not None:
             # Generated θ (kind hyper) that missed: each is one generation on an actor,
             # however many requests of the batch shared it.

@@ -121,13 +121,13 @@ class GatedPool:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._gate.set)
 
-    async def run(self, groups: Any) -> Any:
+    async def run(self, groups: Any, *, wanted: Any = None) -> Any:
         import asyncio
 
         self._loop = asyncio.get_running_loop()
         self.entered.set()
         await self._gate.wait()
-        results = await self.inner.run(groups)
+        results = await self.inner.run(groups, wanted=wanted)
         self.events.append("answered")
         return results
 

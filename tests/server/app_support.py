@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -149,13 +149,15 @@ class BlockingPool:
     def device(self) -> str:
         return self.inner.device
 
-    async def run(self, groups: list[Group]) -> list[GroupResult]:
+    async def run(
+        self, groups: list[Group], *, wanted: Callable[[], bool] | None = None
+    ) -> list[GroupResult]:
         if self._blocked is None or self._blocked > 0:
             if self._blocked is not None:
                 self._blocked -= 1
             self.entered.set()
             await self.gate.wait()
-        return await self.inner.run(groups)
+        return await self.inner.run(groups, wanted=wanted)
 
     async def prefetch(self, experts: Sequence[ExpertRef]) -> None:
         await self.inner.prefetch(experts)

@@ -4,6 +4,7 @@ store's `ExpertRef`s: groups go in by id, residency and resident lists come back
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,8 +64,10 @@ class IdPool:
             return group
         return Group(self.refs[group.expert_id], group.rows)
 
-    async def run(self, groups: list[IdGroup]) -> list[GroupResult]:
-        return await self.inner.run([self.group(g) for g in groups])
+    async def run(
+        self, groups: list[IdGroup], *, wanted: Callable[[], bool] | None = None
+    ) -> list[GroupResult]:
+        return await self.inner.run([self.group(g) for g in groups], wanted=wanted)
 
     async def prefetch(self, expert_ids: list[int]) -> None:
         await self.inner.prefetch([self.refs[e] for e in expert_ids])

@@ -83,10 +83,12 @@ class GatedPool:
         self.runs: list[list[Group]] = []
         self.prefetched: list[list[int]] = []
 
-    async def run(self, groups: list[Group]) -> list[GroupResult]:
+    async def run(
+        self, groups: list[Group], *, wanted: Callable[[], bool] | None = None
+    ) -> list[GroupResult]:
         self.runs.append(groups)
         await self.gate.wait()
-        return await self.inner.run(groups)
+        return await self.inner.run(groups, wanted=wanted)
 
     @property
     def budget_bytes(self) -> int:

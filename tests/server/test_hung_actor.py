@@ -136,6 +136,77 @@ async def test_a_hang_uses_a_retry_as_a_death_does(make_store: MakeStore) -> Non
 
 
 @pytest.mark.unit
+async def test_a_hang_no_caller_waits_for_is_killed_once_and_not_retried(
+    make_store: MakeStore,
+) -> None:
+    # Rows that hang every process they reach (a file on a hung mount): each retry hung and
+    # killed again, three kills a call, for rows whose requests had their 504 long before.
+    store = Store.open(make_store(K=4, n=3, width=6, out=2))
+    fake = EveryProcessHangs(Settings(actors=2, cache_bytes=10**6, actor_call_timeout_s=0.2))
+    pool = IdPool(store, fake)
+    pool.hang("actor-0")
+    pool.hang("actor-1")
+    with pytest.raises(ActorFailed) as caught:
+        await asyncio.wait_for(pool.run(groups_for([0, 1, 2, 3], 3), wanted=lambda: False), 60)
+    assert caught.value.fields["reason"] == "hung mid-call; not retried: no request waits for it"
+    await calls_settled(caught.value)
+    # Each hung call's actor still killed (for Ray to restart), once: no retry hung again.
+    called = [actor for actor, _ in fake.calls]
+    assert len(called) == len(set(called))  # one call an actor: nothing retried
+    assert sorted(fake.hung_kills) == sorted(called)
+    await pool.close()
+
+
+@pytest.mark.unit
+async def test_a_death_while_a_caller_waits_is_still_retried(make_store: MakeStore) -> None:
+    store = Store.open(make_store(K=4, n=3, width=6, out=2))
+    fake = FakeExpertPool(Settings(actors=2, cache_bytes=10**6, actor_call_timeout_s=0.5))
+    pool = IdPool(store, fake)
+    groups = groups_for([0, 1, 2, 3], 3)
+    asked: list[bool] = []
+
+    def wanted() -> bool:
+        asked.append(True)
+        return True
+
+    pool.hang("actor-0")
+    results = await asyncio.wait_for(pool.run(groups, wanted=wanted), 60)
+    assert_answered(store, groups, results)
+    assert asked  # consulted at the hang, and the answer let the retry run
+
+
+@pytest.mark.unit
+async def test_a_batch_whose_requests_timed_out_frees_its_slot_after_one_kill(
+    make_store: MakeStore,
+) -> None:
+    # The user-visible side: with the default deadlines (a request's 504 before the actor's
+    # call deadline), a hang the rows cause killed the lone actor three times, each after a
+    # full deadline, and held the batch's in-flight slot all that while.
+    store = make_store(K=8, n=4, width=16, out=2)
+    app = fake_app(store, actors=1, actor_call_timeout_s=1.0, request_timeout_s=0.3)
+    rows = np.random.default_rng(3).uniform(-1, 1, (8, 4)).tolist()
+    async with running(app) as client:
+        pool = app.state.serving.pool
+        kill_hung = pool._kill_hung
+
+        async def hangs_again(actor: str) -> None:  # as EveryProcessHangs
+            await kill_hung(actor)
+            pool.hang(actor)
+
+        pool._kill_hung = hangs_again
+        pool.hang("actor-0")
+        timed_out = await asyncio.wait_for(client.post("/v1/predict", json={"inputs": rows}), 60)
+        assert timed_out.status_code == 504
+        batcher = app.state.serving.current().batcher
+        for _ in range(1000):  # bounded wait for the batch's end (the old code's: ~3 s)
+            if pool.hung_kills and batcher.queued_rows == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert pool.hung_kills == ["actor-0"]
+        assert batcher.queued_rows == 0
+
+
+@pytest.mark.unit
 async def test_a_hung_prefetch_is_given_up(make_store: MakeStore) -> None:
     store = Store.open(make_store(K=8, n=3, width=6, out=2))
     fake = FakeExpertPool(Settings(actors=2, cache_bytes=10**6, actor_call_timeout_s=0.2))
