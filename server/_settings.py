@@ -140,7 +140,8 @@ class Settings(BaseSettings):
         gt=0.0,
         description="an actor's answer to a call must come within this of its sending; past "
         "it the actor is taken for hung: its process is killed for Ray to restart, and that "
-        "call's rows are retried on another actor (on the restarted one when it is alone)",
+        "call's rows are retried on another actor (on the restarted one when it is alone) "
+        "while a request still waits for them",
     )
     # An actor that took no batches died unseen until a request found it dead (ready said
     # /readyz meanwhile; one out of restarts was replaced only then).

@@ -91,6 +91,8 @@ def fail(batch: list[Pending], exc: BaseException) -> None:
 
 
 def waited(batch: Iterable[Pending]) -> bool:
-    """Whether a caller of the batch still waits for its answer (one that timed out or left
-    has its future cancelled)."""
+    """Whether a caller of the batch still waits for its answer. One whose request timed out
+    has its future cancelled (the deadline cancels the awaiting task); a client that only
+    disconnects is not seen: its handler awaits on until that deadline, and until then its
+    rows count as waited for."""
     return any(not item.future.done() for item in batch)

@@ -188,6 +188,9 @@ class DispatchingPool(ABC):
                 # The close ended the revival it waited for: an answer of the close's, not
                 # "no live actor" (503 actor_failed) as if the actors had failed.
                 raise PoolClosed()
+            # The wait may have outlasted every request's deadline (a start can take
+            # MOMLP_ACTOR_START_TIMEOUT_S): the slot is freed rather than rows computed for no one.
+            retries.check_wanted("*", "died")
             retries = retries.anywhere()
         placement = self._dispatcher.place(
             [(groups[i].expert.sha256, int(groups[i].rows.shape[0])) for i in indices],

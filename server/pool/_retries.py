@@ -10,13 +10,15 @@ from server._exceptions import ActorFailed
 
 __all__ = ["MAX_RETRIES", "Retries"]
 
-def _always() -> bool:
-    return True
-
-
 # Retries of a dead actor's groups: one covers a single death, the second two deaths close
 # together (the retry's actor dying too). Each attempt that died produced no answer.
 MAX_RETRIES = 2
+
+
+def _always() -> bool:
+    # A run given no `wanted` (benchmarks, tests, a pool used without a batcher) retries
+    # every death, as before the check.
+    return True
 
 
 @dataclass(frozen=True)
@@ -45,17 +47,19 @@ class Retries:
         what = "hung" if hung else "died"
         if self.deaths <= 0:
             raise ActorFailed(actor=actor, reason=f"{what} again during the retries")
-        self._check_wanted(actor, what)
+        self.check_wanted(actor, what)
         return dataclasses.replace(self, deaths=self.deaths - 1, exclude=self.exclude | {actor})
 
     def after_stale(self, actor: str) -> Retries:
-        """The budget left to retry the groups of a call to `actor`'s previous process."""
+        """The budget left to retry the groups of a call to `actor`'s previous process;
+        `ActorFailed` when it is spent or no caller waits any more."""
         if self.stale <= 0:
             raise ActorFailed(actor=actor, reason="died again during the retries")
-        self._check_wanted(actor, "died")
+        self.check_wanted(actor, "died")
         return dataclasses.replace(self, stale=self.stale - 1)
 
-    def _check_wanted(self, actor: str, what: str) -> None:
+    def check_wanted(self, actor: str, what: str) -> None:
+        """`ActorFailed` when no caller waits any more for the groups `actor` failed."""
         if not self.wanted():
             raise ActorFailed(
                 actor=actor, reason=f"{what} mid-call; not retried: no request waits for it"

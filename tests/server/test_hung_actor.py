@@ -176,6 +176,26 @@ async def test_a_death_while_a_caller_waits_is_still_retried(make_store: MakeSto
 
 
 @pytest.mark.unit
+async def test_a_retry_that_waited_for_a_revival_is_dropped_once_no_one_waits(
+    make_store: MakeStore,
+) -> None:
+    # A lone actor's retry waits for its restart (or replacement: up to its start timeout);
+    # the requests may all have had their 504 by then.
+    store = Store.open(make_store(K=4, n=3, width=6, out=2))
+    fake = FakeExpertPool(Settings(actors=1, cache_bytes=10**6))
+    pool = IdPool(store, fake)
+    answers = iter([True, False])  # waited for at the death, no longer after the revival
+    fake.kill("actor-0")
+    with pytest.raises(ActorFailed) as caught:
+        await asyncio.wait_for(
+            pool.run(groups_for([0, 1], 3), wanted=lambda: next(answers)), 60
+        )
+    assert caught.value.fields["reason"] == "died mid-call; not retried: no request waits for it"
+    assert [actor for actor, _ in fake.calls] == ["actor-0"]  # the retry never ran
+    await pool.close()
+
+
+@pytest.mark.unit
 async def test_a_batch_whose_requests_timed_out_frees_its_slot_after_one_kill(
     make_store: MakeStore,
 ) -> None:
