@@ -26,7 +26,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -89,6 +89,7 @@ class _Guard(_Base):
     header_timeout_s: float
     max_connections: int
     on_close: Callable[[CloseReason], None]
+    on_lost: Callable[[Mapping[str, object]], None]
     # Whether the base is httptools' protocol, whose parser callbacks the header bound hooks.
     bound_headers: bool
 
@@ -117,6 +118,11 @@ class _Guard(_Base):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_waiting()
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            # A request whose answer is still awaited: stopped now (499), not computed or
+            # retried for no one (uvicorn itself only marks the cycle disconnected).
+            self.on_lost(cycle.scope)
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -224,11 +230,13 @@ def guarded_protocol(
     header_timeout_s: float,
     max_connections: int,
     on_close: Callable[[CloseReason], None] = lambda _reason: None,
+    on_lost: Callable[[Mapping[str, object]], None] = lambda _scope: None,
     base: type[asyncio.Protocol] | None = None,
 ) -> type[asyncio.Protocol]:
     """uvicorn's HTTP/1.1 protocol class (`base`, default the one uvicorn would pick) with the
     header deadline, the bound on headers and the connection cap; `on_close` hears of each
-    connection they close."""
+    connection they close, `on_lost` of each lost while its request was not yet answered
+    (with that request's ASGI scope)."""
     if base is None:
         from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
@@ -237,6 +245,7 @@ def guarded_protocol(
         "header_timeout_s": header_timeout_s,
         "max_connections": max_connections,
         "on_close": staticmethod(on_close),
+        "on_lost": staticmethod(on_lost),
         # h11's parser bounds a request's headers itself (16 KiB, answered 400).
         "bound_headers": hasattr(base, "on_headers_complete"),
     }

@@ -141,7 +141,10 @@ def connection_cap(wanted: int, nofile: Callable[[], int] = _nofile_soft_limit) 
 
 def _guarded_protocol(app: Any, settings: Settings) -> type[Any]:
     """uvicorn's protocol with the header deadline and the connection cap; what they close is
-    logged, and counted in a momlp app's metrics."""
+    logged, and counted in a momlp app's metrics. A lost connection ends its request's wait
+    for an answer (`server.http.client_gone`)."""
+    from server.http import client_gone
+
     metrics = getattr(getattr(app, "state", None), "metrics", None)
     observe = getattr(metrics, "observe_closed_connection", None)
     cap = connection_cap(settings.max_connections)
@@ -151,7 +154,8 @@ def _guarded_protocol(app: Any, settings: Settings) -> type[Any]:
         count=observe if callable(observe) else (lambda _reason: None),
     )
     return guarded_protocol(
-        header_timeout_s=settings.header_timeout_s, max_connections=cap, on_close=log
+        header_timeout_s=settings.header_timeout_s, max_connections=cap, on_close=log,
+        on_lost=client_gone,
     )
 
 

@@ -8,18 +8,28 @@ queue; the timer, when it fires, cancels the scopes past their time and re-arms 
 the oldest left (about once per `timeout_s` while traffic runs, not once per request).
 
 An expired scope behaves as `asyncio.timeout`'s does: its task is cancelled, and the
-cancellation leaves the scope as `TimeoutError`.
+cancellation leaves the scope as `TimeoutError`. A scope whose client has gone (`client_gone`,
+called by the connection when it is lost) ends the same way, as starlette's
+`ClientDisconnect`: uvicorn does not stop a request's handler when its client hangs up, so a
+request still queued was computed for no one, and a dead actor's rows retried for it.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
+
+from starlette.requests import ClientDisconnect
 
 from server._settings import Settings
 
-__all__ = ["Deadline", "DeadlineScope", "Deadlines"]
+__all__ = ["WAITING", "Deadline", "DeadlineScope", "Deadlines", "client_gone"]
+
+# The ASGI scope's key for the `DeadlineScope` its request's answer is awaited in, while it is.
+WAITING = "momlp.waiting"
 
 # A loop may run a timer a little before its time (uvloop rounds to whole milliseconds); a
 # scope this close to its deadline is expired then, rather than the timer re-armed for it.
@@ -38,8 +48,9 @@ class Deadline:
         # One queue per event loop: an app may be driven by several loops in turn (tests).
         self._queues: dict[asyncio.AbstractEventLoop, _Queue] = {}
 
-    def scope(self) -> DeadlineScope:
-        return DeadlineScope(self)
+    def scope(self, asgi_scope: MutableMapping[str, Any] | None = None) -> DeadlineScope:
+        """A scope; with `asgi_scope`, one its connection's loss ends (`client_gone`)."""
+        return DeadlineScope(self, asgi_scope)
 
     def _queue(self) -> _Queue:
         loop = asyncio.get_running_loop()
@@ -54,14 +65,18 @@ class Deadline:
 class DeadlineScope:
     """One use of a `Deadline`; enter it once."""
 
-    __slots__ = ("_deadline", "_queue", "_task", "_cancelling", "expired")
+    __slots__ = ("_deadline", "_asgi", "_queue", "_task", "_cancelling", "expired", "gone")
 
-    def __init__(self, deadline: Deadline) -> None:
+    def __init__(
+        self, deadline: Deadline, asgi_scope: MutableMapping[str, Any] | None = None
+    ) -> None:
         self._deadline = deadline
+        self._asgi = asgi_scope
         self._queue: _Queue | None = None
         self._task: asyncio.Task[object] | None = None
         self._cancelling = 0
         self.expired = False
+        self.gone = False
 
     async def __aenter__(self) -> DeadlineScope:
         task = asyncio.current_task()
@@ -71,6 +86,8 @@ class DeadlineScope:
         self._cancelling = task.cancelling()
         self._queue = self._deadline._queue()
         self._queue.add(self)
+        if self._asgi is not None:
+            self._asgi[WAITING] = self
         return self
 
     async def __aexit__(
@@ -81,19 +98,41 @@ class DeadlineScope:
     ) -> None:
         assert self._queue is not None and self._task is not None
         self._queue.remove(self)
+        if self._asgi is not None:
+            # Past here a lost connection must not cancel the task: it is answering.
+            self._asgi.pop(WAITING, None)
         # As `asyncio.timeout`: only our own cancellation becomes TimeoutError; one the
         # task received from elsewhere as well stays a cancellation.
         if (
-            self.expired
+            (self.expired or self.gone)
             and self._task.uncancel() <= self._cancelling
             and exc_type is asyncio.CancelledError
         ):
+            if self.gone:
+                raise ClientDisconnect() from exc
             raise TimeoutError from exc
 
     def _expire(self) -> None:
         assert self._task is not None
+        if self.gone:
+            return  # cancelled already, for its client
         self.expired = True
         self._task.cancel()
+
+    def client_gone(self) -> None:
+        """The client hung up while its answer is awaited: end the scope now."""
+        if self._task is None or self.expired or self.gone:
+            return
+        self.gone = True
+        self._task.cancel()
+
+
+def client_gone(asgi_scope: Mapping[str, object]) -> None:
+    """The connection of the request `asgi_scope` describes was lost: end the wait for its
+    answer, if one is under way (a no-op otherwise)."""
+    waiting = asgi_scope.get(WAITING)
+    if isinstance(waiting, DeadlineScope):
+        waiting.client_gone()
 
 
 class _Queue:

@@ -187,7 +187,7 @@ def _v1_error_response(exc: BaseException, path: str, error_id: str | None) -> J
     if isinstance(exc, ClientDisconnect):
         # Nobody reads this answer: its status is what /metrics and the access log count, a
         # client's hang-up and not a server fault (499, as nginx names it).
-        logger.info("the client closed the connection before its request body was read")
+        logger.info("the client closed the connection before it was answered")
         return _json(499, "client_closed_request", "the client closed the connection")
     error_id = error_id or _error_id()
     logger.error("[error %s] unhandled %s while serving %s", error_id, type(exc).__name__,

@@ -8,7 +8,7 @@ documents, serialised by pydantic's own JSON encoder.
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, MutableMapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -185,11 +185,13 @@ async def submit_in_time(
     x: torch.Tensor | np.ndarray,
     options: Hashable,
     deadline: Deadline,
+    asgi_scope: MutableMapping[str, Any],
 ) -> BatchAnswer:
-    """The version's batcher's answer, or `RequestTimeout` past `deadline`."""
+    """The version's batcher's answer; `RequestTimeout` past `deadline`, `ClientDisconnect`
+    when the request's connection (its `asgi_scope`) is lost first."""
     try:
         # A shared `Deadline`, not `asyncio.timeout`: no timer armed per request.
-        async with deadline.scope():
+        async with deadline.scope(asgi_scope):
             return await version.batcher.submit(x, options)
     except TimeoutError:
         raise RequestTimeout(timeout_s=deadline.timeout_s) from None
@@ -209,7 +211,7 @@ async def predict(request: Request) -> Response:
             query.return_stats, query.return_routing,
         )
         answer = await submit_in_time(
-            version, parsed.x, parsed.options, _deadlines(request).answer
+            version, parsed.x, parsed.options, _deadlines(request).answer, request.scope
         )
     metrics.observe_prediction(parsed.x.shape[0], [(s.cache, s.load_ms) for s in answer.stats])
     nodes, graph_stats = graph_fields(answer, parsed.return_stats)

@@ -211,7 +211,7 @@ async def infer(request: Request, name: str, version: str | None) -> Response:
         wanted_outputs(parsed.request, list(_OUTPUT_NAMES))  # 422 before any work
         options = current.model.resolve(_gate(parsed.request.parameters), settings)
         x = check_attached_conditions(current.model, parsed.x, settings)
-        answer = await submit_in_time(current, x, options, deadlines.answer)
+        answer = await submit_in_time(current, x, options, deadlines.answer, request.scope)
     request.app.state.metrics.observe_prediction(
         parsed.x.shape[0], [(s.cache, s.load_ms) for s in answer.stats]
     )

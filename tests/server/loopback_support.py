@@ -9,10 +9,12 @@ from typing import Any
 
 import uvicorn
 
+from server._connections import guarded_protocol
 from server._runner import uvicorn_config
 from server._settings import Settings
+from server.http import client_gone
 
-__all__ = ["serving_on_loopback"]
+__all__ = ["serving", "serving_on_loopback"]
 
 
 @asynccontextmanager
@@ -31,6 +33,33 @@ async def serving_on_loopback(app: Any, **settings: Any) -> AsyncIterator[str]:
             await asyncio.sleep(0.01)
         port = server.servers[0].sockets[0].getsockname()[1]
         yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+@asynccontextmanager
+async def serving(
+    app: Any, base: type[asyncio.Protocol] | None = None, **settings: Any
+) -> AsyncIterator[int]:
+    """uvicorn serving `app` as `momlp serve` configures it; yields the port. `base`: the
+    HTTP/1.1 protocol to build on instead of the one uvicorn picks (httptools or h11)."""
+    chosen = Settings(host="127.0.0.1", port=0, **settings)
+    config = uvicorn_config(app, chosen)
+    if base is not None:
+        # As `momlp serve`'s (server._runner's `_guarded_protocol`), on the base named.
+        config.http = guarded_protocol(
+            header_timeout_s=chosen.header_timeout_s,
+            max_connections=settings.get("max_connections", 4096),
+            on_lost=client_gone,
+            base=base,
+        )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        yield server.servers[0].sockets[0].getsockname()[1]
     finally:
         server.should_exit = True
         await task

@@ -8,15 +8,12 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from app_support import build_small_store, fake_app
+from loopback_support import serving
 from starlette.responses import PlainTextResponse
 from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -26,9 +23,8 @@ from server._connections import (
     MAX_HEADER_BYTES,
     MAX_HEADER_FIELDS,
     ClosedConnectionLog,
-    guarded_protocol,
 )
-from server._runner import connection_cap, uvicorn_config
+from server._runner import connection_cap
 from server._settings import Settings
 
 pytestmark = pytest.mark.unit
@@ -40,29 +36,6 @@ async def _slow_hello(scope: Scope, receive: Receive, send: Send) -> None:
     if scope["type"] == "http":
         await asyncio.sleep(float(scope["path"].strip("/") or 0))
         await PlainTextResponse("hello")(scope, receive, send)
-
-
-@asynccontextmanager
-async def serving(
-    app: Any, base: type[asyncio.Protocol] | None = None, **settings: Any
-) -> AsyncIterator[int]:
-    """uvicorn serving `app` as `momlp serve` configures it; yields the port."""
-    config = uvicorn_config(app, Settings(host="127.0.0.1", port=0, **settings))
-    if base is not None:
-        config.http = guarded_protocol(
-            header_timeout_s=settings["header_timeout_s"],
-            max_connections=settings.get("max_connections", 4096),
-            base=base,
-        )
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    try:
-        while not server.started:
-            await asyncio.sleep(0.01)
-        yield server.servers[0].sockets[0].getsockname()[1]
-    finally:
-        server.should_exit = True
-        await task
 
 
 async def _closed_after(reader: asyncio.StreamReader, within_s: float) -> float:

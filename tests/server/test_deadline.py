@@ -6,8 +6,9 @@ import asyncio
 import time
 
 import pytest
+from starlette.requests import ClientDisconnect
 
-from server.http._deadline import Deadline
+from server.http._deadline import Deadline, client_gone
 
 pytestmark = pytest.mark.unit
 
@@ -68,6 +69,46 @@ async def test_a_cancellation_from_elsewhere_stays_a_cancellation() -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_a_lost_connection_ends_the_wait_as_client_disconnect_and_only_while_it_waits(
+) -> None:
+    deadline = Deadline(5.0)
+    asgi: dict[str, object] = {}
+
+    async def waits() -> None:
+        async with deadline.scope(asgi):
+            await asyncio.sleep(5.0)
+
+    task = asyncio.create_task(waits())
+    await asyncio.sleep(0.01)
+    client_gone(asgi)
+    with pytest.raises(ClientDisconnect):
+        await asyncio.wait_for(task, 2.0)
+    assert asgi == {}  # the scope unregistered itself
+    # Once the wait is over (answered), a lost connection touches the task no more.
+    async with deadline.scope(asgi):
+        pass
+    client_gone(asgi)
+    await asyncio.sleep(0.01)  # no cancellation pending on this task
+    current = asyncio.current_task()
+    assert current is not None and current.cancelling() == 0
+
+
+async def test_a_timeout_and_a_lost_connection_together_cancel_once() -> None:
+    deadline = Deadline(0.02)
+    asgi: dict[str, object] = {}
+    outcome = ""
+    try:
+        async with deadline.scope(asgi):
+            await asyncio.sleep(0.1)  # expires here
+    except TimeoutError:
+        outcome = "timeout"
+    client_gone(asgi)  # after the timeout: nothing left to end
+    await asyncio.sleep(0.01)
+    assert outcome == "timeout"
+    current = asyncio.current_task()
+    assert current is not None and current.cancelling() == 0
 
 
 def test_one_deadline_serves_several_event_loops_in_turn() -> None:

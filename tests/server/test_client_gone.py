@@ -1,0 +1,122 @@
+"""A client that hangs up while its answer is awaited, under real uvicorn on loopback.
+
+uvicorn does not stop a request's handler when its connection is lost: the request stayed in
+the batcher's queue and was computed for no one, and an actor's death retried its rows. Now
+its wait ends at once (499 in `/metrics`): a request still queued is never computed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from app_support import BlockingPool, app_settings, build_small_store, fake_pool
+from loopback_support import serving
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from server._settings import Settings
+from server.http import create_app
+from server.pool import Group, GroupResult
+
+pytestmark = pytest.mark.unit
+
+PROTOCOLS = [pytest.param(HttpToolsProtocol, id="httptools"), pytest.param(H11Protocol, id="h11")]
+
+
+class CountingPool(BlockingPool):
+    """The first run waits for the gate; counts the rows every run computes."""
+
+    rows = 0
+
+    async def run(
+        self, groups: list[Group], *, wanted: Callable[[], bool] | None = None
+    ) -> list[GroupResult]:
+        self.rows += sum(int(group.rows.shape[0]) for group in groups)
+        return await super().run(groups, wanted=wanted)
+
+
+def _post(rows: list[list[float]]) -> bytes:
+    body = json.dumps({"inputs": rows}).encode()
+    head = (
+        "POST /v1/predict HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+async def _until(predicate: Callable[[], bool]) -> None:
+    for _ in range(1000):  # bounded: 10 s
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("never reached")
+
+
+def _sample(metrics: str, name: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+@pytest.mark.parametrize("base", PROTOCOLS)
+async def test_a_queued_request_whose_client_hung_up_is_never_computed(
+    tmp_path: Path, base: type[asyncio.Protocol]
+) -> None:
+    pools: list[CountingPool] = []
+
+    def pool_factory(settings: Settings) -> CountingPool:
+        pools.append(CountingPool(fake_pool(settings), blocked=1))
+        return pools[0]
+
+    # One batch in flight: the second request waits in the queue behind the held one.
+    settings = app_settings(build_small_store(tmp_path / "store"), max_inflight_batches=1)
+    app = create_app(settings, pool_factory=pool_factory)
+    generator = np.random.default_rng(5)
+    first = generator.uniform(-1, 1, (3, 4)).tolist()
+    second = generator.uniform(-1, 1, (5, 4)).tolist()
+    gone = 'momlp_requests_total{endpoint="/v1/predict",status="499"}'
+    async with app.router.lifespan_context(app), serving(app, base) as port:
+        pool = pools[0]
+        batcher = app.state.serving.current().batcher
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            held = asyncio.create_task(client.post("/v1/predict", json={"inputs": first}))
+            await asyncio.wait_for(pool.entered.wait(), 10)
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(_post(second))
+            await writer.drain()
+            await _until(lambda: batcher.queued_rows == 3 + 5)  # queued behind the held batch
+            writer.close()  # the client hangs up
+            await writer.wait_closed()
+            await _until(lambda: batcher.queued_rows == 3)  # left the queue at once
+            pool.gate.set()
+            answered = await asyncio.wait_for(held, 10)
+            metrics = (await client.get("/metrics")).text
+    assert answered.status_code == 200
+    assert pool.rows == 3  # the second request's 5 rows were never computed
+    assert _sample(metrics, gone) == 1.0
+
+
+@pytest.mark.parametrize("base", PROTOCOLS)
+async def test_a_client_that_stays_is_answered_and_a_kept_alive_connection_serves_on(
+    tmp_path: Path, base: type[asyncio.Protocol]
+) -> None:
+    # The hook acts only while an answer is awaited: a connection lost after its answer
+    # (or between two requests on it) touches nothing.
+    settings = app_settings(build_small_store(tmp_path / "store"))
+    app = create_app(settings, pool_factory=fake_pool)
+    rows = np.random.default_rng(6).uniform(-1, 1, (4, 4)).tolist()
+    async with app.router.lifespan_context(app), serving(app, base) as port:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            answers = [await client.post("/v1/predict", json={"inputs": rows}) for _ in range(3)]
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            metrics = (await client.get("/metrics")).text
+    assert [a.status_code for a in answers] == [200, 200, 200]
+    assert answers[0].json()["outputs"] == answers[2].json()["outputs"]
+    assert _sample(metrics, 'momlp_requests_total{endpoint="/v1/predict",status="200"}') == 3
+    assert _sample(metrics, 'momlp_requests_total{endpoint="/v1/predict",status="499"}') == 0
