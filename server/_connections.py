@@ -102,6 +102,11 @@ class _Guard(_Base):
     _header_fields = 0
     _header_parsed = 0
     _refused = False
+    # httptools: the cycles a pipelined request's cycle replaced as `self.cycle` before they
+    # were answered, oldest first; the first of them is still awaited, and `self.cycle` alone
+    # missed it. (h11 reads no request before the one before it is answered: `self.cycle` is
+    # the only one there.)
+    _earlier: tuple[Any, ...] = ()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[arg-type]
@@ -118,10 +123,19 @@ class _Guard(_Base):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_waiting()
-        cycle = self.cycle
-        if cycle is not None and not cycle.response_complete:
+        current = self.cycle
+        earlier, self._earlier = self._earlier, ()
+        for cycle in (*earlier, current):
+            if cycle is None or cycle.response_complete:
+                continue
+            if cycle is not current:
+                # uvicorn marks only the current cycle disconnected: an earlier one would
+                # write its answer into the closed transport (and log it as sent).
+                cycle.disconnected = True
+                cycle.message_event.set()
             # A request whose answer is still awaited: stopped now (499), not computed or
-            # retried for no one (uvicorn itself only marks the cycle disconnected).
+            # retried for no one (uvicorn itself only marks the cycle disconnected). A
+            # pipelined request not started yet awaits nothing: a no-op.
             self.on_lost(cycle.scope)
         super().connection_lost(exc)
 
@@ -159,7 +173,15 @@ class _Guard(_Base):
     def on_headers_complete(self) -> None:
         self._header_bytes = None
         if not self._refused:
+            previous = self.cycle
             super().on_headers_complete()
+            if previous is None or previous is self.cycle:
+                return
+            if not previous.response_complete:
+                # Pipelined: `previous` is still answered, or waits its turn, behind this one.
+                self._earlier = (*self._earlier, previous)
+            elif self._earlier:
+                self._earlier = ()  # answered in order: all are, once the latest one is
 
     def on_chunk_header(self) -> None:
         # After the last chunk's size line come trailer lines, which httptools holds as it

@@ -91,8 +91,7 @@ def fail(batch: list[Pending], exc: BaseException) -> None:
 
 
 def waited(batch: Iterable[Pending]) -> bool:
-    """Whether a caller of the batch still waits for its answer. One whose request timed out
-    has its future cancelled (the deadline cancels the awaiting task); a client that only
-    disconnects is not seen: its handler awaits on until that deadline, and until then its
-    rows count as waited for."""
+    """Whether a caller of the batch still waits for its answer. One whose request timed out,
+    or whose client hung up (under `momlp serve`: `server.http.client_gone`), has its future
+    cancelled, as the awaiting task is."""
     return any(not item.future.done() for item in batch)

@@ -185,8 +185,9 @@ def _v1_error_response(exc: BaseException, path: str, error_id: str | None) -> J
         headers = dict(exc.headers) if exc.headers else None
         return _json(exc.status_code, code, message, None, headers)
     if isinstance(exc, ClientDisconnect):
-        # Nobody reads this answer: its status is what /metrics and the access log count, a
-        # client's hang-up and not a server fault (499, as nginx names it).
+        # Nobody reads this answer: its status is what /metrics counts (uvicorn writes no
+        # access log line to a closed connection), a client's hang-up and not a server fault
+        # (499, as nginx names it).
         logger.info("the client closed the connection before it was answered")
         return _json(499, "client_closed_request", "the client closed the connection")
     error_id = error_id or _error_id()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from loopback_support import serving
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from client import AsyncClient
+from client import TimeoutError as SdkTimeout
 from server._settings import Settings
 from server.http import create_app
 from server.pool import Group, GroupResult
@@ -103,6 +106,44 @@ async def test_a_queued_request_whose_client_hung_up_is_never_computed(
 
 
 @pytest.mark.parametrize("base", PROTOCOLS)
+async def test_a_pipelined_request_whose_client_hung_up_is_never_computed(
+    tmp_path: Path, base: type[asyncio.Protocol]
+) -> None:
+    # Two requests in one write: httptools makes the second one's cycle the connection's
+    # current one while the first is still awaited, so the first was computed for no one.
+    pools: list[CountingPool] = []
+
+    def pool_factory(settings: Settings) -> CountingPool:
+        pools.append(CountingPool(fake_pool(settings), blocked=1))
+        return pools[0]
+
+    settings = app_settings(build_small_store(tmp_path / "store"), max_inflight_batches=1)
+    app = create_app(settings, pool_factory=pool_factory)
+    generator = np.random.default_rng(7)
+    first, second, third = (generator.uniform(-1, 1, (n, 4)).tolist() for n in (3, 5, 2))
+    async with app.router.lifespan_context(app), serving(app, base) as port:
+        pool = pools[0]
+        batcher = app.state.serving.current().batcher
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            held = asyncio.create_task(client.post("/v1/predict", json={"inputs": first}))
+            await asyncio.wait_for(pool.entered.wait(), 10)
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(_post(second) + _post(third))
+            await writer.drain()
+            await _until(lambda: batcher.queued_rows == 3 + 5)  # the first of the two waits
+            writer.close()  # the client hangs up
+            await writer.wait_closed()
+            await _until(lambda: batcher.queued_rows == 3)  # left the queue at once
+            pool.gate.set()
+            answered = await asyncio.wait_for(held, 10)
+            metrics = (await client.get("/metrics")).text
+    assert answered.status_code == 200
+    assert pool.rows == 3  # neither pipelined request was computed
+    assert _sample(metrics, 'momlp_requests_total{endpoint="/v1/predict",status="200"}') == 1
+    assert _sample(metrics, 'momlp_requests_total{endpoint="/v1/predict",status="499"}') == 1
+
+
+@pytest.mark.parametrize("base", PROTOCOLS)
 async def test_a_client_that_stays_is_answered_and_a_kept_alive_connection_serves_on(
     tmp_path: Path, base: type[asyncio.Protocol]
 ) -> None:
@@ -120,3 +161,73 @@ async def test_a_client_that_stays_is_answered_and_a_kept_alive_connection_serve
     assert answers[0].json()["outputs"] == answers[2].json()["outputs"]
     assert _sample(metrics, 'momlp_requests_total{endpoint="/v1/predict",status="200"}') == 3
     assert _sample(metrics, 'momlp_requests_total{endpoint="/v1/predict",status="499"}') == 0
+
+
+@pytest.mark.parametrize("base", PROTOCOLS)
+async def test_pipelined_requests_are_all_answered_in_order(
+    tmp_path: Path, base: type[asyncio.Protocol]
+) -> None:
+    # The cycles a pipelined request's replaced are remembered only until they are answered:
+    # three requests in one write get their three answers, and a hang-up after them is a
+    # no-op.
+    settings = app_settings(build_small_store(tmp_path / "store"))
+    app = create_app(settings, pool_factory=fake_pool)
+    generator = np.random.default_rng(8)
+    batches = [generator.uniform(-1, 1, (n, 4)).tolist() for n in (1, 2, 3)]
+    async with app.router.lifespan_context(app), serving(app, base) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"".join(_post(rows) for rows in batches))
+        await writer.drain()
+        answers = []
+        for _ in batches:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            length = next(
+                int(line.split(b":")[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            )
+            body = json.loads(await asyncio.wait_for(reader.readexactly(length), 10))
+            answers.append((head.split(b" ")[1], len(body["outputs"])))
+        writer.close()
+        await writer.wait_closed()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            metrics = (await client.get("/metrics")).text
+    assert answers == [(b"200", 1), (b"200", 2), (b"200", 3)]
+    assert _sample(metrics, 'momlp_requests_total{endpoint="/v1/predict",status="499"}') == 0
+
+
+async def test_an_sdk_call_that_times_out_is_a_timeout_there_and_a_499_here(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The SDK gives up on a queued request: it raises its TimeoutError (not retried), its
+    # connection is dropped, and the server stops waiting for that answer: nothing computed,
+    # a 499 counted, nothing logged above INFO.
+    pools: list[CountingPool] = []
+
+    def pool_factory(settings: Settings) -> CountingPool:
+        pools.append(CountingPool(fake_pool(settings), blocked=1))
+        return pools[0]
+
+    settings = app_settings(build_small_store(tmp_path / "store"), max_inflight_batches=1)
+    app = create_app(settings, pool_factory=pool_factory)
+    generator = np.random.default_rng(9)
+    first = generator.uniform(-1, 1, (3, 4)).tolist()
+    second = generator.uniform(-1, 1, (5, 4))
+    async with app.router.lifespan_context(app), serving(app) as port:
+        pool = pools[0]
+        batcher = app.state.serving.current().batcher
+        base_url = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(base_url=base_url) as client:
+            held = asyncio.create_task(client.post("/v1/predict", json={"inputs": first}))
+            await asyncio.wait_for(pool.entered.wait(), 10)
+            async with AsyncClient(base_url, timeout=2.0, max_retries=0) as sdk:
+                with pytest.raises(SdkTimeout):
+                    await sdk.predict(second)
+            await _until(lambda: batcher.queued_rows == 3)
+            pool.gate.set()
+            answered = await asyncio.wait_for(held, 10)
+            metrics = (await client.get("/metrics")).text
+    assert answered.status_code == 200
+    assert pool.rows == 3
+    assert _sample(metrics, 'momlp_requests_total{endpoint="/v1/predict",status="499"}') == 1
+    assert [r.getMessage() for r in caplog.records if r.levelno > logging.INFO] == []
