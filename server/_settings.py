@@ -151,8 +151,18 @@ class Settings(BaseSettings):
         description="every live actor is asked about itself this often; one whose answer is "
         "an error of Ray's, or comes from another process than the last probe's (a restart "
         "no call saw), is taken for dead (restarted or replaced, counted as died) without "
-        "waiting for a request to find it; a probe that only times out (a busy or hung "
-        "actor) changes nothing (0: off)",
+        "waiting for a request to find it; a probe that times out is sent again at once "
+        "(0: off)",
+    )
+    # A stopped or frozen process was found only by a call's deadline (120 s), and meanwhile
+    # every batch with rows on it held its in-flight slot: the whole server stalled.
+    actor_unresponsive_s: float = Field(
+        default=10.0,
+        ge=0.0,
+        description="an actor that answers no health check (each on a thread of its own, "
+        "beside its calls) and no call for this long is taken for hung: its process is "
+        "killed for Ray to restart and its calls' rows are retried on the other actors "
+        "(0: only MOMLP_ACTOR_CALL_TIMEOUT_S finds it; needs MOMLP_ACTOR_HEALTH_CHECK_S)",
     )
     actor_resource: str | None = Field(
         default=None,

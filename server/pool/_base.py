@@ -9,7 +9,9 @@ store version to the next.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
@@ -85,6 +87,8 @@ class DispatchingPool(ABC):
         # `_run_on`): its failure says nothing new about the actor, which may be back by now.
         self._deaths = dict.fromkeys(names, 0)
         self._counts = ActorCounts()
+        # Actor -> when its last call's reply came (the health checks' sign of life).
+        self._replied_at: dict[str, float] = {}
         # Past it a run or prefetch call is given up: its actor is taken for hung.
         self._call_timeout_s = call_timeout_s
         self._closed = False
@@ -294,7 +298,7 @@ class DispatchingPool(ABC):
             # Else this reply is its dead process's, whose counts were added in at its death:
             # taken as the new process's, they would count twice.
             self._counts.replied(actor, reply.counts, reply.process)
-        now = self._clock.now()
+        now = self._replied_at[actor] = self._clock.now()
         for index, outcome in zip(indices, reply.results, strict=True):
             retry_after_s = None
             if outcome.error_kind == ERROR_LOAD and outcome.error is not None:
@@ -328,13 +332,16 @@ class DispatchingPool(ABC):
         """The runtime does not answer (a subclass found out): see `Revivals.runtime_lost`."""
         self._revivals.runtime_lost(problem)
 
-    def start_health_checks(self, period_s: float) -> None:
-        """Probe every live actor each `period_s` from now on (`_health`); call from the
-        event loop. The pool's close ends them."""
+    def start_health_checks(self, period_s: float, unresponsive_s: float = 0.0) -> None:
+        """Probe every live actor each `period_s` from now on, and take one that answers
+        nothing for `unresponsive_s` for hung (`_health`); call from the event loop. The
+        pool's close ends them."""
         self._spawn(check_health(
             self._dispatcher, probe=self._call_info, deaths=self._deaths.__getitem__,
-            died=self._actor_died, sleep=self._sleep, period_s=period_s,
-            timeout_s=self._info_timeout_s,
+            died=self._actor_died, hung=functools.partial(self._actor_died, hung=True),
+            replied=lambda actor: self._replied_at.get(actor, -math.inf), clock=self._clock,
+            sleep=self._sleep, period_s=period_s, timeout_s=self._info_timeout_s,
+            unresponsive_s=unresponsive_s,
         ))
 
     async def wait_until_alive(self, actor: str) -> bool:

@@ -55,6 +55,7 @@ class FakeExpertPool(DispatchingPool):
         self._cores = {name: self._new_core(name) for name in names}
         self._doomed: set[str] = set()
         self._hanging: set[str] = set()
+        self._frozen: set[str] = set()  # hanging actors whose probes hang too
         # Actor -> set when its hung process is killed (its hung calls then fail).
         self._stuck: dict[str, asyncio.Event] = {}
         self._gone: set[str] = set()  # actors out of restarts, until replaced
@@ -85,11 +86,14 @@ class FakeExpertPool(DispatchingPool):
         if for_good:
             self._gone.add(actor)
 
-    def hang(self, actor: str) -> None:
+    def hang(self, actor: str, *, frozen: bool = False) -> None:
         """The actor's next call, and every call to it after, never answers (its process
         alive) until the pool has that process killed; the actor then comes back with an
-        empty cache."""
+        empty cache. `frozen`: its probes go unanswered too (a stopped process), not only
+        its calls (a read stuck on a hung mount)."""
         self._hanging.add(actor)
+        if frozen:
+            self._frozen.add(actor)
         self._stuck.setdefault(actor, asyncio.Event())
 
     async def _call_run(
@@ -126,6 +130,7 @@ class FakeExpertPool(DispatchingPool):
         self.hung_kills.append(actor)
         if actor in self._hanging:
             self._hanging.discard(actor)
+            self._frozen.discard(actor)
             self._stuck.pop(actor).set()
         await self._restart(actor)
 
@@ -149,6 +154,9 @@ class FakeExpertPool(DispatchingPool):
     async def _call_info(self, actor: str) -> ActorInfo:
         if actor in self._gone:
             raise ActorGone(actor)
+        if actor in self._frozen:
+            await self._stuck[actor].wait()
+            raise ActorDied(actor)  # a killed process fails the calls it held
         return self._cores[actor].info()
 
     async def _shutdown(self) -> None:
@@ -158,6 +166,7 @@ class FakeExpertPool(DispatchingPool):
         for stuck in self._stuck.values():
             stuck.set()
         self._hanging.clear()
+        self._frozen.clear()
         self._stuck.clear()
         for core in self._cores.values():
             await asyncio.to_thread(core.close)

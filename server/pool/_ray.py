@@ -33,6 +33,7 @@ from server.pool._channel import Channel
 from server.pool._channel_dir import make_channel_folder, sweep_stale_folders
 from server.pool._device import resolve_device
 from server.pool._errors import ActorDied, ActorGone, ChannelCallFailed, ChannelClosed
+from server.pool._health import PROBE_GROUP
 from server.pool._kill import kill_hung_process
 from server.pool._sizing import actor_count, actor_device, local_node_gpus
 from server.pool._threads import in_daemon_thread
@@ -148,7 +149,11 @@ class RayExpertPool(DispatchingPool):
             # Each worker node offers one unit (local-cluster.sh, KubeRay): one actor a node.
             resources["resources"] = {settings.actor_resource: 1}
         start_actor: Callable[[str], Any] = functools.partial(
-            ray.remote(ExpertActor).options(
+            # Probes on a thread of their own: a probe unanswered means the process is.
+            # (Ray's typed overloads of `remote` omit the option; its checks accept it.)
+            ray.remote(  # type: ignore[call-overload]
+                concurrency_groups={PROBE_GROUP: 1}
+            )(ExpertActor).options(
                 max_restarts=settings.actor_max_restarts,
                 # We retry ourselves so that no group is ever answered twice.
                 max_task_retries=0,
@@ -346,7 +351,9 @@ class RayExpertPool(DispatchingPool):
         from ray.exceptions import ActorDiedError, RayError
 
         try:
-            info: ActorInfo = await self._handles[actor].info.remote()
+            info: ActorInfo = await (
+                self._handles[actor].info.options(concurrency_group=PROBE_GROUP).remote()
+            )
         except ActorDiedError as exc:
             # Raised to a new call only when Ray will not restart the actor; while it
             # restarts, calls get ActorUnavailableError.

@@ -41,7 +41,9 @@ def ray_pool(stop: threading.Event | None = None) -> PoolFactory:
             functools.partial(RayExpertPool.create, settings, stop=stop)
         )
         if settings.actor_health_check_s > 0:
-            pool.start_health_checks(settings.actor_health_check_s)
+            pool.start_health_checks(
+                settings.actor_health_check_s, settings.actor_unresponsive_s
+            )
         return pool
 
     return make

@@ -5,6 +5,7 @@ and, out of restarts, replaced before any request needs it. Before, it counted a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
 import signal
@@ -200,4 +201,118 @@ async def test_a_killed_idle_ray_actor_out_of_restarts_is_replaced_before_a_requ
         for group, result in zip(groups, results, strict=True):
             torch.testing.assert_close(result.outputs, expected(store, group))
     finally:
+        await pool.close()
+
+
+@pytest.mark.unit
+async def test_a_frozen_idle_actor_is_taken_for_hung_once_it_answers_nothing_long_enough(
+    make_store: MakeStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A stopped process was found only by a call's deadline (120 s), while /readyz said
+    # ready and every batch with rows on it held an in-flight slot.
+    store = Store.open(make_store(K=4, n=3, width=6, out=2))
+    inner = FakeExpertPool(Settings(actors=2, cache_bytes=10**6), info_timeout_s=0.05)
+    pool = IdPool(store, inner)
+    inner.hang("actor-1", frozen=True)
+    inner.start_health_checks(0.01, unresponsive_s=0.3)
+    try:
+        await until(lambda: inner.hung_kills == ["actor-1"])
+        assert "actor actor-1 answered no health check and no call for 0.3 s" in caplog.text
+        await until(lambda: inner.dispatcher.alive("actor-1"))  # restarted, and back
+        assert [a.failures for a in pool.actors()] == [
+            {"died": 0, "hung": 0}, {"died": 0, "hung": 1},
+        ]
+        groups = [IdGroup(e, torch.ones(2, 3)) for e in range(4)]
+        for group, result in zip(groups, await pool.run(groups), strict=True):
+            torch.testing.assert_close(result.outputs, expected(store, group))
+    finally:
+        await pool.close()
+
+
+@pytest.mark.unit
+async def test_rows_on_a_frozen_actor_are_answered_long_before_the_call_deadline(
+    make_store: MakeStore,
+) -> None:
+    store = Store.open(make_store(K=8, n=3, width=6, out=2))
+    settings = Settings(actors=2, cache_bytes=10**6, actor_call_timeout_s=120.0)
+    inner = FakeExpertPool(settings, info_timeout_s=0.05)
+    pool = IdPool(store, inner)
+    groups = [IdGroup(e, torch.randn(2, 3)) for e in range(8)]
+    homes = {r.actor for r in await pool.run(groups)}
+    assert homes == {"actor-0", "actor-1"}
+    inner.start_health_checks(0.01, unresponsive_s=0.3)
+    inner.hang("actor-0", frozen=True)
+    try:
+        # Bounded far below the call deadline: the old checks let the batch wait it out.
+        results = await asyncio.wait_for(pool.run(groups), 20)
+        for group, result in zip(groups, results, strict=True):
+            torch.testing.assert_close(result.outputs, expected(store, group))
+        assert inner.hung_kills == ["actor-0"]
+    finally:
+        await pool.close()
+
+
+@pytest.mark.unit
+async def test_an_actor_answering_its_calls_is_not_taken_for_hung_while_its_probes_are_late(
+    make_store: MakeStore,
+) -> None:
+    store = Store.open(make_store(K=4, n=3, width=6, out=2))
+    inner = FakeExpertPool(Settings(actors=1, cache_bytes=10**6), info_timeout_s=0.05)
+    pool = IdPool(store, inner)
+    real_info = inner._call_info
+
+    async def late(actor: str) -> ActorInfo:
+        await asyncio.sleep(1.0)  # past the probe's timeout, every time
+        return await real_info(actor)
+
+    inner._call_info = late  # type: ignore[method-assign]
+    probes = record_probes(inner)
+    inner.start_health_checks(0.01, unresponsive_s=0.3)
+    try:
+        groups = [IdGroup(e, torch.ones(2, 3)) for e in range(4)]
+        started = len(probes)
+        while len(probes) < started + 12:  # ~0.6 s of late probes, twice the limit
+            await pool.run(groups)
+            await asyncio.sleep(0.02)
+        assert inner.hung_kills == []
+        assert pool.actors()[0].failures == {"died": 0, "hung": 0}
+    finally:
+        await pool.close()
+
+
+@pytest.mark.ray
+@pytest.mark.usefixtures("ray_session")
+@pytest.mark.parametrize("channel", ["socket", "ray"])
+async def test_a_stopped_ray_actor_stalls_its_batches_for_the_unresponsive_time_not_the_deadline(
+    make_store: MakeStore, channel: str
+) -> None:
+    # The deployment's shape: two actors fill the session's 2 CPUs. A soak found one
+    # SIGSTOPped actor holding both in-flight slots until the 120 s deadline: the whole
+    # server answered nothing, requests for the other actor's experts too.
+    store = Store.open(make_store(K=12, n=3, width=8, out=2))
+    settings = Settings(
+        actors=2, cache_bytes=10**7, actor_channel=channel, actor_call_timeout_s=120.0,
+        actor_health_check_s=0.5, actor_unresponsive_s=3.0,
+    )
+    made = ray_pool()(settings)  # as the server makes it: health checks on
+    inner = await made if inspect.isawaitable(made) else made
+    assert isinstance(inner, RayExpertPool)
+    pool = IdPool(store, inner)
+    groups = [IdGroup(e, torch.randn(2, 3)) for e in range(12)]
+    pid: int | None = None
+    try:
+        assert {r.actor for r in await pool.run(groups)} == {"actor-0", "actor-1"}
+        pid = await inner.handle("actor-0").get_pid.remote()
+        os.kill(pid, signal.SIGSTOP)
+        # Bounded far below the call deadline (120 s), which the old code waited out.
+        results = await asyncio.wait_for(pool.run(groups), 60)
+        for group, result in zip(groups, results, strict=True):
+            torch.testing.assert_close(result.outputs, expected(store, group))
+        assert pool.actors()[0].failures == {"died": 0, "hung": 1}
+        assert await pool.wait_until_alive("actor-0")
+        assert await inner.handle("actor-0").get_pid.remote() != pid
+    finally:
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # never leave a stopped Ray worker behind
         await pool.close()
