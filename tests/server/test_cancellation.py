@@ -255,6 +255,9 @@ async def test_a_probe_ray_answers_with_another_error_keeps_the_revival_polling(
     from server.pool import ActorDied
 
     class Probe:
+        def options(self, **_: Any) -> Any:  # the probe's concurrency group
+            return self
+
         def remote(self) -> Any:
             async def fail() -> None:
                 raise RaySystemError("the raylet is restarting")

@@ -300,6 +300,9 @@ class _Remote:
         self.answer = answer
         self.calls: list[tuple[Any, ...]] = []
 
+    def options(self, **_: Any) -> _Remote:  # e.g. a probe's concurrency group
+        return self
+
     def remote(self, *args: Any) -> Any:
         self.calls.append(args)
         return self.answer(*args)
