@@ -98,7 +98,8 @@ class _PoolCollector(Collector):
             "momlp_actor_failures",
             "processes of each actor that ended, each a restart of Ray's spent (or, once they"
             " are spent, a new actor started in its place): cause died (it died or dropped its"
-            " connection) or hung (no answer within MOMLP_ACTOR_CALL_TIMEOUT_S; killed)",
+            " connection) or hung (killed: no answer within MOMLP_ACTOR_CALL_TIMEOUT_S, or none to"
+            " a health check or call for MOMLP_ACTOR_UNRESPONSIVE_S)",
             labels=["actor", "cause"],
         )
         for actor, causes in sorted(snap.failures.items()):

@@ -13,7 +13,9 @@ A process that answers nothing at all (stopped, or frozen) was found only by a c
 slot, so the whole server stalled, requests for the other actors' experts too, while /readyz
 said ready. A probe is answered on a thread of its own (`PROBE_GROUP`), beside any calls, so
 an actor that answers no probe and no call for `unresponsive_s` is taken for hung: its
-process is killed, and the rows of its calls are retried on the others.
+process is killed, and the rows of its calls are retried on the others. Each unanswered probe
+counts for at most its own timeout: a probe whose timeout lands late says this process was
+held up (stopped, starved), and an actor that answered meanwhile was killed on one such probe.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from experts_store import Clock
 from server.pool._dispatch import Dispatcher
@@ -33,6 +36,15 @@ __all__ = ["PROBE_GROUP", "check_health"]
 PROBE_GROUP = "probe"
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Silence:
+    """An actor's probes unanswered since its last answer."""
+
+    since: float  # when the first of them was sent: a call answered after it ends the silence
+    deaths: int  # its deaths noticed then: a later process's silence is its own, from zero
+    seconds: float = 0.0  # how long they went unanswered, each counted up to its timeout
 
 
 async def check_health(
@@ -53,14 +65,15 @@ async def check_health(
     says it died, or that answers from another process than its last probe did with no death
     noticed between, is handed to `died` (unless a death of it was noticed meanwhile, by a
     call or its socket). A probe that times out is sent again at once, not a period later;
-    one that has answered no probe since `unresponsive_s` ago, and no call since (`replied`:
-    when its last call's reply came), is handed to `hung` (`unresponsive_s` 0: never; its
-    calls' deadline still finds it). Runs until cancelled."""
+    one whose probes in a row have gone unanswered for `unresponsive_s` (each counted up to
+    `timeout_s`), with no call answered meanwhile (`replied`: when its last call's reply came),
+    is handed to `hung` (`unresponsive_s` 0: never; its calls' deadline still finds it). Runs
+    until cancelled."""
     # Actor -> (its deaths noticed, the process its last probe found). A death noticed since
     # (a call, its socket) makes the next process expected, not news.
     known: dict[str, tuple[int, str]] = {}
-    # Actor -> when the first of its probes unanswered since its last answer was sent.
-    silent: dict[str, float] = {}
+    # Actor -> its probes unanswered since its last answer.
+    silent: dict[str, _Silence] = {}
     while True:
         await sleep(0.0 if silent else period_s)
         for actor in dispatcher.names:
@@ -78,11 +91,19 @@ async def check_health(
                     died(actor)
                 continue
             except TimeoutError:
-                since = silent.setdefault(actor, sent)
-                if replied(actor) >= since:
-                    silent[actor] = since = clock.now()  # its calls are answered: not stuck
+                now = clock.now()
+                silence = silent.get(actor)
+                if silence is None or silence.deaths != seen or replied(actor) >= silence.since:
+                    # Counted afresh from this probe: the first unanswered; or one to a process
+                    # that came back from a death between two probes (its predecessor's silence
+                    # got it killed at its own first late probe); or a call answered since.
+                    silence = silent[actor] = _Silence(since=sent, deaths=seen)
+                if replied(actor) < sent:  # else a call was answered while it waited: busy
+                    # At most its timeout: the rest is this process's own delay (stopped,
+                    # starved, its event loop held), while an answer may have waited unread.
+                    silence.seconds += min(now - sent, timeout_s)
                 if (
-                    unresponsive_s > 0 and clock.now() - since >= unresponsive_s
+                    unresponsive_s > 0 and silence.seconds >= unresponsive_s
                     and deaths(actor) == seen and dispatcher.alive(actor)
                 ):
                     logger.error(

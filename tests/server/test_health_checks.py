@@ -9,9 +9,10 @@ import contextlib
 import inspect
 import os
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -19,7 +20,8 @@ from pool_support import IdGroup, IdPool, expected
 
 from experts_store import Store
 from server._settings import Settings
-from server.pool import ActorInfo, FakeExpertPool, RayExpertPool
+from server.pool import ActorInfo, Dispatcher, FakeExpertPool, RayExpertPool
+from server.pool._health import check_health
 from server.serving import ray_pool
 
 MakeStore = Callable[..., Path]
@@ -284,7 +286,7 @@ async def test_an_actor_answering_its_calls_is_not_taken_for_hung_while_its_prob
 @pytest.mark.usefixtures("ray_session")
 @pytest.mark.parametrize("channel", ["socket", "ray"])
 async def test_a_stopped_ray_actor_stalls_its_batches_for_the_unresponsive_time_not_the_deadline(
-    make_store: MakeStore, channel: str
+    make_store: MakeStore, channel: Literal["socket", "ray"]
 ) -> None:
     # The deployment's shape: two actors fill the session's 2 CPUs. A soak found one
     # SIGSTOPped actor holding both in-flight slots until the 120 s deadline: the whole
@@ -316,3 +318,92 @@ async def test_a_stopped_ray_actor_stalls_its_batches_for_the_unresponsive_time_
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)  # never leave a stopped Ray worker behind
         await pool.close()
+
+
+@pytest.mark.unit
+async def test_a_stall_of_the_server_under_one_probe_does_not_get_an_answering_actor_killed(
+    make_store: MakeStore,
+) -> None:
+    # The server's own stall while a probe was out (its process stopped or starved, its event
+    # loop held) counted whole as the actor's silence: one probe timed out late, past
+    # MOMLP_ACTOR_UNRESPONSIVE_S, and an actor that answered every probe was killed as hung.
+    store = Store.open(make_store(K=4, n=3, width=6, out=2))
+    inner = FakeExpertPool(Settings(actors=2, cache_bytes=10**6), info_timeout_s=0.05)
+    pool = IdPool(store, inner)
+    real_info = inner._call_info
+    stalled: list[str] = []
+
+    async def stalled_once(actor: str) -> ActorInfo:
+        if actor == "actor-1" and not stalled:
+            stalled.append(actor)
+            time.sleep(0.5)  # the event loop held past the limit while the probe is out
+            await asyncio.sleep(0.2)  # so its answer is read only after its timeout
+        return await real_info(actor)
+
+    inner._call_info = stalled_once  # type: ignore[method-assign]
+    probes = record_probes(inner)
+    inner.start_health_checks(0.01, unresponsive_s=0.3)
+    try:
+        await until(lambda: probes.count("actor-1") >= 10)  # answered since the stall
+        assert stalled == ["actor-1"]
+        assert inner.hung_kills == []
+        assert [a.failures for a in pool.actors()] == [{"died": 0, "hung": 0}] * 2
+    finally:
+        await pool.close()
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def now(self) -> float:
+        return self.t
+
+
+@pytest.mark.unit
+async def test_an_actor_back_from_a_death_between_probes_is_not_killed_for_old_silence() -> None:
+    # actor-0's process answers no probe for 4 of its timeouts (of 5 that make it hung), then
+    # dies and is back (its socket dropped, Ray restarted it) while actor-1 is probed; its new
+    # process is late for its first probe only. That probe was counted on from the old
+    # process's first silence: the new one was killed as hung at once.
+    clock = _Clock()
+    dispatcher = Dispatcher(["actor-0", "actor-1"], spill_queue_rows=64)
+    deaths = {"actor-0": 0, "actor-1": 0}
+    late = {"actor-0": 4}  # the old process's unanswered probes left
+    killed: list[str] = []
+    rounds = 0
+
+    async def probe(actor: str) -> ActorInfo:
+        nonlocal rounds
+        process = f"{actor}-{deaths[actor]}"
+        if actor == "actor-1":
+            rounds += 1
+            if rounds == 4:  # between actor-0's 4th and 5th probes: died, and back
+                deaths["actor-0"] += 1
+                dispatcher.mark_dead("actor-0")
+                dispatcher.mark_alive("actor-0")
+                late["actor-0"] = 1  # its new process, late for its first probe
+        elif late[actor] > 0:
+            late[actor] -= 1
+            clock.t += 0.125  # its timeout passes on the clock
+            await asyncio.sleep(1.0)
+        return ActorInfo(name=actor, device="cpu", resident_bytes=0, budget_bytes=1,
+                         process=process)
+
+    async def no_wait(_: float) -> None:
+        await asyncio.sleep(0.001)
+
+    checks = asyncio.ensure_future(check_health(
+        dispatcher, probe=probe, deaths=deaths.__getitem__, died=killed.append,
+        hung=killed.append, replied=lambda _: float("-inf"), clock=clock, sleep=no_wait,
+        period_s=1.0, timeout_s=0.125, unresponsive_s=0.625,
+    ))
+    try:
+        await until(lambda: rounds >= 10 or checks.done())
+        assert not checks.done()
+        assert killed == []
+    finally:
+        # Python 3.11's wait_for drops a cancel that lands as its probe answers: sent again.
+        while not checks.done():
+            checks.cancel()
+            await asyncio.sleep(0.01)
