@@ -11,6 +11,7 @@ import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -60,6 +61,20 @@ async def _until(predicate: Callable[[], bool]) -> None:
     raise AssertionError("never reached")
 
 
+def held_app(tmp_path: Path) -> tuple[Any, list[CountingPool]]:
+    """An app whose first pool run waits for the gate, with one batch in flight: a request
+    sent meanwhile waits in the queue behind the held one. Its pool is in the list once the
+    app's lifespan has started."""
+    pools: list[CountingPool] = []
+
+    def pool_factory(settings: Settings) -> CountingPool:
+        pools.append(CountingPool(fake_pool(settings), blocked=1))
+        return pools[0]
+
+    settings = app_settings(build_small_store(tmp_path / "store"), max_inflight_batches=1)
+    return create_app(settings, pool_factory=pool_factory), pools
+
+
 def _sample(metrics: str, name: str) -> float:
     for line in metrics.splitlines():
         if line.startswith(name + " "):
@@ -71,15 +86,7 @@ def _sample(metrics: str, name: str) -> float:
 async def test_a_queued_request_whose_client_hung_up_is_never_computed(
     tmp_path: Path, base: type[asyncio.Protocol]
 ) -> None:
-    pools: list[CountingPool] = []
-
-    def pool_factory(settings: Settings) -> CountingPool:
-        pools.append(CountingPool(fake_pool(settings), blocked=1))
-        return pools[0]
-
-    # One batch in flight: the second request waits in the queue behind the held one.
-    settings = app_settings(build_small_store(tmp_path / "store"), max_inflight_batches=1)
-    app = create_app(settings, pool_factory=pool_factory)
+    app, pools = held_app(tmp_path)
     generator = np.random.default_rng(5)
     first = generator.uniform(-1, 1, (3, 4)).tolist()
     second = generator.uniform(-1, 1, (5, 4)).tolist()
@@ -111,14 +118,7 @@ async def test_a_pipelined_request_whose_client_hung_up_is_never_computed(
 ) -> None:
     # Two requests in one write: httptools makes the second one's cycle the connection's
     # current one while the first is still awaited, so the first was computed for no one.
-    pools: list[CountingPool] = []
-
-    def pool_factory(settings: Settings) -> CountingPool:
-        pools.append(CountingPool(fake_pool(settings), blocked=1))
-        return pools[0]
-
-    settings = app_settings(build_small_store(tmp_path / "store"), max_inflight_batches=1)
-    app = create_app(settings, pool_factory=pool_factory)
+    app, pools = held_app(tmp_path)
     generator = np.random.default_rng(7)
     first, second, third = (generator.uniform(-1, 1, (n, 4)).tolist() for n in (3, 5, 2))
     async with app.router.lifespan_context(app), serving(app, base) as port:
@@ -202,14 +202,7 @@ async def test_an_sdk_call_that_times_out_is_a_timeout_there_and_a_499_here(
     # The SDK gives up on a queued request: it raises its TimeoutError (not retried), its
     # connection is dropped, and the server stops waiting for that answer: nothing computed,
     # a 499 counted, nothing logged above INFO.
-    pools: list[CountingPool] = []
-
-    def pool_factory(settings: Settings) -> CountingPool:
-        pools.append(CountingPool(fake_pool(settings), blocked=1))
-        return pools[0]
-
-    settings = app_settings(build_small_store(tmp_path / "store"), max_inflight_batches=1)
-    app = create_app(settings, pool_factory=pool_factory)
+    app, pools = held_app(tmp_path)
     generator = np.random.default_rng(9)
     first = generator.uniform(-1, 1, (3, 4)).tolist()
     second = generator.uniform(-1, 1, (5, 4))
