@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from app_support import BlockingPool, app_settings, build_small_store, fake_pool
+from app_support import BlockingPool, app_settings, build_small_store, fake_app, fake_pool
 from loopback_support import serving
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -75,6 +75,11 @@ def held_app(tmp_path: Path) -> tuple[Any, list[CountingPool]]:
     return create_app(settings, pool_factory=pool_factory), pools
 
 
+def _predicts(metrics: str, status: int) -> float:
+    """How many /v1/predict answers of `status` the metrics count."""
+    return _sample(metrics, f'momlp_requests_total{{endpoint="/v1/predict",status="{status}"}}')
+
+
 def _sample(metrics: str, name: str) -> float:
     for line in metrics.splitlines():
         if line.startswith(name + " "):
@@ -90,7 +95,6 @@ async def test_a_queued_request_whose_client_hung_up_is_never_computed(
     generator = np.random.default_rng(5)
     first = generator.uniform(-1, 1, (3, 4)).tolist()
     second = generator.uniform(-1, 1, (5, 4)).tolist()
-    gone = 'momlp_requests_total{endpoint="/v1/predict",status="499"}'
     async with app.router.lifespan_context(app), serving(app, base) as port:
         pool = pools[0]
         batcher = app.state.serving.current().batcher
@@ -109,7 +113,7 @@ async def test_a_queued_request_whose_client_hung_up_is_never_computed(
             metrics = (await client.get("/metrics")).text
     assert answered.status_code == 200
     assert pool.rows == 3  # the second request's 5 rows were never computed
-    assert _sample(metrics, gone) == 1.0
+    assert _predicts(metrics, 499) == 1.0
 
 
 @pytest.mark.parametrize("base", PROTOCOLS)
@@ -139,8 +143,8 @@ async def test_a_pipelined_request_whose_client_hung_up_is_never_computed(
             metrics = (await client.get("/metrics")).text
     assert answered.status_code == 200
     assert pool.rows == 3  # neither pipelined request was computed
-    assert _sample(metrics, 'momlp_requests_total{endpoint="/v1/predict",status="200"}') == 1
-    assert _sample(metrics, 'momlp_requests_total{endpoint="/v1/predict",status="499"}') == 1
+    assert _predicts(metrics, 200) == 1
+    assert _predicts(metrics, 499) == 1
 
 
 @pytest.mark.parametrize("base", PROTOCOLS)
@@ -149,8 +153,7 @@ async def test_a_client_that_stays_is_answered_and_a_kept_alive_connection_serve
 ) -> None:
     # The hook acts only while an answer is awaited: a connection lost after its answer
     # (or between two requests on it) touches nothing.
-    settings = app_settings(build_small_store(tmp_path / "store"))
-    app = create_app(settings, pool_factory=fake_pool)
+    app = fake_app(build_small_store(tmp_path / "store"))
     rows = np.random.default_rng(6).uniform(-1, 1, (4, 4)).tolist()
     async with app.router.lifespan_context(app), serving(app, base) as port:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
@@ -159,8 +162,8 @@ async def test_a_client_that_stays_is_answered_and_a_kept_alive_connection_serve
             metrics = (await client.get("/metrics")).text
     assert [a.status_code for a in answers] == [200, 200, 200]
     assert answers[0].json()["outputs"] == answers[2].json()["outputs"]
-    assert _sample(metrics, 'momlp_requests_total{endpoint="/v1/predict",status="200"}') == 3
-    assert _sample(metrics, 'momlp_requests_total{endpoint="/v1/predict",status="499"}') == 0
+    assert _predicts(metrics, 200) == 3
+    assert _predicts(metrics, 499) == 0
 
 
 @pytest.mark.parametrize("base", PROTOCOLS)
@@ -170,8 +173,7 @@ async def test_pipelined_requests_are_all_answered_in_order(
     # The cycles a pipelined request's replaced are remembered only until they are answered:
     # three requests in one write get their three answers, and a hang-up after them is a
     # no-op.
-    settings = app_settings(build_small_store(tmp_path / "store"))
-    app = create_app(settings, pool_factory=fake_pool)
+    app = fake_app(build_small_store(tmp_path / "store"))
     generator = np.random.default_rng(8)
     batches = [generator.uniform(-1, 1, (n, 4)).tolist() for n in (1, 2, 3)]
     async with app.router.lifespan_context(app), serving(app, base) as port:
@@ -193,7 +195,7 @@ async def test_pipelined_requests_are_all_answered_in_order(
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
             metrics = (await client.get("/metrics")).text
     assert answers == [(b"200", 1), (b"200", 2), (b"200", 3)]
-    assert _sample(metrics, 'momlp_requests_total{endpoint="/v1/predict",status="499"}') == 0
+    assert _predicts(metrics, 499) == 0
 
 
 async def test_an_sdk_call_that_times_out_is_a_timeout_there_and_a_499_here(
@@ -222,5 +224,5 @@ async def test_an_sdk_call_that_times_out_is_a_timeout_there_and_a_499_here(
             metrics = (await client.get("/metrics")).text
     assert answered.status_code == 200
     assert pool.rows == 3
-    assert _sample(metrics, 'momlp_requests_total{endpoint="/v1/predict",status="499"}') == 1
+    assert _predicts(metrics, 499) == 1
     assert [r.getMessage() for r in caplog.records if r.levelno > logging.INFO] == []
