@@ -44,6 +44,7 @@ V2_PREFIX = "/v2"
 _GENERATOR_ID = -1
 
 logger = logging.getLogger(__name__)
+_ACCESS = logging.getLogger("uvicorn.access")
 
 _HTTP_CODES = {
     400: "invalid_input",
@@ -185,10 +186,10 @@ def _v1_error_response(exc: BaseException, path: str, error_id: str | None) -> J
         headers = dict(exc.headers) if exc.headers else None
         return _json(exc.status_code, code, message, None, headers)
     if isinstance(exc, ClientDisconnect):
-        # Nobody reads this answer: its status is what /metrics counts (uvicorn writes no
-        # access log line to a closed connection), a client's hang-up and not a server fault
-        # (499, as nginx names it).
-        logger.info("the client closed the connection before it was answered")
+        # Nobody reads this answer: its status is what /metrics and the access line count, a
+        # client's hang-up and not a server fault (499, as nginx names it).
+        logger.info("the client closed the connection before %s was answered%s",
+                    path or "a request", f" [request {error_id}]" if error_id else "")
         return _json(499, "client_closed_request", "the client closed the connection")
     error_id = error_id or _error_id()
     logger.error("[error %s] unhandled %s while serving %s", error_id, type(exc).__name__,
@@ -207,8 +208,25 @@ def _internal(error_id: str) -> JSONResponse:
                  " log)", {"error_id": error_id})
 
 
+def _answer(exc: BaseException, scope: Scope) -> Response:
+    if isinstance(exc, ClientDisconnect):
+        _log_hang_up(scope)
+    return error_response(exc, scope.get("path", ""), current_request_id())
+
+
+def _log_hang_up(scope: Scope) -> None:
+    # uvicorn writes no access line for a connection that is gone; this one has the form of
+    # its lines (and, on the same logger, its request id and its on/off setting), so the
+    # access log shows the hang-ups as a proxy's log would.
+    client = scope.get("client")
+    query = scope.get("query_string", b"")
+    target = scope.get("path", "") + (f"?{query.decode('latin-1')}" if query else "")
+    _ACCESS.info('%s - "%s %s HTTP/%s" %d', f"{client[0]}:{client[1]}" if client else "-",
+                 scope.get("method", ""), target, scope.get("http_version", "1.1"), 499)
+
+
 async def _handle(request: Request, exc: Exception) -> Response:
-    return error_response(exc, request.url.path, current_request_id())
+    return _answer(exc, request.scope)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -257,6 +275,4 @@ class CatchAllMiddleware:
                 # Headers are out: nothing to answer with, the server closes the connection.
                 logger.error("error after the response started", exc_info=exc)
                 return
-            await error_response(exc, scope.get("path", ""), current_request_id())(
-                scope, receive, send
-            )
+            await _answer(exc, scope)(scope, receive, send)

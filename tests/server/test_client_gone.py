@@ -23,6 +23,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from client import AsyncClient
 from client import TimeoutError as SdkTimeout
+from server._runner import request_ids_in_access_log
 from server._settings import Settings
 from server.http import create_app
 from server.pool import Group, GroupResult
@@ -44,11 +45,12 @@ class CountingPool(BlockingPool):
         return await super().run(groups, wanted=wanted)
 
 
-def _post(rows: list[list[float]]) -> bytes:
+def _post(rows: list[list[float]], request_id: str = "") -> bytes:
     body = json.dumps({"inputs": rows}).encode()
     head = (
         "POST /v1/predict HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(body)}\r\n\r\n"
+        + (f"x-request-id: {request_id}\r\n" if request_id else "")
+        + f"content-length: {len(body)}\r\n\r\n"
     )
     return head.encode() + body
 
@@ -89,12 +91,13 @@ def _sample(metrics: str, name: str) -> float:
 
 @pytest.mark.parametrize("base", PROTOCOLS)
 async def test_a_queued_request_whose_client_hung_up_is_never_computed(
-    tmp_path: Path, base: type[asyncio.Protocol]
+    tmp_path: Path, base: type[asyncio.Protocol], caplog: pytest.LogCaptureFixture
 ) -> None:
     app, pools = held_app(tmp_path)
     generator = np.random.default_rng(5)
     first = generator.uniform(-1, 1, (3, 4)).tolist()
     second = generator.uniform(-1, 1, (5, 4)).tolist()
+    caplog.set_level(logging.INFO)
     async with app.router.lifespan_context(app), serving(app, base) as port:
         pool = pools[0]
         batcher = app.state.serving.current().batcher
@@ -102,18 +105,28 @@ async def test_a_queued_request_whose_client_hung_up_is_never_computed(
             held = asyncio.create_task(client.post("/v1/predict", json={"inputs": first}))
             await asyncio.wait_for(pool.entered.wait(), 10)
             _, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(_post(second))
-            await writer.drain()
-            await _until(lambda: batcher.queued_rows == 3 + 5)  # queued behind the held batch
-            writer.close()  # the client hangs up
-            await writer.wait_closed()
-            await _until(lambda: batcher.queued_rows == 3)  # left the queue at once
+            with request_ids_in_access_log():
+                writer.write(_post(second, request_id="gone-1"))
+                await writer.drain()
+                await _until(lambda: batcher.queued_rows == 3 + 5)  # queued behind the held one
+                writer.close()  # the client hangs up
+                await writer.wait_closed()
+                await _until(lambda: batcher.queued_rows == 3)  # left the queue at once
             pool.gate.set()
             answered = await asyncio.wait_for(held, 10)
             metrics = (await client.get("/metrics")).text
     assert answered.status_code == 200
     assert pool.rows == 3  # the second request's 5 rows were never computed
     assert _predicts(metrics, 499) == 1.0
+    # The access log has the hang-up, as a proxy's would, with its request's id.
+    access = [r.getMessage() for r in caplog.records if r.name == "uvicorn.access"]
+    hang_ups = [line for line in access if '" 499' in line]
+    assert len(hang_ups) == 1
+    assert hang_ups[0].startswith("127.0.0.1:")
+    assert hang_ups[0].endswith('"POST /v1/predict HTTP/1.1" 499 [request gone-1]')
+    told = [r.getMessage() for r in caplog.records if r.name == "server.http._errors"]
+    assert told == ["the client closed the connection before /v1/predict was answered"
+                    " [request gone-1]"]
 
 
 @pytest.mark.parametrize("base", PROTOCOLS)
