@@ -109,6 +109,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # every process is local; this keeps its traffic on loopback. Set before Ray is
         # imported, which only the handlers do.
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):
+        # Ray passes its processes' lines on (an actor's death is told by "(raylet)" lines)
+        # wrapped in terminal colour codes, which are noise in a log file or a journal. Ray
+        # reads this when it prints, so it holds for a Ray started later too.
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     handler: Handler | None = getattr(args, "handler", None)
     if handler is None:
         parser.print_help()

@@ -497,3 +497,38 @@ def test_a_store_option_naming_a_file_says_it_takes_the_directory(
         assert main(["serve", "--store", str(path)]) == 2
     hint = f" (its parent, {store}?)" if given == "manifest" else ""
     assert f"--store {path} is a file; it takes the store's directory{hint}" in caplog.text
+
+
+class _Terminal:
+    def isatty(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_ray_lines_carry_colour_codes_only_on_a_terminal(
+    monkeypatch: pytest.MonkeyPatch, terminal: bool
+) -> None:
+    # An actor's death put Ray's "(raylet)" lines into the server's log file wrapped in
+    # terminal colour codes.
+    from io import StringIO
+
+    from ray._private.worker import print_worker_logs
+
+    monkeypatch.setenv("RAY_COLOR_PREFIX", "unset by the test")
+    monkeypatch.delenv("RAY_COLOR_PREFIX")
+    if terminal:
+        monkeypatch.setattr(sys, "stdout", _Terminal())
+        monkeypatch.setattr(sys, "stderr", _Terminal())
+    assert main([]) == 2  # no command: help, after the logging is set up
+    log = StringIO()
+    line = {"pid": "raylet", "ip": "127.0.0.1", "localhost": "127.0.0.1",
+            "lines": ["A worker died or was killed while executing a task"]}
+    print_worker_logs(line, log)
+    assert ("\x1b[" in log.getvalue()) is terminal
+    assert "(raylet) A worker died or was killed" in re.sub(r"\x1b\[[0-9;]*m", "", log.getvalue())
