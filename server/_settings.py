@@ -151,7 +151,8 @@ class Settings(BaseSettings):
         description="every live actor is asked about itself this often; one whose answer is "
         "an error of Ray's, or comes from another process than the last probe's (a restart "
         "no call saw), is taken for dead (restarted or replaced, counted as died) without "
-        "waiting for a request to find it; a probe that times out is sent again at once "
+        "waiting for a request to find it; a probe that times out is sent again at once, "
+        "and an actor that holds a call for over 1 s is probed then, between the rounds "
         "(0: off)",
     )
     # A stopped or frozen process was found only by a call's deadline (120 s), and meanwhile
@@ -162,7 +163,9 @@ class Settings(BaseSettings):
         description="an actor that answers no health check (each on a thread of its own, "
         "beside its calls) and no call for this long is taken for hung: its process is "
         "killed for Ray to restart and its calls' rows are retried on the other actors "
-        "(0: only MOMLP_ACTOR_CALL_TIMEOUT_S finds it; needs MOMLP_ACTOR_HEALTH_CHECK_S)",
+        "(0: only MOMLP_ACTOR_CALL_TIMEOUT_S finds it; needs MOMLP_ACTOR_HEALTH_CHECK_S); "
+        "from its first probe unanswered, its calls' rows run on the others, and it takes "
+        "none until it answers",
     )
     actor_resource: str | None = Field(
         default=None,

@@ -25,17 +25,21 @@ from server.pool._counts import ActorCounts
 from server.pool._dispatch import Dispatcher
 from server.pool._errors import ActorDied
 from server.pool._failures import LoadFailures
-from server.pool._health import check_health
+from server.pool._health import OVERDUE_S, check_health
 from server.pool._prefetch import prefetch_plan
 from server.pool._results import failed_result, group_result, rows_array
 from server.pool._retries import Retries
 from server.pool._revival import Revivals
 from server.pool._settle import carry_calls
+from server.pool._suspects import Suspects
 from server.pool._types import ActorInfo, ActorReply, Group, GroupResult
 
 __all__ = ["DispatchingPool"]
 
 logger = logging.getLogger(__name__)
+
+# How long a close waits for its cancelled background tasks before cancelling them again.
+_RECANCEL_S = 0.1
 
 class DispatchingPool(ABC):
     """Places groups on actors, retries a dead actor's groups, remembers bad experts.
@@ -89,6 +93,7 @@ class DispatchingPool(ABC):
         self._counts = ActorCounts()
         # Actor -> when its last call's reply came (the health checks' sign of life).
         self._replied_at: dict[str, float] = {}
+        self._suspects = Suspects()
         # Past it a run or prefetch call is given up: its actor is taken for hung.
         self._call_timeout_s = call_timeout_s
         self._closed = False
@@ -196,9 +201,12 @@ class DispatchingPool(ABC):
             # MOMLP_ACTOR_START_TIMEOUT_S): the slot is freed rather than rows computed for no one.
             retries.check_wanted("*", "died")
             retries = retries.anywhere()
+        exclude = retries.exclude
+        if self._suspects:
+            exclude = self._suspects.avoid(exclude, self._dispatcher.live_actors())
         placement = self._dispatcher.place(
             [(groups[i].expert.sha256, int(groups[i].rows.shape[0])) for i in indices],
-            exclude=retries.exclude,
+            exclude=exclude,
         )
         by_actor: dict[str, list[int]] = {}
         unplaced = 0
@@ -253,6 +261,9 @@ class DispatchingPool(ABC):
         deaths = self._deaths[actor]
         # One timer per call. A call given up is cancelled: a late reply is never read.
         deadline = asyncio.timeout(self._call_timeout_s)
+        tracked = self._suspects.track(
+            actor, deadline, may_give_up=retries.suspects > 0, now=self._clock.now()
+        )
         died = hung = False
         try:
             async with deadline:
@@ -262,9 +273,17 @@ class DispatchingPool(ABC):
         except TimeoutError:
             if not deadline.expired():
                 raise
-            died = hung = True
+            died = hung = not tracked.given_up
         finally:
+            self._suspects.done(actor, tracked)
             self._dispatcher.complete(actor, rows)
+        if tracked.given_up and not died:
+            # Its actor answers no health check (`_suspects`): alive, and left to them.
+            if self._closed:
+                raise PoolClosed()
+            retries = retries.after_suspect(actor)
+            await self._dispatch(groups, indices, results, calls, retries)
+            return
         if died:
             if self._closed:
                 # Closed under the call: no revival to start, nothing to retry on.
@@ -294,6 +313,8 @@ class DispatchingPool(ABC):
             await self._dispatch(groups, indices, results, calls, retries)
             return
         self._dispatcher.update_residency(actor, reply.resident)
+        if self._suspects:
+            self._trusted(actor)
         if self._deaths[actor] == deaths:
             # Else this reply is its dead process's, whose counts were added in at its death:
             # taken as the new process's, they would count twice.
@@ -319,9 +340,30 @@ class DispatchingPool(ABC):
         """A process of `actor` is known dead, or `hung` (then killed): no calls to it until
         its restart answers."""
         self._deaths[actor] += 1
+        self._suspects.clear(actor)  # its revival decides when it takes groups again
         self._counts.died(actor, hung=hung)
         self._dispatcher.mark_dead(actor)
         self._revivals.watch(actor, after=self._spawn(self._kill_hung(actor)) if hung else None)
+
+    def _suspect(self, actor: str) -> None:
+        """`actor` left a health check unanswered: its calls' groups run elsewhere (`_suspects`)."""
+        first = actor not in self._suspects
+        # Given up only where another actor can take them: else they would come back to it.
+        elsewhere = any(
+            other != actor and other not in self._suspects
+            for other in self._dispatcher.live_actors()
+        )
+        given_up = self._suspects.suspect(actor, give_up=elsewhere)
+        if first or given_up:
+            logger.warning(
+                "actor %s answered no health check in %g s: %s of its calls given up and run "
+                "on the other actors, and it takes no new ones until it answers",
+                actor, self._info_timeout_s, given_up,
+            )
+
+    def _trusted(self, actor: str) -> None:
+        if self._suspects.clear(actor):
+            logger.info("actor %s answers again: it takes groups again", actor)
 
     async def _runtime_problem(self) -> str | None:
         """Why the runtime the actors live in does not answer now, or None when it does (or
@@ -339,10 +381,14 @@ class DispatchingPool(ABC):
         self._spawn(check_health(
             self._dispatcher, probe=self._call_info, deaths=self._deaths.__getitem__,
             died=self._actor_died, hung=functools.partial(self._actor_died, hung=True),
+            suspect=self._suspect, answered=self._trusted,
             replied=lambda actor: self._replied_at.get(actor, -math.inf), clock=self._clock,
             sleep=self._sleep, period_s=period_s, timeout_s=self._info_timeout_s,
-            unresponsive_s=unresponsive_s,
+            unresponsive_s=unresponsive_s, overdue=self._overdue,
         ))
+
+    def _overdue(self, actor: str) -> bool:
+        return self._suspects.holds_call_since(actor, self._clock.now() - OVERDUE_S)
 
     async def wait_until_alive(self, actor: str) -> bool:
         """Wait for a pending revival of `actor` to finish; True if it is alive."""
@@ -407,10 +453,17 @@ class DispatchingPool(ABC):
 
     async def close(self) -> None:
         self._closed = True
-        for task in list(self._background):
-            task.cancel()
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+        while self._background:
+            # Cancelled again until they end: on Python 3.11, `asyncio.wait_for` drops a cancel
+            # that lands as the call it waits for ends, and a loop (the health checks, a
+            # revival) then goes on for good, and so did this close.
+            pending = list(self._background)
+            for task in pending:
+                task.cancel()
+            done, _ = await asyncio.wait(pending, timeout=_RECANCEL_S)
+            for task in done:
+                if not task.cancelled():
+                    task.exception()  # retrieved: an error on the way out is no news
         await self._shutdown()
 
     @abstractmethod

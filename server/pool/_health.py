@@ -16,12 +16,22 @@ an actor that answers no probe and no call for `unresponsive_s` is taken for hun
 process is killed, and the rows of its calls are retried on the others. Each unanswered probe
 counts for at most its own timeout: a probe whose timeout lands late says this process was
 held up (stopped, starved), and an actor that answered meanwhile was killed on one such probe.
+
+Until then a stopped actor still held every batch with rows on it, and with them the
+in-flight slots: the whole server stalled for the health check's period and `unresponsive_s`
+(15 s with the defaults). So the first probe that goes unanswered, with no call answered
+while it waited, makes the actor a suspect (`suspect`): the pool runs its calls' groups on the
+others and sends it no new ones, without killing it, until it answers again (`answered`).
+Computing a batch twice is what a wrong suspicion costs, where a wrong kill costs a restart.
+An actor that holds a call for over `OVERDUE_S` is probed then (`overdue`), not at the next
+round: a stop waited for it, up to the whole period (10 s by default).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -30,10 +40,14 @@ from server.pool._dispatch import Dispatcher
 from server.pool._errors import ActorDied
 from server.pool._types import ActorInfo
 
-__all__ = ["PROBE_GROUP", "check_health"]
+__all__ = ["OVERDUE_S", "PROBE_GROUP", "check_health"]
 
 # The Ray concurrency group (one thread) an actor answers probes in: never behind its calls.
 PROBE_GROUP = "probe"
+
+# A call out this long gets its actor probed within as long again. A batch takes milliseconds
+# on a CPU; a long one (misses of large experts) only costs a probe a second.
+OVERDUE_S = 1.0
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +68,15 @@ async def check_health(
     deaths: Callable[[str], int],
     died: Callable[[str], None],
     hung: Callable[[str], None],
+    suspect: Callable[[str], None],
+    answered: Callable[[str], None],
     replied: Callable[[str], float],
     clock: Clock,
     sleep: Callable[[float], Awaitable[None]],
     period_s: float,
     timeout_s: float,
     unresponsive_s: float,
+    overdue: Callable[[str], bool] | None = None,
 ) -> None:
     """Every `period_s`, `probe` each actor the dispatcher counts alive; one whose probe
     says it died, or that answers from another process than its last probe did with no death
@@ -67,23 +84,38 @@ async def check_health(
     call or its socket). A probe that times out is sent again at once, not a period later;
     one whose probes in a row have gone unanswered for `unresponsive_s` (each counted up to
     `timeout_s`), with no call answered meanwhile (`replied`: when its last call's reply came),
-    is handed to `hung` (`unresponsive_s` 0: never; its calls' deadline still finds it). Runs
-    until cancelled."""
+    is handed to `hung` (`unresponsive_s` 0: never; its calls' deadline still finds it). An
+    actor is handed to `suspect` at each probe that times out with no call answered meanwhile,
+    and to `answered` at each probe it answers. With `overdue` (whether an actor holds a call
+    older than `OVERDUE_S`), such an actor is probed within `OVERDUE_S` between the rounds,
+    and a round of probes after a timeout sends them to the silent and overdue actors only.
+    Runs until cancelled."""
     # Actor -> (its deaths noticed, the process its last probe found). A death noticed since
     # (a call, its socket) makes the next process expected, not news.
     known: dict[str, tuple[int, str]] = {}
     # Actor -> its probes unanswered since its last answer.
     silent: dict[str, _Silence] = {}
+    tick_s = period_s if overdue is None else min(period_s, OVERDUE_S)
+    next_round = -math.inf
     while True:
-        await sleep(0.0 if silent else period_s)
+        await sleep(0.0 if silent else tick_s)
+        now = clock.now()
+        full = overdue is None or now >= next_round
+        if full:
+            next_round = now + period_s
         for actor in dispatcher.names:
             if not dispatcher.alive(actor):
                 silent.pop(actor, None)
                 continue  # a revival is on it
+            if not (full or actor in silent or (overdue is not None and overdue(actor))):
+                continue
             seen = deaths(actor)
             sent = clock.now()
             try:
-                info = await asyncio.wait_for(probe(actor), timeout_s)
+                # Not `wait_for`, which on Python 3.11 drops a cancel (the pool's close) that
+                # lands as the probe ends.
+                async with asyncio.timeout(timeout_s):
+                    info = await probe(actor)
             except ActorDied:
                 silent.pop(actor, None)
                 if deaths(actor) == seen and dispatcher.alive(actor):
@@ -102,6 +134,8 @@ async def check_health(
                     # At most its timeout: the rest is this process's own delay (stopped,
                     # starved, its event loop held), while an answer may have waited unread.
                     silence.seconds += min(now - sent, timeout_s)
+                    if deaths(actor) == seen and dispatcher.alive(actor):
+                        suspect(actor)
                 if (
                     unresponsive_s > 0 and silence.seconds >= unresponsive_s
                     and deaths(actor) == seen and dispatcher.alive(actor)
@@ -119,6 +153,7 @@ async def check_health(
                 logger.exception("actor %s: its health check failed unexpectedly", actor)
                 continue
             silent.pop(actor, None)
+            answered(actor)
             last = known.get(actor)
             if (
                 last is not None and last[0] == seen and info.process and last[1]

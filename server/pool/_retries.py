@@ -28,7 +28,10 @@ class Retries:
     `deaths`: failures that were news about their actor (it died, or hung and was killed);
     `stale`: failures of an actor's previous process whose death was already noticed, on a
     budget of their own so that they do not use up a retry that a next death may need (it
-    still ends a chase of an actor that keeps dying); `exclude`: actors the next placement
+    still ends a chase of an actor that keeps dying); `suspects`: calls given up, their actor
+    alive, because it stopped answering its health checks (`_health`), on a budget of their
+    own too, so that a retry on a suspect (every live actor is one) waits for its answer or
+    its kill rather than hopping for good; `exclude`: actors the next placement
     avoids (those that failed this run); `wanted`: whether a caller still waits for the run's
     answers. A hang is found at `actor_call_timeout_s`, after every request of its batch has
     had its 504 (`request_timeout_s` is below it by default): a retry then computes rows no one
@@ -38,6 +41,7 @@ class Retries:
 
     deaths: int = MAX_RETRIES
     stale: int = MAX_RETRIES
+    suspects: int = MAX_RETRIES
     exclude: frozenset[str] = frozenset()
     wanted: Callable[[], bool] = field(default=_always, compare=False)
 
@@ -57,6 +61,14 @@ class Retries:
             raise ActorFailed(actor=actor, reason="died again during the retries")
         self.check_wanted(actor, "died")
         return dataclasses.replace(self, stale=self.stale - 1)
+
+    def after_suspect(self, actor: str) -> Retries:
+        """The budget left to retry the groups of a call given up because `actor` stopped
+        answering; `ActorFailed` when no caller waits any more."""
+        self.check_wanted(actor, "stopped answering")
+        return dataclasses.replace(
+            self, suspects=self.suspects - 1, exclude=self.exclude | {actor}
+        )
 
     def check_wanted(self, actor: str, what: str) -> None:
         """`ActorFailed` when no caller waits any more for the groups `actor` failed."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import logging
 import os
 import signal
 import time
@@ -232,9 +233,11 @@ async def test_a_frozen_idle_actor_is_taken_for_hung_once_it_answers_nothing_lon
 
 
 @pytest.mark.unit
-async def test_rows_on_a_frozen_actor_are_answered_long_before_the_call_deadline(
-    make_store: MakeStore,
+async def test_rows_on_a_frozen_actor_are_answered_at_its_first_unanswered_probe_not_its_kill(
+    make_store: MakeStore, caplog: pytest.LogCaptureFixture
 ) -> None:
+    # They waited for its kill (15 s with the defaults), and every batch with rows on it held
+    # an in-flight slot meanwhile: the whole server stalled.
     store = Store.open(make_store(K=8, n=3, width=6, out=2))
     settings = Settings(actors=2, cache_bytes=10**6, actor_call_timeout_s=120.0)
     inner = FakeExpertPool(settings, info_timeout_s=0.05)
@@ -242,14 +245,155 @@ async def test_rows_on_a_frozen_actor_are_answered_long_before_the_call_deadline
     groups = [IdGroup(e, torch.randn(2, 3)) for e in range(8)]
     homes = {r.actor for r in await pool.run(groups)}
     assert homes == {"actor-0", "actor-1"}
-    inner.start_health_checks(0.01, unresponsive_s=0.3)
+    inner.start_health_checks(0.01, unresponsive_s=60.0)
     inner.hang("actor-0", frozen=True)
     try:
-        # Bounded far below the call deadline: the old checks let the batch wait it out.
+        # Bounded far below the kill and the call deadline, which the batch waited out.
         results = await asyncio.wait_for(pool.run(groups), 20)
         for group, result in zip(groups, results, strict=True):
             torch.testing.assert_close(result.outputs, expected(store, group))
-        assert inner.hung_kills == ["actor-0"]
+        assert {r.actor for r in results} == {"actor-1"}
+        assert "actor actor-0 answered no health check in 0.05 s: 1 of its calls given up" \
+            in caplog.text
+        # Alive (not killed: the kill waits for unresponsive_s), and left out while it is silent.
+        assert inner.hung_kills == []
+        assert [a.alive for a in pool.actors()] == [True, True]
+        sent = len(inner.calls)
+        await asyncio.wait_for(pool.run(groups), 20)
+        assert {actor for actor, _ in inner.calls[sent:]} == {"actor-1"}
+    finally:
+        await pool.close()
+
+
+class PausablePool(FakeExpertPool):
+    """Actors whose calls and probes can be held, as a stopped process's are, and let go on
+    (SIGCONT); a held call's reply, when it comes, is the one it would have had."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.paused: dict[str, asyncio.Event] = {}
+        self.sent: list[str] = []  # the actor of each run call, as it is sent
+
+    def pause(self, actor: str) -> None:
+        self.paused[actor] = asyncio.Event()
+
+    def go_on(self, actor: str) -> None:
+        self.paused.pop(actor).set()
+
+    async def _call_run(self, actor: str, payload: Any) -> Any:
+        self.sent.append(actor)
+        if actor in self.paused:
+            await self.paused[actor].wait()
+        return await super()._call_run(actor, payload)
+
+    async def _call_info(self, actor: str) -> ActorInfo:
+        if actor in self.paused:
+            await self.paused[actor].wait()
+        return await super()._call_info(actor)
+
+
+def pausable(
+    make_store: MakeStore, actors: int
+) -> tuple[Store, PausablePool, IdPool, list[IdGroup]]:
+    """A pausable pool of `actors` on a store of 4 experts per actor, probes timing out at
+    0.05 s, and a group of two rows for each expert."""
+    experts = 4 * actors
+    store = Store.open(make_store(K=experts, n=3, width=6, out=2))
+    inner = PausablePool(Settings(actors=actors, cache_bytes=10**6), info_timeout_s=0.05)
+    groups = [IdGroup(e, torch.randn(2, 3)) for e in range(experts)]
+    return store, inner, IdPool(store, inner), groups
+
+
+@pytest.mark.unit
+async def test_a_suspect_actor_that_answers_again_takes_groups_again(
+    make_store: MakeStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="server.pool")
+    store, inner, pool, groups = pausable(make_store, 2)
+    first = await pool.run(groups)
+    assert {r.actor for r in first} == {"actor-0", "actor-1"}
+    inner.start_health_checks(0.01, unresponsive_s=60.0)
+    inner.pause("actor-0")
+    try:
+        results = await asyncio.wait_for(pool.run(groups), 20)
+        assert {r.actor for r in results} == {"actor-1"}
+        inner.go_on("actor-0")  # its held call's late reply is not read
+        await until(lambda: "actor actor-0 answers again" in caplog.text)
+        again = await pool.run(groups)
+        assert {r.actor for r in again} == {"actor-0", "actor-1"}
+        for group, result in zip(groups, again, strict=True):
+            torch.testing.assert_close(result.outputs, expected(store, group))
+        assert inner.hung_kills == []
+        assert [a.failures for a in pool.actors()] == [{"died": 0, "hung": 0}] * 2
+    finally:
+        await pool.close()
+
+
+@pytest.mark.unit
+async def test_an_actor_holding_a_call_is_probed_then_not_at_the_next_round(
+    make_store: MakeStore,
+) -> None:
+    # A stop was found at the next round of probes: up to MOMLP_ACTOR_HEALTH_CHECK_S (10 s)
+    # later, while its batches held the in-flight slots.
+    store, inner, pool, groups = pausable(make_store, 2)
+    assert {r.actor for r in await pool.run(groups)} == {"actor-0", "actor-1"}
+    probes = record_probes(inner)
+    inner.start_health_checks(600.0, unresponsive_s=600.0)  # one round now, the next in 600 s
+    await until(lambda: sorted(probes) == ["actor-0", "actor-1"])
+    inner.pause("actor-0")
+    try:
+        results = await asyncio.wait_for(pool.run(groups), 20)
+        assert {r.actor for r in results} == {"actor-1"}
+        assert probes[2:].count("actor-0") >= 1 and "actor-1" not in probes[2:]
+        for group, result in zip(groups, results, strict=True):
+            torch.testing.assert_close(result.outputs, expected(store, group))
+    finally:
+        inner.go_on("actor-0")
+        await pool.close()
+
+
+@pytest.mark.unit
+async def test_a_close_ends_a_background_task_that_dropped_its_cancel() -> None:
+    # On Python 3.11 `asyncio.wait_for` drops a cancel that lands as the call it waits for
+    # ends: the health checks went on after the pool's close cancelled them, and the close
+    # waited for them for good (a revival's loop could do the same).
+    inner = FakeExpertPool(Settings(actors=1, cache_bytes=10**6))
+    dropped: list[bool] = []
+
+    async def drops_one_cancel() -> None:
+        while True:
+            try:
+                await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                if dropped:
+                    raise
+                dropped.append(True)
+
+    inner._spawn(drops_one_cancel())
+    await asyncio.sleep(0.05)
+    await asyncio.wait_for(inner.close(), 10)
+    assert dropped == [True]
+
+
+@pytest.mark.unit
+async def test_a_lone_suspect_actor_keeps_its_calls_until_it_answers(
+    make_store: MakeStore,
+) -> None:
+    # With no other actor to take them, its given-up groups would only come back to it.
+    store, inner, pool, groups = pausable(make_store, 1)
+    await pool.run(groups)
+    probes = record_probes(inner)
+    inner.start_health_checks(0.01, unresponsive_s=60.0)
+    inner.pause("actor-0")
+    try:
+        running = asyncio.ensure_future(pool.run(groups))
+        await until(lambda: len(inner.sent) == 2)  # its call is held
+        probed = len(probes)
+        await until(lambda: len(probes) >= probed + 5)  # five probes went unanswered since
+        inner.go_on("actor-0")
+        for group, result in zip(groups, await asyncio.wait_for(running, 20), strict=True):
+            torch.testing.assert_close(result.outputs, expected(store, group))
+        assert inner.sent == ["actor-0", "actor-0"]  # answered by the call it held, not resent
     finally:
         await pool.close()
 
@@ -282,41 +426,86 @@ async def test_an_actor_answering_its_calls_is_not_taken_for_hung_while_its_prob
         await pool.close()
 
 
+async def two_ray_actors(
+    make_store: MakeStore, channel: Literal["socket", "ray"], *, unresponsive_s: float
+) -> tuple[Store, RayExpertPool, IdPool, list[IdGroup]]:
+    """Two Ray actors made as the server makes them (health checks every 0.5 s), on a store
+    of 12 experts, and a group of two rows for each expert."""
+    store = Store.open(make_store(K=12, n=3, width=8, out=2))
+    settings = Settings(
+        actors=2, cache_bytes=10**7, actor_channel=channel, actor_call_timeout_s=120.0,
+        actor_health_check_s=0.5, actor_unresponsive_s=unresponsive_s,
+    )
+    made = ray_pool()(settings)
+    inner = await made if inspect.isawaitable(made) else made
+    assert isinstance(inner, RayExpertPool)
+    groups = [IdGroup(e, torch.randn(2, 3)) for e in range(12)]
+    return store, inner, IdPool(store, inner), groups
+
+
+async def stop_first_actor(inner: RayExpertPool, pool: IdPool, groups: list[IdGroup]) -> int:
+    """SIGSTOP actor-0, after a run that used both actors; its pid."""
+    assert {r.actor for r in await pool.run(groups)} == {"actor-0", "actor-1"}
+    pid: int = await inner.handle("actor-0").get_pid.remote()
+    os.kill(pid, signal.SIGSTOP)
+    return pid
+
+
 @pytest.mark.ray
 @pytest.mark.usefixtures("ray_session")
 @pytest.mark.parametrize("channel", ["socket", "ray"])
-async def test_a_stopped_ray_actor_stalls_its_batches_for_the_unresponsive_time_not_the_deadline(
+async def test_a_stopped_ray_actor_is_relieved_of_its_rows_then_killed_after_the_unresponsive_time(
     make_store: MakeStore, channel: Literal["socket", "ray"]
 ) -> None:
     # The deployment's shape: two actors fill the session's 2 CPUs. A soak found one
     # SIGSTOPped actor holding both in-flight slots until the 120 s deadline: the whole
-    # server answered nothing, requests for the other actor's experts too.
-    store = Store.open(make_store(K=12, n=3, width=8, out=2))
-    settings = Settings(
-        actors=2, cache_bytes=10**7, actor_channel=channel, actor_call_timeout_s=120.0,
-        actor_health_check_s=0.5, actor_unresponsive_s=3.0,
-    )
-    made = ray_pool()(settings)  # as the server makes it: health checks on
-    inner = await made if inspect.isawaitable(made) else made
-    assert isinstance(inner, RayExpertPool)
-    pool = IdPool(store, inner)
-    groups = [IdGroup(e, torch.randn(2, 3)) for e in range(12)]
+    # server answered nothing, requests for the other actor's experts too. Then until its
+    # kill (15 s with the defaults); now its rows go to the other at its first silent probe.
+    store, inner, pool, groups = await two_ray_actors(make_store, channel, unresponsive_s=3.0)
     pid: int | None = None
     try:
-        assert {r.actor for r in await pool.run(groups)} == {"actor-0", "actor-1"}
-        pid = await inner.handle("actor-0").get_pid.remote()
-        os.kill(pid, signal.SIGSTOP)
+        pid = await stop_first_actor(inner, pool, groups)
         # Bounded far below the call deadline (120 s), which the old code waited out.
         results = await asyncio.wait_for(pool.run(groups), 60)
         for group, result in zip(groups, results, strict=True):
             torch.testing.assert_close(result.outputs, expected(store, group))
-        assert pool.actors()[0].failures == {"died": 0, "hung": 1}
+        assert {r.actor for r in results} == {"actor-1"}
+        await until(lambda: pool.actors()[0].failures == {"died": 0, "hung": 1}, tries=1500)
         assert await pool.wait_until_alive("actor-0")
         assert await inner.handle("actor-0").get_pid.remote() != pid
     finally:
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)  # never leave a stopped Ray worker behind
+        await pool.close()
+
+
+@pytest.mark.ray
+@pytest.mark.usefixtures("ray_session")
+@pytest.mark.parametrize("channel", ["socket", "ray"])
+async def test_a_ray_actor_stopped_for_a_while_is_passed_over_then_takes_rows_again(
+    make_store: MakeStore, channel: Literal["socket", "ray"]
+) -> None:
+    store, inner, pool, groups = await two_ray_actors(make_store, channel, unresponsive_s=120.0)
+    pid: int | None = None
+    try:
+        pid = await stop_first_actor(inner, pool, groups)
+        results = await asyncio.wait_for(pool.run(groups), 60)
+        assert {r.actor for r in results} == {"actor-1"}
+        os.kill(pid, signal.SIGCONT)  # its held call's late reply is not read
+        for _ in range(300):  # bounded (~30 s): until its probes are answered again
+            again = await asyncio.wait_for(pool.run(groups), 60)
+            if {r.actor for r in again} == {"actor-0", "actor-1"}:
+                break
+            await asyncio.sleep(0.1)
+        for group, result in zip(groups, again, strict=True):
+            torch.testing.assert_close(result.outputs, expected(store, group))
+        assert await inner.handle("actor-0").get_pid.remote() == pid  # never killed
+        assert [a.failures for a in pool.actors()] == [{"died": 0, "hung": 0}] * 2
+    finally:
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
         await pool.close()
 
 
@@ -395,7 +584,8 @@ async def test_an_actor_back_from_a_death_between_probes_is_not_killed_for_old_s
 
     checks = asyncio.ensure_future(check_health(
         dispatcher, probe=probe, deaths=deaths.__getitem__, died=killed.append,
-        hung=killed.append, replied=lambda _: float("-inf"), clock=clock, sleep=no_wait,
+        hung=killed.append, suspect=lambda _: None, answered=lambda _: None,
+        replied=lambda _: float("-inf"), clock=clock, sleep=no_wait,
         period_s=1.0, timeout_s=0.125, unresponsive_s=0.625,
     ))
     try:

@@ -1,0 +1,85 @@
+"""`Suspects`: actors that stopped answering their health checks, and the calls they hold.
+
+A stopped actor is killed only after `unresponsive_s` without an answer (`_health`), lest a
+slow one be restarted for nothing; meanwhile every batch with rows on it waited, holding its
+in-flight slot, so the whole server stalled. A suspect's calls are given up at once (their
+deadlines moved to now, so a late reply is never read) and their groups run elsewhere, and
+new groups avoid it, while it stays alive for its cache and for `/readyz`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["Suspects", "TrackedCall"]
+
+
+@dataclass(eq=False)
+class TrackedCall:
+    """A run call in flight: `given_up` once its actor became a suspect."""
+
+    deadline: asyncio.Timeout
+    may_give_up: bool
+    started: float
+    given_up: bool = False
+
+
+class Suspects:
+    """The pool's suspect actors and the run calls in flight on every actor (one event loop)."""
+
+    def __init__(self) -> None:
+        self._actors: set[str] = set()
+        self._calls: dict[str, set[TrackedCall]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._actors)
+
+    def __contains__(self, actor: object) -> bool:
+        return actor in self._actors
+
+    def track(
+        self, actor: str, deadline: asyncio.Timeout, *, may_give_up: bool, now: float
+    ) -> TrackedCall:
+        """Record a call to `actor` made at `now` under `deadline` (entered before the next
+        await)."""
+        call = TrackedCall(deadline, may_give_up, now)
+        self._calls.setdefault(actor, set()).add(call)
+        return call
+
+    def done(self, actor: str, call: TrackedCall) -> None:
+        self._calls[actor].discard(call)
+
+    def holds_call_since(self, actor: str, before: float) -> bool:
+        """Whether `actor` holds a call made before `before`."""
+        return any(call.started < before for call in self._calls.get(actor, ()))
+
+    def suspect(self, actor: str, *, give_up: bool = True) -> int:
+        """Make `actor` a suspect and, with `give_up`, give up its calls in flight; how many
+        were given up."""
+        self._actors.add(actor)
+        if not give_up:
+            return 0
+        given_up = 0
+        for call in self._calls.get(actor, ()):
+            if call.given_up or not call.may_give_up or call.deadline.expired():
+                continue
+            with contextlib.suppress(RuntimeError):  # its call ended in this very turn
+                call.deadline.reschedule(asyncio.get_running_loop().time())
+                call.given_up = True
+                given_up += 1
+        return given_up
+
+    def clear(self, actor: str) -> bool:
+        """`actor` answered (or died: its revival decides): no suspect now; True if it was."""
+        if actor in self._actors:
+            self._actors.discard(actor)
+            return True
+        return False
+
+    def avoid(self, exclude: frozenset[str], live: Iterable[str]) -> frozenset[str]:
+        """`exclude` and the suspects, unless that would leave no live actor to place on."""
+        wider = exclude | self._actors
+        return wider if any(actor not in wider for actor in live) else exclude
