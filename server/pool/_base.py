@@ -401,6 +401,10 @@ class DispatchingPool(ABC):
             return
         plan = prefetch_plan(experts, self._dispatcher, self._failures, self._clock.now())
         for actor, refs in plan.items():
+            if actor in self._suspects:
+                # Its rows go elsewhere, and the call would wait as its calls do, one more
+                # task for each batch until it answers or is killed.
+                continue
             self._spawn(self._prefetch_on(actor, refs))
 
     async def _prefetch_on(self, actor: str, experts: list[ExpertRef]) -> None:

@@ -19,7 +19,7 @@ import pytest
 import torch
 from pool_support import IdGroup, IdPool, expected
 
-from experts_store import Store
+from experts_store import ExpertRef, Store
 from server._settings import Settings
 from server.pool import ActorInfo, Dispatcher, FakeExpertPool, RayExpertPool
 from server.pool._health import check_health
@@ -291,6 +291,12 @@ class PausablePool(FakeExpertPool):
             await self.paused[actor].wait()
         return await super()._call_info(actor)
 
+    async def _call_prefetch(self, actor: str, experts: list[ExpertRef]) -> dict[str, int]:
+        self.sent.append(f"prefetch {actor}")
+        if actor in self.paused:
+            await self.paused[actor].wait()
+        return await super()._call_prefetch(actor, experts)
+
 
 def pausable(
     make_store: MakeStore, actors: int
@@ -326,6 +332,28 @@ async def test_a_suspect_actor_that_answers_again_takes_groups_again(
         assert inner.hung_kills == []
         assert [a.failures for a in pool.actors()] == [{"died": 0, "hung": 0}] * 2
     finally:
+        await pool.close()
+
+
+@pytest.mark.unit
+async def test_a_suspect_actor_is_sent_no_prefetch(
+    make_store: MakeStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Each batch's prefetch for a stopped actor's experts waited as its calls do: a task more
+    # for every batch until it answered or was killed.
+    store, inner, pool, groups = pausable(make_store, 2)
+    ids = [group.expert_id for group in groups]
+    assert {inner.dispatcher.home(pool.refs[e].sha256) for e in ids} == {"actor-0", "actor-1"}
+    inner.pause("actor-0")
+    inner.start_health_checks(0.01, unresponsive_s=60.0)
+    try:
+        await until(lambda: "actor actor-0 answered no health check" in caplog.text)
+        await pool.prefetch(ids)
+        await until(lambda: "prefetch actor-1" in inner.sent)
+        await asyncio.sleep(0.05)
+        assert inner.sent == ["prefetch actor-1"]
+    finally:
+        inner.go_on("actor-0")
         await pool.close()
 
 
