@@ -151,7 +151,8 @@ class Settings(BaseSettings):
         description="every live actor is asked about itself this often; one whose answer is "
         "an error of Ray's, or comes from another process than the last probe's (a restart "
         "no call saw), is taken for dead (restarted or replaced, counted as died) without "
-        "waiting for a request to find it; a probe that times out is sent again at once, "
+        "waiting for a request to find it; a probe that times out is sent again at once "
+        "(the first one's late answer still counts), "
         "and an actor that holds a call for over 1 s is probed then, between the rounds "
         "(0: off)",
     )

@@ -625,3 +625,39 @@ async def test_an_actor_back_from_a_death_between_probes_is_not_killed_for_old_s
         while not checks.done():
             checks.cancel()
             await asyncio.sleep(0.01)
+
+
+@pytest.mark.unit
+async def test_an_actor_whose_probes_are_late_is_not_killed_once_suspected_and_sent_no_calls(
+    make_store: MakeStore,
+) -> None:
+    # Suspected at a probe late with no call answered while it waited, it was sent no more
+    # calls, so none could be answered: its late probes alone got it killed as hung (a
+    # restart, its cache lost), where an actor sent calls that it answers never was.
+    store = Store.open(make_store(K=8, n=3, width=6, out=2))
+    inner = FakeExpertPool(Settings(actors=2, cache_bytes=10**6), info_timeout_s=0.05)
+    pool = IdPool(store, inner)
+    real_info = inner._call_info
+
+    async def late(actor: str) -> ActorInfo:
+        if actor == "actor-1":
+            await asyncio.sleep(0.15)  # past the probe's timeout, within unresponsive_s
+        return await real_info(actor)
+
+    inner._call_info = late  # type: ignore[method-assign]
+    probes = record_probes(inner)
+    groups = [IdGroup(e, torch.ones(2, 3)) for e in range(8)]
+    assert {r.actor for r in await pool.run(groups)} == {"actor-0", "actor-1"}
+    inner.start_health_checks(0.01, unresponsive_s=0.5)
+    try:
+        started = probes.count("actor-1")
+        while probes.count("actor-1") < started + 12:
+            # Gaps between the batches longer than a probe's timeout: it goes unanswered
+            # with no call answered meanwhile, and the actor is a suspect.
+            for group, result in zip(groups, await pool.run(groups), strict=True):
+                torch.testing.assert_close(result.outputs, expected(store, group))
+            await asyncio.sleep(0.1)
+        assert inner.hung_kills == []
+        assert [a.failures for a in pool.actors()] == [{"died": 0, "hung": 0}] * 2
+    finally:
+        await pool.close()
