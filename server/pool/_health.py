@@ -84,8 +84,11 @@ class _Probes:
         """The first answer, within `timeout_s`, of a probe sent now to `actor` or of the
         first one its process (`seen`: its deaths noticed) left unanswered; `TimeoutError`
         when neither answers (both kept out), else what the probe raised."""
-        kept = [(task, at) for task, at in self._out.pop(actor, []) if at == seen][:1]
-        self.drop(actor)
+        out = self._out.pop(actor, [])
+        kept = [(task, at) for task, at in out if at == seen][:1]
+        for task, at in out:
+            if (task, at) not in kept:
+                task.cancel()  # the latest sent, superseded by the one sent now
         task = asyncio.ensure_future(self._probe(actor))
         task.add_done_callback(_retrieve)
         probes = [*kept, (task, seen)]

@@ -273,6 +273,7 @@ class PausablePool(FakeExpertPool):
         super().__init__(*args, **kwargs)
         self.paused: dict[str, asyncio.Event] = {}
         self.sent: list[str] = []  # the actor of each run call, as it is sent
+        self.held_probes = 0  # probes waiting on a paused actor now
 
     def pause(self, actor: str) -> None:
         self.paused[actor] = asyncio.Event()
@@ -288,7 +289,11 @@ class PausablePool(FakeExpertPool):
 
     async def _call_info(self, actor: str) -> ActorInfo:
         if actor in self.paused:
-            await self.paused[actor].wait()
+            self.held_probes += 1
+            try:
+                await self.paused[actor].wait()
+            finally:
+                self.held_probes -= 1
         return await super()._call_info(actor)
 
     async def _call_prefetch(self, actor: str, experts: list[ExpertRef]) -> dict[str, int]:
@@ -332,6 +337,26 @@ async def test_a_suspect_actor_that_answers_again_takes_groups_again(
         assert inner.hung_kills == []
         assert [a.failures for a in pool.actors()] == [{"died": 0, "hung": 0}] * 2
     finally:
+        await pool.close()
+
+
+@pytest.mark.unit
+async def test_a_stopped_actor_never_killed_holds_two_probes_at_most(
+    make_store: MakeStore,
+) -> None:
+    # Each probe sent again left the one before it waiting: with no kill (unresponsive_s 0),
+    # a stopped actor, sent no calls once suspected, gathered one more pending probe every
+    # timeout for as long as it stayed stopped.
+    store, inner, pool, groups = pausable(make_store, 2)
+    probes = record_probes(inner)
+    inner.pause("actor-0")
+    inner.start_health_checks(0.01, unresponsive_s=0.0)
+    try:
+        await until(lambda: probes.count("actor-0") >= 20)
+        assert inner.held_probes <= 2
+        assert inner.hung_kills == []
+    finally:
+        inner.go_on("actor-0")
         await pool.close()
 
 
