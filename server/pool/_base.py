@@ -348,12 +348,7 @@ class DispatchingPool(ABC):
     def _suspect(self, actor: str) -> None:
         """`actor` left a health check unanswered: its calls' groups run elsewhere (`_suspects`)."""
         first = actor not in self._suspects
-        # Given up only where another actor can take them: else they would come back to it.
-        elsewhere = any(
-            other != actor and other not in self._suspects
-            for other in self._dispatcher.live_actors()
-        )
-        given_up = self._suspects.suspect(actor, give_up=elsewhere)
+        given_up = self._suspects.suspect(actor, self._dispatcher.live_actors())
         if first or given_up:
             logger.warning(
                 "actor %s answered no health check in %g s: %s of its calls given up and run "

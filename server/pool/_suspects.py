@@ -19,7 +19,7 @@ __all__ = ["Suspects", "TrackedCall"]
 
 @dataclass(eq=False)
 class TrackedCall:
-    """A run call in flight: `given_up` once its actor became a suspect."""
+    """A run call in flight since `started`: `given_up` once its actor became a suspect."""
 
     deadline: asyncio.Timeout
     may_give_up: bool
@@ -56,11 +56,12 @@ class Suspects:
         """Whether `actor` holds a call made before `before`."""
         return any(call.started < before for call in self._calls.get(actor, ()))
 
-    def suspect(self, actor: str, *, give_up: bool = True) -> int:
-        """Make `actor` a suspect and, with `give_up`, give up its calls in flight; how many
+    def suspect(self, actor: str, live: Iterable[str]) -> int:
+        """Make `actor` a suspect and give up its calls in flight, where one of the `live`
+        actors is no suspect to take them (else they would only come back to it); how many
         were given up."""
         self._actors.add(actor)
-        if not give_up:
+        if all(other in self._actors for other in live):
             return 0
         given_up = 0
         for call in self._calls.get(actor, ()):
