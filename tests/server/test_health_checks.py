@@ -11,7 +11,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -52,17 +52,37 @@ async def restarted(handle: Any, pid: int) -> int:
     raise AssertionError("the actor was never restarted")
 
 
+def before_probes(inner: FakeExpertPool, before: Callable[[str], Awaitable[None]]) -> None:
+    """Each of `inner`'s probes awaits `before(actor)` first."""
+    real_info = inner._call_info
+
+    async def probe(actor: str) -> ActorInfo:
+        await before(actor)
+        return await real_info(actor)
+
+    inner._call_info = probe  # type: ignore[method-assign]
+
+
 def record_probes(inner: FakeExpertPool) -> list[str]:
     """The actors `inner`'s health checks probe, in order, as they probe them."""
     probed: list[str] = []
-    real_info = inner._call_info
 
-    async def counted(actor: str) -> ActorInfo:
+    async def count(actor: str) -> None:
         probed.append(actor)
-        return await real_info(actor)
 
-    inner._call_info = counted  # type: ignore[method-assign]
+    before_probes(inner, count)
     return probed
+
+
+def probed_pool(
+    make_store: MakeStore, experts: int, actors: int, before: Callable[[str], Awaitable[None]]
+) -> tuple[Store, FakeExpertPool, IdPool, list[str]]:
+    """A fake pool of `actors` whose probes time out at 0.05 s and await `before(actor)`
+    first, on a store of `experts`, and the actors it probes, in order."""
+    store = Store.open(make_store(K=experts, n=3, width=6, out=2))
+    inner = FakeExpertPool(Settings(actors=actors, cache_bytes=10**6), info_timeout_s=0.05)
+    before_probes(inner, before)
+    return store, inner, IdPool(store, inner), record_probes(inner)
 
 
 @pytest.mark.unit
@@ -455,17 +475,10 @@ async def test_a_lone_suspect_actor_keeps_its_calls_until_it_answers(
 async def test_an_actor_answering_its_calls_is_not_taken_for_hung_while_its_probes_are_late(
     make_store: MakeStore,
 ) -> None:
-    store = Store.open(make_store(K=4, n=3, width=6, out=2))
-    inner = FakeExpertPool(Settings(actors=1, cache_bytes=10**6), info_timeout_s=0.05)
-    pool = IdPool(store, inner)
-    real_info = inner._call_info
-
-    async def late(actor: str) -> ActorInfo:
+    async def late(actor: str) -> None:
         await asyncio.sleep(1.0)  # past the probe's timeout, every time
-        return await real_info(actor)
 
-    inner._call_info = late  # type: ignore[method-assign]
-    probes = record_probes(inner)
+    store, inner, pool, probes = probed_pool(make_store, 4, 1, late)
     inner.start_health_checks(0.01, unresponsive_s=0.3)
     try:
         groups = [IdGroup(e, torch.ones(2, 3)) for e in range(4)]
@@ -569,21 +582,15 @@ async def test_a_stall_of_the_server_under_one_probe_does_not_get_an_answering_a
     # The server's own stall while a probe was out (its process stopped or starved, its event
     # loop held) counted whole as the actor's silence: one probe timed out late, past
     # MOMLP_ACTOR_UNRESPONSIVE_S, and an actor that answered every probe was killed as hung.
-    store = Store.open(make_store(K=4, n=3, width=6, out=2))
-    inner = FakeExpertPool(Settings(actors=2, cache_bytes=10**6), info_timeout_s=0.05)
-    pool = IdPool(store, inner)
-    real_info = inner._call_info
     stalled: list[str] = []
 
-    async def stalled_once(actor: str) -> ActorInfo:
+    async def stalled_once(actor: str) -> None:
         if actor == "actor-1" and not stalled:
             stalled.append(actor)
             time.sleep(0.5)  # the event loop held past the limit while the probe is out
             await asyncio.sleep(0.2)  # so its answer is read only after its timeout
-        return await real_info(actor)
 
-    inner._call_info = stalled_once  # type: ignore[method-assign]
-    probes = record_probes(inner)
+    store, inner, pool, probes = probed_pool(make_store, 4, 2, stalled_once)
     inner.start_health_checks(0.01, unresponsive_s=0.3)
     try:
         await until(lambda: probes.count("actor-1") >= 10)  # answered since the stall
@@ -659,18 +666,11 @@ async def test_an_actor_whose_probes_are_late_is_not_killed_once_suspected_and_s
     # Suspected at a probe late with no call answered while it waited, it was sent no more
     # calls, so none could be answered: its late probes alone got it killed as hung (a
     # restart, its cache lost), where an actor sent calls that it answers never was.
-    store = Store.open(make_store(K=8, n=3, width=6, out=2))
-    inner = FakeExpertPool(Settings(actors=2, cache_bytes=10**6), info_timeout_s=0.05)
-    pool = IdPool(store, inner)
-    real_info = inner._call_info
-
-    async def late(actor: str) -> ActorInfo:
+    async def late(actor: str) -> None:
         if actor == "actor-1":
             await asyncio.sleep(0.15)  # past the probe's timeout, within unresponsive_s
-        return await real_info(actor)
 
-    inner._call_info = late  # type: ignore[method-assign]
-    probes = record_probes(inner)
+    store, inner, pool, probes = probed_pool(make_store, 8, 2, late)
     groups = [IdGroup(e, torch.ones(2, 3)) for e in range(8)]
     assert {r.actor for r in await pool.run(groups)} == {"actor-0", "actor-1"}
     inner.start_health_checks(0.01, unresponsive_s=0.5)
