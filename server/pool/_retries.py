@@ -54,12 +54,15 @@ class Retries:
         self.check_wanted(actor, what)
         return dataclasses.replace(self, deaths=self.deaths - 1, exclude=self.exclude | {actor})
 
-    def after_stale(self, actor: str) -> Retries:
-        """The budget left to retry the groups of a call to `actor`'s previous process;
-        `ActorFailed` when it is spent or no caller waits any more."""
+    def after_stale(self, actor: str, *, hung: bool = False) -> Retries:
+        """The budget left to retry the groups of a call to `actor`'s previous process, which
+        died (or `hung`: the call outlived its deadline); `ActorFailed` when it is spent or no
+        caller waits any more."""
+        # A hung call's error said "died": an operator looked for a crash that never was.
+        what = "hung" if hung else "died"
         if self.stale <= 0:
-            raise ActorFailed(actor=actor, reason="died again during the retries")
-        self.check_wanted(actor, "died")
+            raise ActorFailed(actor=actor, reason=f"{what} again during the retries")
+        self.check_wanted(actor, what)
         return dataclasses.replace(self, stale=self.stale - 1)
 
     def after_suspect(self, actor: str) -> Retries:
