@@ -198,6 +198,8 @@ class ActorInfo(_Model):
     budget_bytes: int
     resident: list[int]
     alive: bool
+    # Alive but passed over until it answers a health check (servers before 2026-12-02 omit it).
+    suspect: bool = False
 
 
 class ExpertsInfo(_Model):

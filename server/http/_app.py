@@ -52,6 +52,8 @@ def pool_snapshot(serving: ServingState) -> PoolSnapshot | None:
         queue_rows=serving.queued_rows,
         alive={a.name: a.alive for a in actors},
         failures={a.name: a.failures for a in actors},
+        suspect={a.name: a.suspect for a in actors},
+        suspicions={a.name: (a.suspicions, a.given_up_calls) for a in actors},
         store_version=version.version if version is not None else None,
         store_kind=version.model.kind if version is not None else None,
         refused_version=serving.refused_version,

@@ -57,6 +57,9 @@ class PoolSnapshot:
     alive: dict[str, bool] = field(default_factory=dict)
     # Actor -> cause ("died", "hung") -> its processes' ends the pool noticed.
     failures: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Actor -> whether it is a suspect now; -> (times it became one, its calls given up).
+    suspect: dict[str, bool] = field(default_factory=dict)
+    suspicions: dict[str, tuple[int, int]] = field(default_factory=dict)
     # The served store version and its kind; and the version on disk that the store watcher
     # refuses to serve ("" when the manifest itself is missing), None while none is refused.
     store_version: str | None = None
@@ -85,15 +88,12 @@ class _PoolCollector(Collector):
         yield GaugeMetricFamily(
             "momlp_queue_rows", "rows waiting to be batched or computed", value=snap.queue_rows
         )
-        alive = GaugeMetricFamily(
+        yield _per_actor_flag(
             "momlp_actor_alive",
             "1 while the actor answers, 0 while it is dead (restarting, or out of restarts until"
             " a new actor in its place is up)",
-            labels=["actor"],
+            snap.alive,
         )
-        for actor, up in sorted(snap.alive.items()):
-            alive.add_metric([actor], 1.0 if up else 0.0)
-        yield alive
         failures = CounterMetricFamily(
             "momlp_actor_failures",
             "processes of each actor that ended, each a restart of Ray's spent (or, once they"
@@ -106,6 +106,7 @@ class _PoolCollector(Collector):
             for cause, count in sorted(causes.items()):
                 failures.add_metric([actor, cause], float(count))
         yield failures
+        yield from _suspicions(snap)
         info = GaugeMetricFamily(
             "momlp_store_info",
             "1 for the store version served and its kind (the series changes at a hot swap)",
@@ -141,6 +142,39 @@ class _PoolCollector(Collector):
             for actor, counts in sorted(snap.counts.items()):
                 family.add_metric([actor], float(getattr(counts, field_name)))
             yield family
+
+
+def _per_actor_flag(name: str, documentation: str, flags: dict[str, bool]) -> Metric:
+    family = GaugeMetricFamily(name, documentation, labels=["actor"])
+    for actor, flag in sorted(flags.items()):
+        family.add_metric([actor], 1.0 if flag else 0.0)
+    return family
+
+
+def _suspicions(snap: PoolSnapshot) -> Iterable[Metric]:
+    yield _per_actor_flag(
+        "momlp_actor_suspect",
+        "1 while the actor is a suspect: alive, but it left a health check unanswered, so it"
+        " takes no rows until it answers one (or is taken for hung after"
+        " MOMLP_ACTOR_UNRESPONSIVE_S)",
+        snap.suspect,
+    )
+    suspicions = CounterMetricFamily(
+        "momlp_actor_suspicions",
+        "times each actor became a suspect (momlp_actor_suspect)",
+        labels=["actor"],
+    )
+    given_up = CounterMetricFamily(
+        "momlp_actor_calls_given_up",
+        "calls in flight on an actor given up when it became a suspect: their rows ran on"
+        " another actor (and, if it was only slow, twice)",
+        labels=["actor"],
+    )
+    for actor, (times, calls) in sorted(snap.suspicions.items()):
+        suspicions.add_metric([actor], float(times))
+        given_up.add_metric([actor], float(calls))
+    yield suspicions
+    yield given_up
 
 
 class Metrics:

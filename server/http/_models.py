@@ -265,6 +265,8 @@ class ActorInfoModel(BaseModel):
     budget_bytes: int
     resident: list[int]
     alive: bool
+    # Alive but passed over: it left a health check unanswered (momlp_actor_suspect).
+    suspect: bool = False
 
 
 class ExpertsResponse(BaseModel):

@@ -142,6 +142,7 @@ def _experts_body(
             budget_bytes=a.budget_bytes,
             resident=sorted(i for key in a.resident for i in ids.get(key, [])),
             alive=a.alive,
+            suspect=a.suspect,
         ).model_dump()
         for a in actors
     ]

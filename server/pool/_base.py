@@ -295,9 +295,9 @@ class DispatchingPool(ABC):
             # which then died too, passes for stale as well: its retry, or the socket's
             # drop, finds that death; so does a call given up after a sibling's hang.)
             if self._deaths[actor] != deaths:
-                retries = retries.after_stale(actor)
-                logger.info("actor %s: a call to its previous process failed; retrying %s "
-                            "groups", actor, len(indices))
+                retries = retries.after_stale(actor, hung=hung)
+                logger.info("actor %s: a call to its previous process %s; retrying %s "
+                            "groups", actor, "hung" if hung else "failed", len(indices))
             else:
                 if hung:
                     logger.error(
@@ -431,6 +431,7 @@ class DispatchingPool(ABC):
         infos = []
         for name in self._dispatcher.names:
             resident = self._dispatcher.resident(name)
+            suspicions, given_up = self._suspects.counts(name)
             infos.append(
                 ActorInfo(
                     name=name,
@@ -440,6 +441,8 @@ class DispatchingPool(ABC):
                     resident=sorted(str(key) for key in resident),
                     alive=self._dispatcher.alive(name),
                     counts=self._counts.total(name), failures=self._counts.failures(name),
+                    suspect=name in self._suspects, suspicions=suspicions,
+                    given_up_calls=given_up,
                 )
             )
         return infos

@@ -33,6 +33,9 @@ class Suspects:
     def __init__(self) -> None:
         self._actors: set[str] = set()
         self._calls: dict[str, set[TrackedCall]] = {}
+        # Actor -> (times it became a suspect, calls of its given up), over the pool's life:
+        # only a WARNING line told an operator, and a given-up call's rows are computed twice.
+        self._counts: dict[str, tuple[int, int]] = {}
 
     def __bool__(self) -> bool:
         return bool(self._actors)
@@ -60,7 +63,9 @@ class Suspects:
         """Make `actor` a suspect and give up its calls in flight, where one of the `live`
         actors is no suspect to take them (else they would only come back to it); how many
         were given up."""
-        self._actors.add(actor)
+        if actor not in self._actors:
+            self._actors.add(actor)
+            self._count(actor, 1, 0)
         if all(other in self._actors for other in live):
             return 0
         given_up = 0
@@ -71,7 +76,16 @@ class Suspects:
                 call.deadline.reschedule(asyncio.get_running_loop().time())
                 call.given_up = True
                 given_up += 1
+        self._count(actor, 0, given_up)
         return given_up
+
+    def _count(self, actor: str, suspicions: int, given_up: int) -> None:
+        before = self._counts.get(actor, (0, 0))
+        self._counts[actor] = (before[0] + suspicions, before[1] + given_up)
+
+    def counts(self, actor: str) -> tuple[int, int]:
+        """How many times `actor` became a suspect, and how many of its calls were given up."""
+        return self._counts.get(actor, (0, 0))
 
     def clear(self, actor: str) -> bool:
         """`actor` answered (or died: its revival decides): no suspect now; True if it was."""

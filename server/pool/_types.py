@@ -132,6 +132,12 @@ class ActorInfo:
     # Its processes' ends the pool noticed over its life, by cause ("died", "hung": killed
     # past MOMLP_ACTOR_CALL_TIMEOUT_S), each one a restart of Ray's spent or a replacement.
     failures: dict[str, int] = field(default_factory=dict)
+    # Whether it is a suspect now (it left a health check unanswered: it takes no rows until
+    # it answers, `_suspects`), how many times it became one, and how many of its calls were
+    # given up then (their rows run on another actor).
+    suspect: bool = False
+    suspicions: int = 0
+    given_up_calls: int = 0
     # The process that answered, in an actor's own answer (as `ActorReply.process`): a
     # health check tells from it a restart no call saw. Empty in the pool's view.
     process: str = ""

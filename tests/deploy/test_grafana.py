@@ -31,6 +31,7 @@ REQUIRED = {
     "momlp_budget_bytes",  # ... against budget
     "momlp_queue_rows",  # queue depth
     "momlp_actor_alive",  # which actors answer, per instance and actor
+    "momlp_actor_suspect",  # which are passed over for a health check left unanswered
     "momlp_connections_closed_total",  # connections the server closed unasked, by reason
 }
 
@@ -152,6 +153,7 @@ def exported_series() -> dict[str, set[str]]:
         counts={"actor-0": CacheCounts(evictions=1, loads=3, load_bytes=3072)},
         queue_rows=2, alive={"actor-0": True}, store_version="v1", store_kind="momlp",
         refused_version="v2", failures={"actor-0": {"died": 1, "hung": 1}},
+        suspect={"actor-0": True}, suspicions={"actor-0": (1, 2)},
     )
     metrics = Metrics(snapshot=lambda: pool)
     metrics.observe_request("/v1/predict", 200, 0.01)

@@ -26,13 +26,14 @@ FOLDER = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
 RULES = FOLDER / "momlp-alerts.yaml"
 RULE_TESTS = FOLDER / "momlp-alerts.test.yaml"
 
-# What each alert is for: the server gone, no actor, a dead or hung one, errors, saturation,
-# latency, a publish that never goes live, connections refused.
+# What each alert is for: the server gone, no actor, a dead, hung or silent one, errors,
+# saturation, latency, a publish that never goes live, connections refused.
 REQUIRED = {
     "MomlpDown": {"up"},
     "MomlpNoLiveActor": {"momlp_actor_alive"},
     "MomlpActorDown": {"momlp_actor_alive"},
     "MomlpActorHung": {"momlp_actor_failures_total"},
+    "MomlpActorSuspect": {"momlp_actor_suspect"},
     "MomlpHighErrorRate": {"momlp_requests_total"},
     "MomlpSaturated": {"momlp_requests_total"},
     "MomlpSlowPredictions": {"momlp_request_seconds_bucket"},

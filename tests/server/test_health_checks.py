@@ -15,11 +15,14 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import pytest
 import torch
+from app_support import app_settings, running
 from pool_support import IdGroup, IdPool, expected
 
 from experts_store import ExpertRef, Store
+from server import create_app
 from server._settings import Settings
 from server.pool import ActorInfo, Dispatcher, FakeExpertPool, RayExpertPool
 from server.pool._health import check_health
@@ -356,6 +359,10 @@ async def test_a_suspect_actor_that_answers_again_takes_groups_again(
             torch.testing.assert_close(result.outputs, expected(store, group))
         assert inner.hung_kills == []
         assert [a.failures for a in pool.actors()] == [{"died": 0, "hung": 0}] * 2
+        # No suspect now; the suspicion stays counted, with the call given up then.
+        assert [(a.suspect, a.suspicions, a.given_up_calls) for a in pool.actors()] == [
+            (False, 1, 1), (False, 0, 0)
+        ]
     finally:
         await pool.close()
 
@@ -686,3 +693,42 @@ async def test_an_actor_whose_probes_are_late_is_not_killed_once_suspected_and_s
         assert [a.failures for a in pool.actors()] == [{"died": 0, "hung": 0}] * 2
     finally:
         await pool.close()
+
+
+@pytest.mark.unit
+async def test_metrics_and_the_experts_listing_show_a_suspect_and_its_calls_given_up(
+    make_store: MakeStore,
+) -> None:
+    # A suspicion was only a WARNING line: an operator could not see that an actor alive
+    # (`momlp_actor_alive` 1) took no rows, nor count the rows computed twice.
+    store = make_store(K=8, n=4, width=16, out=2)
+
+    def pool_factory(settings: Settings) -> FakeExpertPool:
+        pool = FakeExpertPool(settings, info_timeout_s=0.05)
+        pool.start_health_checks(0.01, unresponsive_s=60.0)
+        return pool
+
+    app = create_app(app_settings(store, actor_call_timeout_s=120.0), pool_factory=pool_factory)
+    rows = np.random.default_rng(3).uniform(-1, 1, (64, 4)).tolist()
+    async with running(app) as client:
+        pool = app.state.serving.pool
+        assert (await client.post("/v1/predict", json={"inputs": rows})).status_code == 200
+        before = (await client.get("/metrics")).text
+        pool.hang("actor-0", frozen=True)
+        # Bounded far below the call deadline (120 s), which a batch on it would wait out.
+        answered = await asyncio.wait_for(client.post("/v1/predict", json={"inputs": rows}), 20)
+        assert answered.status_code == 200
+        metrics = (await client.get("/metrics")).text
+        actors = (await client.get("/v1/experts")).json()["actors"]
+    for actor in ("actor-0", "actor-1"):
+        assert f'momlp_actor_suspect{{actor="{actor}"}} 0.0' in before
+        assert f'momlp_actor_suspicions_total{{actor="{actor}"}} 0.0' in before
+    assert 'momlp_actor_suspect{actor="actor-0"} 1.0' in metrics
+    assert 'momlp_actor_suspect{actor="actor-1"} 0.0' in metrics
+    assert 'momlp_actor_suspicions_total{actor="actor-0"} 1.0' in metrics
+    assert 'momlp_actor_calls_given_up_total{actor="actor-0"} 1.0' in metrics
+    assert 'momlp_actor_calls_given_up_total{actor="actor-1"} 0.0' in metrics
+    assert 'momlp_actor_alive{actor="actor-0"} 1.0' in metrics  # alive, not killed
+    assert [(a["name"], a["alive"], a["suspect"]) for a in actors] == [
+        ("actor-0", True, True), ("actor-1", True, False)
+    ]
