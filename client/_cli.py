@@ -232,10 +232,14 @@ def _number(value: float | None, spec: str) -> str:
 
 def _one(config: LoadTestConfig, args: argparse.Namespace) -> LoadTestReport:
     from ._loadtest import run_loadtest
+    from ._runner import FREEZE_EVERY
 
     if config.gate is not None and not args.quiet:
         print(f"gate {json.dumps(config.gate)}", file=sys.stderr)
-    report = run_loadtest(config, progress=None if args.quiet else sys.stderr)
+    # This process is the load test's alone: its records may leave the cyclic GC.
+    report = run_loadtest(
+        config, progress=None if args.quiet else sys.stderr, freeze_every=FREEZE_EVERY
+    )
     if config.gate is not None:
         print(f"gate {json.dumps(config.gate)}")
     print(report.summary())

@@ -80,11 +80,13 @@ def run_loadtest(
     clock: Clock | None = None,
     sleep: Sleep = asyncio.sleep,
     progress: TextIO | None = None,
+    freeze_every: int = 0,
 ) -> LoadTestReport:
     """Run a load test to completion (blocking; starts its own event loop)."""
     return asyncio.run(
         arun_loadtest(
-            config, client_factory=client_factory, clock=clock, sleep=sleep, progress=progress
+            config, client_factory=client_factory, clock=clock, sleep=sleep, progress=progress,
+            freeze_every=freeze_every,
         )
     )
 
@@ -96,8 +98,10 @@ async def arun_loadtest(
     clock: Clock | None = None,
     sleep: Sleep = asyncio.sleep,
     progress: TextIO | None = None,
+    freeze_every: int = 0,
 ) -> LoadTestReport:
-    """`run_loadtest` for callers already inside an event loop."""
+    """`run_loadtest` for callers already inside an event loop. `freeze_every`: see
+    `Runner`; it freezes what is alive in the whole process out of the cyclic GC."""
     clock = clock or MonotonicClock()
     # Looked up at call time so that the CLI test can swap the factory for a fake transport.
     factory = client_factory or default_client_factory
@@ -140,7 +144,9 @@ async def arun_loadtest(
         )
         before = await read_counters(client)
         async with leases:
-            runner = Runner(config, leases, workload, clock, sleep, progress, evaluation)
+            runner = Runner(
+                config, leases, workload, clock, sleep, progress, evaluation, freeze_every
+            )
             await runner.run()
         server_counts = counter_delta(before, await read_counters(client))
     duration = max((record.end_s for record in runner.records), default=0.0)

@@ -7,6 +7,7 @@ time comes from an injected `Clock` and `Sleep`, so that tests drive it with a f
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import random
 import time
@@ -30,11 +31,17 @@ from ._progress import Progress
 from ._records import RequestRecord
 from ._workload import Workload
 
-__all__ = ["CLIENT_BUSY", "Clock", "MonotonicClock", "Runner", "Sleep", "request_status"]
+__all__ = [
+    "CLIENT_BUSY", "FREEZE_EVERY", "Clock", "MonotonicClock", "Runner", "Sleep", "request_status"
+]
 
 # The status of a request that never left the generator: every one of its clients stayed busy
 # for longer than the request's timeout. A "timeout" would blame the server for it.
 CLIENT_BUSY = "client_busy"
+
+# Records between two freezes of what is alive out of the cyclic GC (`freeze_every`): each
+# freeze first collects what is not frozen yet, about this many records (a few ms).
+FREEZE_EVERY = 4096
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +72,12 @@ class Runner:
         sleep: Sleep,
         progress: TextIO | None,
         evaluation: EvalSet | None = None,
+        freeze_every: int = 0,
     ) -> None:
+        """`freeze_every`: each time this many more records are kept (and once before the
+        first request), collect garbage and freeze what is alive out of the cyclic GC
+        (`_freeze_alive`), and hand it all back when the run ends; 0: never. It acts on the
+        whole process (another freeze's objects are handed back too), so the CLI asks for it."""
         self.config = config
         self.evaluation = evaluation
         self.leases = leases
@@ -76,13 +88,20 @@ class Runner:
         self.start = 0.0
         self._next_index = 0
         self._progress = Progress(progress, config) if progress is not None else None
+        self._freeze_every = freeze_every
 
     async def run(self) -> None:
+        if self._freeze_every:
+            _freeze_alive()  # the workload and imports, before any request waits on it
         self.start = self.clock.now()
-        if self.config.rate is None:
-            await asyncio.gather(*(self._worker() for _ in range(self.config.concurrency)))
-        else:
-            await self._open_loop(self.config.rate)
+        try:
+            if self.config.rate is None:
+                await asyncio.gather(*(self._worker() for _ in range(self.config.concurrency)))
+            else:
+                await self._open_loop(self.config.rate)
+        finally:
+            if self._freeze_every:
+                gc.unfreeze()  # the report's work may pause; no request waits on it
         if self._progress is not None:
             self._progress.finish(self.records, self.clock.now() - self.start)
 
@@ -187,8 +206,20 @@ class Runner:
                 sent_s=sent_s,
             )
         self.records.append(record)
+        if self._freeze_every and len(self.records) % self._freeze_every == 0:
+            _freeze_alive()
         if self._progress is not None:
             self._progress.update(self.records, record.end_s)
+
+
+def _freeze_alive() -> None:
+    # Every record is kept to the end of the run, and each full collection of the cyclic GC
+    # traversed them all: all clients stalled at once, longer as the run went on (2.06 s
+    # after 1.29 million requests in a 45-minute run beside the server on 2 cores), and each
+    # request in flight counted the stall as the server's latency. Garbage is collected
+    # first, so that only live objects (the records, mostly) leave the collector's reach.
+    gc.collect()
+    gc.freeze()
 
 
 def request_status(exc: MomlpError) -> str:

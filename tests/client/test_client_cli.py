@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from client import AsyncClient, LoadTestConfig, _cli, _loadtest
+from client import AsyncClient, LoadTestConfig, _cli, _loadtest, _runner
 
 pytestmark = pytest.mark.unit
 
@@ -54,6 +54,8 @@ def test_handler_runs_and_writes_the_report(make_server, tmp_path, monkeypatch, 
         "default_client_factory",
         lambda config: AsyncClient(transport=httpx.MockTransport(server.handler)),
     )
+    freezes: list[None] = []
+    monkeypatch.setattr(_runner, "_freeze_alive", lambda: freezes.append(None))
     args = parser().parse_args(
         [
             "loadtest",
@@ -77,6 +79,9 @@ def test_handler_runs_and_writes_the_report(make_server, tmp_path, monkeypatch, 
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["rows"] == 24 == server.predict_rows
     assert data["config"]["distribution"] == "zipf:1.1"
+    # The CLI's process is the load test's: what is alive left the cyclic GC before the
+    # first request (its records would, each FREEZE_EVERY).
+    assert freezes == [None]
 
 
 def test_unreachable_server_exits_1(monkeypatch, capsys):
