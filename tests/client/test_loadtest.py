@@ -369,7 +369,7 @@ async def test_kept_records_leave_the_cyclic_gc_while_the_run_lasts(
 
     def handler(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/predict" and server.predict_requests == 36:
-            tracked.append(sum(isinstance(o, RequestRecord) for o in gc.get_objects()))
+            tracked.append(sum(type(o) is RequestRecord for o in gc.get_objects()))
         return server.handler(request)
 
     def make(config: LoadTestConfig) -> AsyncClient:
