@@ -22,7 +22,7 @@ from experts_store import Clock, ExpertRef, MonotonicClock
 from server._exceptions import ActorFailed, PoolClosed
 from server.pool._actor import ERROR_LOAD
 from server.pool._counts import ActorCounts
-from server.pool._dispatch import Dispatcher
+from server.pool._dispatch import Dispatcher, forget_scores
 from server.pool._errors import ActorDied
 from server.pool._failures import LoadFailures
 from server.pool._health import OVERDUE_S, check_health
@@ -412,9 +412,11 @@ class DispatchingPool(ABC):
         self._dispatcher.update_residency(actor, resident)
 
     async def forget_popularity(self) -> None:
-        """Every live actor's cache counts popularity afresh; a dead one starts afresh anyway."""
+        """Every live actor's cache counts popularity afresh; a dead one starts afresh anyway.
+        The placement's cached scores go too (`forget_scores`): this is a new version."""
         if self._closed:
             return
+        forget_scores()
         alive = [name for name in self._dispatcher.names if self._dispatcher.alive(name)]
         results = await asyncio.gather(
             *(self._call_forget_popularity(name) for name in alive), return_exceptions=True

@@ -159,6 +159,10 @@ class Channel:
     def closed(self) -> bool:
         return self._closed is not None
 
+    def forget_refs(self) -> None:
+        """Both ends drop the refs defined so far, at the next call (`RunEncoder.forget`)."""
+        self._encoder.forget()
+
     async def run(self, payload: RunPayload) -> ActorReply:
         """The actor's `run(payload)`; `ChannelClosed` if the connection drops before the
         answer, `ChannelCallFailed` if `run` raised."""

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["Dispatcher", "rendezvous_rank"]
+__all__ = ["Dispatcher", "forget_scores", "rendezvous_rank"]
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +26,13 @@ logger = logging.getLogger(__name__)
 def _score(key: Hashable, actor: str) -> int:
     digest = hashlib.blake2b(f"{key}\x00{actor}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")
+
+
+def forget_scores() -> None:
+    """Drop every cached score: a new store version went live. The old version's changed
+    experts are never ranked again, and each swap added their keys until the cache was full
+    (~10 MB; `benchmarks/server_memory.py`); the live ones are scored again in a few batches."""
+    _score.cache_clear()
 
 
 def rendezvous_rank(key: Hashable, actors: Iterable[str]) -> list[str]:

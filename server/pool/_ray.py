@@ -342,6 +342,9 @@ class RayExpertPool(DispatchingPool):
     async def _call_forget_popularity(self, actor: str) -> None:
         from ray.exceptions import RayActorError
 
+        channel = self._channels.get(actor)
+        if channel is not None:
+            channel.forget_refs()  # a new version went live: the old one's refs are done with
         try:
             await self._handles[actor].forget_popularity.remote()
         except RayActorError as exc:

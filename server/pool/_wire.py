@@ -72,19 +72,28 @@ class RunEncoder:
     A ref is known by identity (a served model keeps one `ExpertRef` object per expert), so
     two equal-looking refs from two store versions stay two definitions, each with its own
     path. Past `max_refs` definitions both ends start over (`reset`), so a server that swaps
-    store versions for months does not grow the tables without end. Frames must reach the
-    actor in the order they were encoded (the channel encodes and writes under one lock).
+    store versions for months does not grow the tables without end; so does the next frame
+    after `forget` (a new store version went live: the old one's refs, each a definition held
+    at both ends, are of no more use, and until the cap the server grew ~17 KB a swap, ~490
+    swaps in `benchmarks/server_memory.py`). Frames must reach the actor in the order they
+    were encoded (the channel encodes and writes under one lock).
     """
 
     def __init__(self, max_refs: int = 4096) -> None:
         self._max_refs = max_refs
         # id(ref) -> (handle, ref): the ref is held so that its id is never reused.
         self._handles: dict[int, tuple[int, ExpertRef]] = {}
+        self._forget = False
+
+    def forget(self) -> None:
+        """Start both ends' tables over at the next frame (a ref used again is defined
+        again)."""
+        self._forget = True
 
     def encode(self, call: int, payload: Sequence[tuple[ExpertRef, np.ndarray]]) -> bytes:
         arrays = [np.ascontiguousarray(rows, dtype="<f4") for _, rows in payload]
         handles = self._handles
-        reset = len(handles) + len(payload) > self._max_refs
+        reset = self._forget or len(handles) + len(payload) > self._max_refs
         if reset:
             handles = {}
         fresh: dict[int, tuple[int, ExpertRef]] = {}
@@ -104,6 +113,7 @@ class RunEncoder:
         # Only a frame that was built defines anything (a ref that cannot be framed raised).
         if reset:
             self._handles = handles
+            self._forget = False
         handles.update(fresh)
         return frame
 

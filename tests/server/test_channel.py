@@ -5,8 +5,10 @@ order, reports `run`'s failures, and fails every pending call when the actor goe
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 import threading
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -144,6 +146,26 @@ def test_past_its_limit_the_encoder_starts_both_tables_over() -> None:
         received = decoder.decode(*split(encoder.encode(call, sent)))[1]
         assert_same_payload(received, sent)
     assert len(encoder._handles) <= 4 and len(decoder._refs) <= 4
+
+
+def test_after_forget_both_tables_start_over_and_drop_the_old_versions_refs() -> None:
+    encoder, decoder = RunEncoder(), RunDecoder()
+    rows = np.arange(5, dtype=np.float32).reshape(1, 5)
+    old = ExpertRef("a" * 64, "/store/v1/e0.safetensors", 1000, 0, "xxh3:abcd")
+    decoder.decode(*split(encoder.encode(1, [(old, rows)])))
+    held = weakref.ref(old)
+    encoder.forget()  # a new store version went live
+    new = ExpertRef("a" * 64, "/store/v2/e0.safetensors", 1000, 0, "xxh3:abcd")
+    header, body = split(encoder.encode(2, [(new, rows)]))
+    assert_same_payload(decoder.decode(header, body)[1], [(new, rows)])
+    del old
+    gc.collect()
+    assert held() is None  # the encoder kept the old version's ref until now
+    assert len(encoder._handles) == 1 and len(decoder._refs) == 1
+    # Once over: the next frame uses the new definition and resets nothing.
+    again, body = split(encoder.encode(3, [(new, rows)]))
+    assert b"reset" not in again and b"/store/v2" not in again
+    assert_same_payload(decoder.decode(again, body)[1], [(new, rows)])
 
 
 def test_a_ref_that_cannot_be_framed_defines_nothing() -> None:

@@ -4,7 +4,9 @@ from collections import Counter
 
 import pytest
 
-from server.pool import Dispatcher, rendezvous_rank
+from server._settings import Settings
+from server.pool import Dispatcher, FakeExpertPool, rendezvous_rank
+from server.pool._dispatch import _score
 
 pytestmark = pytest.mark.unit
 
@@ -19,6 +21,20 @@ def test_home_is_stable_and_spreads_experts_over_actors() -> None:
     assert set(counts) == set(ACTORS)
     # Highest-random-weight hashing: each actor gets about a third of the experts.
     assert all(800 < c < 1200 for c in counts.values())
+
+
+async def test_a_new_version_drops_the_cached_scores_and_ranks_alike() -> None:
+    # Each swap's changed experts are new keys: kept, they filled the cache to its cap.
+    keys = [f"{e:064x}" for e in range(50)]
+    before = [rendezvous_rank(key, ACTORS) for key in keys]
+    assert _score.cache_info().currsize >= len(keys) * len(ACTORS)
+    pool = FakeExpertPool(Settings(actors=3, cache_bytes=10**6))
+    try:
+        await pool.forget_popularity()  # what the server calls when a new version goes live
+        assert _score.cache_info().currsize == 0
+    finally:
+        await pool.close()
+    assert [rendezvous_rank(key, ACTORS) for key in keys] == before
 
 
 def test_removing_an_actor_moves_only_its_experts() -> None:

@@ -143,6 +143,12 @@ async def test_after_a_swap_the_new_experts_displace_the_old_popular_ones(
         await pool.forget_popularity()
         hits = [(await pool.run([IdGroup(e, rows)]))[0].hit for e in [10, 11] * 5]
         assert hits[2:] == [True] * 8
+        # The actor's channel started its tables of refs over at the swap: an expert sent
+        # before it is defined again, and its rows still come back right.
+        assert pool.transport("actor-0") == "socket"
+        again = [IdGroup(0, rows), IdGroup(10, rows)]
+        for group, result in zip(again, await pool.run(again), strict=True):
+            torch.testing.assert_close(result.outputs, expected(store, group))
     finally:
         await pool.close()
 
