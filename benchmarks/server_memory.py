@@ -59,8 +59,24 @@ def rss_mb() -> float:
 
 
 def actor_pids() -> list[int]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return sorted(int(line.split()[0]) for line in out.splitlines() if "ray::ExpertActor" in line)
+    """The actor processes of this script's own Ray (its raylet is our child), never those of
+    another server on the machine."""
+    out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout
+    parent, actors = {}, []
+    for line in out.splitlines()[1:]:
+        pid, ppid, *args = line.split(maxsplit=2)
+        parent[int(pid)] = int(ppid)
+        if args and "ray::ExpertActor" in args[0]:
+            actors.append(int(pid))
+
+    def ours(pid: int) -> bool:
+        while pid > 1:
+            if pid == os.getpid():
+                return True
+            pid = parent.get(pid, 0)
+        return False
+
+    return sorted(pid for pid in actors if ours(pid))
 
 
 def writer(conn: Connection, root: str, prototypes: np.ndarray) -> None:
@@ -138,8 +154,8 @@ async def main_async(args: argparse.Namespace, workdir: Path) -> list[dict[str, 
         ours.recv()
         settings = Settings(
             store=root, actors=2, cache_bytes=20 * ARCH.nbytes(), watch_store=False,
-            # A replacement at once once Ray's restarts are spent: the kills phase measures
-            # memory, not the pause that keeps a crash-looping actor from spinning.
+            # An actor out of Ray's restarts is replaced within a second, not a minute: the
+            # kills phase measures memory, not the pause that keeps a crash loop from spinning.
             actor_replace_interval_s=1.0,
         )
         app = create_app(settings)
