@@ -35,9 +35,16 @@ K, N, OUT = 200, 16, 8
 ARCH = ExpertArch(widths=(N, 256, 256, OUT))
 
 
-def publish(root: Path, prototypes: torch.Tensor, seeds: list[int]) -> dict[int, str]:
-    """Publish K experts, expert e's weights drawn from seeds[e]; returns id -> sha256."""
-    with StoreWriter(root) as writer:
+def publish(
+    root: Path, prototypes: torch.Tensor, seeds: list[int], *, retire_after_s: float | None = None
+) -> dict[int, str]:
+    """Publish K experts, expert e's weights drawn from seeds[e]; returns id -> sha256.
+    `retire_after_s`: the writer's (its default when None)."""
+    writer = (
+        StoreWriter(root) if retire_after_s is None
+        else StoreWriter(root, retire_after_s=retire_after_s)
+    )
+    with writer:
         for expert_id, seed in enumerate(seeds):
             generator = torch.Generator().manual_seed(seed)
             writer.add_expert(expert_id, ExpertMLP(ARCH, generator=generator))

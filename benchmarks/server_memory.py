@@ -58,6 +58,14 @@ def rss_mb() -> float:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
+def where_and_when() -> dict[str, object]:
+    return {
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "when": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+
 def actor_pids() -> list[int]:
     """The actor processes of this script's own Ray (its raylet is our child), never those of
     another server on the machine."""
@@ -80,9 +88,8 @@ def actor_pids() -> list[int]:
 
 
 def writer(conn: Connection, root: str, prototypes: np.ndarray) -> None:
-    """Publish whatever seeds arrive, in this process: a writer's own growth (~14 KB a
-    publish, outside Python's allocator; RESULTS, "Seventy-fourth session") is not the
-    server's."""
+    """Publish whatever seeds arrive, in this process: a writer's own growth (with the files
+    it retired in the last ten minutes; `writer_memory.py`) is not the server's."""
     torch.set_num_threads(1)
     while (seeds := conn.recv()) is not None:
         publish(Path(root), torch.from_numpy(prototypes), seeds)
@@ -229,12 +236,7 @@ def main() -> None:
     with ray_session(num_cpus=2), tempfile.TemporaryDirectory() as tmp:
         summaries = asyncio.run(main_async(args, Path(tmp)))
     for record in summaries:
-        record.update(
-            machine=platform.machine(),
-            cpus=os.cpu_count(),
-            when=datetime.now(UTC).isoformat(timespec="seconds"),
-        )
-        print(json.dumps(record), flush=True)
+        print(json.dumps({**record, **where_and_when()}), flush=True)
 
 
 if __name__ == "__main__":
