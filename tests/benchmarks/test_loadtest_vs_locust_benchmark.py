@@ -37,3 +37,9 @@ def test_both_tools_send_the_same_requests_and_every_one_is_answered() -> None:
     assert ratio["ratio_requests_per_s"] == pytest.approx(
         runs["locust"]["requests_per_s"] / runs["momlp loadtest"]["requests_per_s"], rel=1e-2
     )
+    # Each tool's start-up CPU subtracted is the median of its tiny runs, each of which ran.
+    [cpu] = [line for line in lines if line.get("figure") == "client CPU per request (ms)"]
+    assert cpu["tiny_runs"] == 3
+    for tool in ("loadtest", "locust"):
+        low, high = cpu[f"{tool}_startup_cpu_s_range"]
+        assert 0 < low <= cpu[f"{tool}_startup_cpu_s"] <= high
