@@ -137,12 +137,12 @@ def client_cpu(
     }
     for tool in ("momlp loadtest", "locust"):
         startups = []
-        for run in range(TINY_RUNS):
+        for attempt in range(TINY_RUNS):
             before = child_cpu_s()
             if tool == "locust":
-                run_locust(url, tiny_bodies, work / f"locust-tiny-{run}", args, env)
+                run_locust(url, tiny_bodies, work / f"locust-tiny-{attempt}", args, env)
             else:
-                run_loadtest(url, work / f"loadtest-tiny-{run}", tiny, args, env)
+                run_loadtest(url, work / f"loadtest-tiny-{attempt}", tiny, args, env)
             startups.append(child_cpu_s() - before)
         startup = statistics.median(startups)
         full = statistics.median(run["cpu_s"] for run in results[tool])
