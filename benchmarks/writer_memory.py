@@ -28,10 +28,7 @@ from pathlib import Path
 
 import torch
 from hot_swap import K, N, publish
-from server_memory import rss_mb, summary, where_and_when
-
-# Experts given new weights by each publish, as `server_memory.py`'s writer does.
-CHANGED = 20
+from server_memory import CHANGED_PER_SWAP, rss_mb, summary, where_and_when
 
 
 def retired_files(root: Path) -> int:
@@ -71,7 +68,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="150 publishes, retired after 30 s")
     parser.add_argument("--publishes", type=int, default=None, help="default 400")
-    parser.add_argument("--changed", type=int, default=CHANGED, help="experts changed a publish")
+    parser.add_argument(
+        "--changed", type=int, default=CHANGED_PER_SWAP,
+        help="experts changed a publish (as server_memory.py's writer)",
+    )
     parser.add_argument(
         "--retire-after-s", type=float, default=None,
         help="how long a file no manifest references is kept (default: the writer's, 600 s)",
