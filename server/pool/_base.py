@@ -189,17 +189,28 @@ class DispatchingPool(ABC):
         calls: list[asyncio.Task[None]],
         retries: Retries,
     ) -> None:
-        if not [a for a in self._dispatcher.live_actors() if a not in retries.exclude]:
-            # Every actor is dead or the one that just failed: wait for Ray to restart one
-            # (a restarted actor is a fresh process, so the one that failed is fine again).
-            await self._revivals.wait_for_any()
-            if self._closed:
-                # The close ended the revival it waited for: an answer of the close's, not
-                # "no live actor" (503 actor_failed) as if the actors had failed.
-                raise PoolClosed()
-            # The wait may have outlasted every request's deadline (a start can take
-            # MOMLP_ACTOR_START_TIMEOUT_S): the slot is freed rather than rows computed for no one.
-            retries.check_wanted("*", "died")
+        live = self._dispatcher.live_actors()
+        if not [a for a in live if a not in retries.exclude]:
+            # Every live actor failed this run, or none is live. One that is no suspect now
+            # answers again (Ray restarted it since it died, or it answered since it was given
+            # up on): it takes the groups at once. The run waited for another actor's revival
+            # (up to `revive_timeout_s`) while it stood by.
+            if all(actor in self._suspects for actor in live):
+                # Wait for Ray to restart one (a fresh process, so the one that failed is fine
+                # again) or for a suspect to answer again.
+                back = self._suspects.back()
+                try:
+                    await self._revivals.wait_for_any(or_until=back)
+                finally:
+                    back.cancel()
+                if self._closed:
+                    # The close ended the revival it waited for: an answer of the close's, not
+                    # "no live actor" (503 actor_failed) as if the actors had failed.
+                    raise PoolClosed()
+                # The wait may have outlasted every request's deadline (a start can take
+                # MOMLP_ACTOR_START_TIMEOUT_S): the slot is freed rather than rows computed for
+                # no one.
+                retries.check_wanted("*", "died")
             retries = retries.anywhere()
         exclude = retries.exclude
         if self._suspects:
@@ -357,7 +368,7 @@ class DispatchingPool(ABC):
             )
 
     def _trusted(self, actor: str) -> None:
-        if self._suspects.clear(actor):
+        if self._suspects.answered(actor):
             logger.info("actor %s answers again: it takes groups again", actor)
 
     async def _runtime_problem(self) -> str | None:

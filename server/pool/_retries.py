@@ -82,5 +82,5 @@ class Retries:
 
     def anywhere(self) -> Retries:
         """The same budgets, avoiding no actor: every live one had failed this run, and one
-        Ray restarted is a fresh process."""
+        that answers again (Ray restarted it, or a suspect answered) is fine again."""
         return dataclasses.replace(self, exclude=frozenset())

@@ -84,15 +84,18 @@ class Revivals:
         if task is None or task.done():
             self._running[actor] = self._spawn(self._revive(actor, after))
 
-    async def wait_for_any(self) -> None:
-        """Wait until one running revival ends, or the runtime is found gone (at once when no
-        revival runs or it is gone already)."""
+    async def wait_for_any(self, *, or_until: asyncio.Future[None] | None = None) -> None:
+        """Wait until one running revival ends, the runtime is found gone, or `or_until` is
+        done (at once when no revival runs or the runtime is gone already)."""
         running = [task for task in self._running.values() if not task.done()]
         if not running or self.unreachable is not None:
             return
         lost = asyncio.ensure_future(self._lost_runtime.wait())
+        waits: list[asyncio.Future[Any]] = [*running, lost]
+        if or_until is not None:
+            waits.append(or_until)
         try:
-            await asyncio.wait([*running, lost], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
             lost.cancel()
 

@@ -36,6 +36,8 @@ class Suspects:
         # Actor -> (times it became a suspect, calls of its given up), over the pool's life:
         # only a WARNING line told an operator, and a given-up call's rows are computed twice.
         self._counts: dict[str, tuple[int, int]] = {}
+        # Runs waiting for an actor to take their groups, woken when a suspect answers again.
+        self._waiting: list[asyncio.Future[None]] = []
 
     def __bool__(self) -> bool:
         return bool(self._actors)
@@ -88,11 +90,30 @@ class Suspects:
         return self._counts.get(actor, (0, 0))
 
     def clear(self, actor: str) -> bool:
-        """`actor` answered (or died: its revival decides): no suspect now; True if it was."""
+        """`actor` died (its revival decides when it takes groups again): no suspect now; True
+        if it was."""
         if actor in self._actors:
             self._actors.discard(actor)
             return True
         return False
+
+    def answered(self, actor: str) -> bool:
+        """`actor` answered a probe or a call: no suspect now, and, if it was one (True), the
+        runs waiting on `back` go on."""
+        if not self.clear(actor):
+            return False
+        for waiter in self._waiting:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._waiting.clear()
+        return True
+
+    def back(self) -> asyncio.Future[None]:
+        """Done when a suspect next answers again (cancel it once no longer waited for)."""
+        self._waiting = [waiter for waiter in self._waiting if not waiter.done()]
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append(waiter)
+        return waiter
 
     def avoid(self, exclude: frozenset[str], live: Iterable[str]) -> frozenset[str]:
         """`exclude` and the suspects, unless that would leave no live actor to place on."""

@@ -297,12 +297,18 @@ class PausablePool(FakeExpertPool):
         self.paused: dict[str, asyncio.Event] = {}
         self.sent: list[str] = []  # the actor of each run call, as it is sent
         self.held_probes = 0  # probes waiting on a paused actor now
+        # Actor -> set once its restart is done: its revival's probes wait for it till then.
+        self.restarts: dict[str, asyncio.Event] = {}
 
     def pause(self, actor: str) -> None:
         self.paused[actor] = asyncio.Event()
 
     def go_on(self, actor: str) -> None:
         self.paused.pop(actor).set()
+
+    def slow_restart(self, actor: str) -> asyncio.Event:
+        """From now on `actor`, once dead, answers no probe until the event returned is set."""
+        return self.restarts.setdefault(actor, asyncio.Event())
 
     async def _call_run(self, actor: str, payload: Any) -> Any:
         self.sent.append(actor)
@@ -311,6 +317,8 @@ class PausablePool(FakeExpertPool):
         return await super()._call_run(actor, payload)
 
     async def _call_info(self, actor: str) -> ActorInfo:
+        if actor in self.restarts and not self.dispatcher.alive(actor):
+            await self.restarts[actor].wait()
         if actor in self.paused:
             self.held_probes += 1
             try:
@@ -475,6 +483,50 @@ async def test_a_lone_suspect_actor_keeps_its_calls_until_it_answers(
             torch.testing.assert_close(result.outputs, expected(store, group))
         assert inner.sent == ["actor-0", "actor-0"]  # answered by the call it held, not resent
     finally:
+        await pool.close()
+
+
+async def home_groups(pool: IdPool, groups: list[IdGroup], actor: str) -> list[IdGroup]:
+    """The groups whose experts `actor` holds after a first run of them all."""
+    homes = {result.expert_id: result.actor for result in await pool.run(groups)}
+    return [group for group in groups if homes[group.expert_id] == actor]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("first", ["suspect", "died"])
+async def test_groups_every_live_actor_failed_go_to_the_first_one_answering_again(
+    make_store: MakeStore, first: Literal["suspect", "died"]
+) -> None:
+    # actor-0 failed them (it stopped answering, or died), then their retry on actor-1 died:
+    # the run waited for actor-1's revival (up to the pool's 60 s) while actor-0 answered again.
+    store, inner, pool, groups = pausable(make_store, 2)
+    mine = await home_groups(pool, groups, "actor-0")
+    sent = len(inner.sent)
+    restarted = inner.slow_restart("actor-1")
+    inner.kill("actor-1")  # the retry's call dies
+    if first == "suspect":
+        inner.start_health_checks(0.01, unresponsive_s=60.0)
+        inner.pause("actor-0")
+    else:
+        inner.kill("actor-0")
+        inner.pause("actor-1")  # the retry's call dies once actor-0's restart answers
+    try:
+        running = asyncio.ensure_future(pool.run(mine))
+        if first == "suspect":
+            await until(lambda: not inner.dispatcher.alive("actor-1"))
+            inner.go_on("actor-0")
+        else:
+            await until(lambda: inner.sent[sent:] == ["actor-0", "actor-1"])
+            await until(lambda: inner.dispatcher.alive("actor-0"))
+            inner.go_on("actor-1")
+        results = await asyncio.wait_for(running, 10)
+        for group, result in zip(mine, results, strict=True):
+            torch.testing.assert_close(result.outputs, expected(store, group))
+        assert {result.actor for result in results} == {"actor-0"}
+        assert inner.sent[sent:] == ["actor-0", "actor-1", "actor-0"]
+        assert not inner.dispatcher.alive("actor-1")  # answered with its restart pending
+    finally:
+        restarted.set()
         await pool.close()
 
 
